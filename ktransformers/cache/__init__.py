@@ -1,0 +1,1 @@
+"""cache: (filled in by later issues)."""

@@ -1,0 +1,1 @@
+"""engine: (filled in by later issues)."""

@@ -1,0 +1,82 @@
+"""From paths to a ready model: config (+ tokenizer), a meta skeleton of transformers' own class,
+the rule file, and optimize_and_load_gguf."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from .optimize.inject import PlanRow, optimize_and_load_gguf
+from .weights.gguf import GGUFFileSet
+from .weights.gguf_config import config_from_metadata
+
+RULES_DIR = Path(__file__).parent / "optimize_rules"
+# model_type -> rule file stem; "-cpu" is appended when no GPU is used.
+DEFAULT_RULES = {"deepseek_v3": "DeepSeek-V3-Chat", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe",
+                 "mixtral": "Mixtral"}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: PretrainedConfig
+    tokenizer: object | None
+    plan: list[PlanRow]
+
+
+def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None) -> PretrainedConfig:
+    """The HF config from --model_path, else from the GGUF metadata."""
+    if model_path is not None:
+        if not Path(model_path, "config.json").is_file():
+            raise FileNotFoundError(f"--model_path {str(model_path)!r} has no config.json")
+        return AutoConfig.from_pretrained(model_path)
+    if gguf_path is None:
+        raise ValueError("need --model_path (an HF config directory) or --gguf_path (a GGUF carrying its config)")
+    files = GGUFFileSet(gguf_path)
+    embed = files.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"{gguf_path}: no token_embd.weight, cannot tell the vocabulary size")
+    return config_from_metadata(files.metadata, embed.shape[0], has_output="output.weight" in files.tensors)
+
+
+def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None):
+    """The tokenizer from --model_path, else rebuilt by transformers from GGUF metadata (None if it can't)."""
+    if model_path is not None:
+        return AutoTokenizer.from_pretrained(model_path)
+    path = Path(gguf_path)
+    file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+    try:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
+        return None
+
+
+def build_skeleton(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """transformers' own model class with parameters on the meta device (buffers stay real)."""
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
+    stem = DEFAULT_RULES.get(config.model_type)
+    if stem is None:
+        raise ValueError(f"no shipped rule file for model_type {config.model_type!r}; pass --optimize_config_path "
+                         f"(shipped: {', '.join(sorted(p.name for p in RULES_DIR.glob('*.yaml')))})")
+    path = RULES_DIR / (f"{stem}.yaml" if gpu else f"{stem}-cpu.yaml")
+    if not path.is_file():
+        raise FileNotFoundError(f"shipped rule file {path.name} is missing")
+    return path
+
+
+def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
+               optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16,
+               default_device: str = "cpu", progress: bool = True) -> LoadedModel:
+    config = load_config(model_path, gguf_path)
+    model = build_skeleton(config, dtype)
+    rules = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
+    plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress)
+    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path), plan)

@@ -1,0 +1,106 @@
+"""Routed experts: KTransformersExperts replaces HF's fused experts module and dispatches by phase.
+
+Shapes: x [T, H]; top_k_index, top_k_weights [T, K]; gate_up [E, 2I, H]; down [E, H, I].
+    y[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = top_k_index[t, k]
+Ops (EXPERT_OPS) own the expert weights in their format: KExpertsTorch is the dense reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseInjectedModule, Placement, choices, device_field
+from .registry import EXPERT_OPS, register_operator
+
+
+def check_routing(key: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> None:
+    """Raise ValueError (naming the operator) unless x [T, H], ids/weights [T, K] and 0 <= ids < E."""
+    if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{key}: expected x [T, H] and top_k_index/top_k_weights [T, K], got "
+                         f"{tuple(x.shape)}, {tuple(ids.shape)}, {tuple(weights.shape)}")
+    if ids.dtype.is_floating_point:
+        raise ValueError(f"{key}: top_k_index must be an integer tensor, got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
+        raise ValueError(f"{key}: expert ids must lie in [0, {n_experts}), got min {int(ids.min())} max {int(ids.max())}")
+
+
+def moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """The MoE formula, token-grouped per expert, in x's dtype."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    token_of, k = ids.shape[1], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[k:k + n]
+        k += n
+        tokens = slots // token_of
+        gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e])
+        out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None].to(y.dtype))
+    return out
+
+
+@EXPERT_OPS.register("KExpertsTorch")
+class KExpertsTorch:
+    """Reference experts: dense [E, 2I, H] and [E, H, I] weights in the model's dtype on one device."""
+
+    def __init__(self, key: str, n_experts: int, device: torch.device, dtype: torch.dtype):
+        self.key, self.n_experts, self.device, self.dtype = key, n_experts, device, dtype
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+
+    def load(self, weights) -> None:
+        self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype).contiguous()
+        self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype).contiguous()
+
+    def unload(self) -> None:
+        self.gate_up = self.down = None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
+
+
+@dataclass(frozen=True)
+class ExpertsOptions(Placement):
+    prefill_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
+    generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
+    out_device: str = device_field()
+
+
+@register_operator("KTransformersExperts")
+class KTransformersExperts(BaseInjectedModule):
+    """HF experts' forward(hidden_states, top_k_index, top_k_weights) -> [T, H] on out_device."""
+
+    Options = ExpertsOptions
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        self.n_experts = orig_module.gate_up_proj.shape[0]
+        dtype = orig_module.gate_up_proj.dtype
+        o = self.options
+        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(key, self.n_experts, torch.device(o.prefill_device), dtype)}
+        same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
+        self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
+            key, self.n_experts, torch.device(o.generate_device), dtype)
+
+    def load(self) -> None:
+        for op in {id(op): op for op in self.ops.values()}.values():
+            op.load(self.weights)
+
+    def unload(self) -> None:
+        for op in self.ops.values():
+            op.unload()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+        op = self.ops[self.phase]
+        y = op.forward(hidden_states.to(op.device), top_k_index.to(op.device), top_k_weights.to(op.device))
+        return y.to(self.options.out_device, hidden_states.dtype)

@@ -1,0 +1,95 @@
+"""Routers: pick K of E experts per token. Same contract as HF's routers:
+forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], top_k_index [T, K]).
+
+- KMoEGate: DeepSeek-V3 — sigmoid scores, + e_score_correction_bias for the choice only, group
+  top-k (best `topk_group` of `n_group` groups by the sum of their top-2), weights from the raw
+  scores, optionally normalized, times routed_scaling_factor.
+- KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseInjectedModule
+from .registry import register_operator
+
+
+def route_sigmoid_grouped(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+                          norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, index [T, K]) for DeepSeek-V3 routing from fp32 logits [T, E]."""
+    T, E = logits.shape
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    index = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, index
+
+
+def route_softmax(logits: torch.Tensor, *, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, index [T, K]) for softmax top-k routing."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, index = probs.topk(top_k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, index
+
+
+class _Router(BaseInjectedModule):
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        self.top_k = orig_module.top_k
+        self.hidden_dim = orig_module.hidden_dim
+        self.weight_dtype = orig_module.weight.dtype
+        self.weight: torch.Tensor | None = None
+
+    def load(self) -> None:
+        self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype)
+
+    def unload(self) -> None:
+        self.weight = None
+
+
+@register_operator("KMoEGate")
+class KMoEGate(_Router):
+    """DeepSeek-V3 router (replaces DeepseekV3TopkRouter)."""
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        self.n_group, self.topk_group = orig_module.num_group, orig_module.topk_group
+        self.norm, self.scale = orig_module.norm_topk_prob, orig_module.routed_scaling_factor
+        self.bias: torch.Tensor | None = None
+
+    def load(self) -> None:
+        super().load()
+        self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32)
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
+        logits = F.linear(x.float(), self.weight.float())
+        weights, index = route_sigmoid_grouped(logits, self.bias, top_k=self.top_k, n_group=self.n_group,
+                                               topk_group=self.topk_group, norm=self.norm, scale=self.scale)
+        return logits, weights, index
+
+
+@register_operator("KMoEGateSoftmax")
+class KMoEGateSoftmax(_Router):
+    """Softmax top-k router (replaces Qwen2Moe/Qwen3Moe/Mixtral TopKRouter)."""
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        self.norm = getattr(orig_module, "norm_topk_prob", True)  # Mixtral always renormalizes
+        self.cast_back = hasattr(orig_module, "norm_topk_prob")  # Qwen casts weights to the logits' dtype
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
+        logits = F.linear(x, self.weight)
+        weights, index = route_softmax(logits, top_k=self.top_k, norm=self.norm)
+        return logits, weights.to(logits.dtype) if self.cast_back else weights, index

@@ -1,0 +1,45 @@
+"""The MoE block as route -> experts -> combine, replacing HF's sparse MoE blocks.
+
+Shapes: hidden_states [B, S, H] -> [B, S, H]; inside, x [T, H] with T = B*S.
+The block keeps the original's children (gate, experts, shared expert(s)) under the same names,
+so later rules still match `...mlp.gate` and `...mlp.experts`. Splitting the block this way is
+where the shared experts run while the routed ones compute elsewhere (CPU experts, GPU issue).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import BaseInjectedModule, adopt_children
+from .registry import OPERATORS
+
+# Upstream's per-family names for the same operator; all route through this one class.
+BLOCK_NAMES = ("KDeepseekV3MoE", "KDeepseekV2MoE", "KQwen3MoeSparseMoeBlock", "KQwen2MoeSparseMoeBlock",
+               "KMixtralSparseMoeBlock")
+
+
+class KMoEBlock(BaseInjectedModule):
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        missing = [c for c in ("gate", "experts") if not hasattr(orig_module, c)]
+        if missing:
+            raise ValueError(f"{key}: {type(orig_module).__name__} is not a MoE block (no {', '.join(missing)})")
+        adopt_children(self, orig_module)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        _, top_k_weights, top_k_index = self.gate(x)
+        y = self.experts(x, top_k_index, top_k_weights).to(x.device, x.dtype)
+        return (y + self._shared(x)).reshape(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | int:
+        if hasattr(self, "shared_experts"):  # DeepSeek
+            return self.shared_experts(x)
+        if hasattr(self, "shared_expert"):  # Qwen2-MoE: sigmoid-gated shared expert
+            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return 0
+
+
+for _name in BLOCK_NAMES:
+    OPERATORS.register(_name)(KMoEBlock)

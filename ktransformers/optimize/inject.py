@@ -1,0 +1,163 @@
+"""Plan placement on the meta model, replace modules with operators, load their weights.
+
+    rows = plan(model, rules)            # data: (module name, rule index, operator, kwargs)
+    inject(model, rows, weights, config) # swap modules for operator instances (still meta)
+    load_weights(model, rows, weights)   # every tensor from the WeightSource, onto its device
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..operators.base import BaseInjectedModule
+from ..weights.gguf import GGUFSource
+from ..weights.safetensors import SafetensorsSource
+from ..weights.source import WeightError, WeightSource
+from .rules import DEFAULT, Rule, first_match, load_rules, parse_rules
+
+_MTP_OR_ROTARY = re.compile(r"(\.rotary_emb\.inv_freq$)")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    name: str
+    rule: int | None  # index of the rule that matched; None: placed by inheritance / default_device
+    operator: str  # registered operator name, or "default" (keep the HF module)
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return self.kwargs.get("generate_device") or self.kwargs.get("prefill_device") or "cpu"
+
+
+def plan(model: nn.Module, rules: list[Rule], default_device: str = "cpu") -> list[PlanRow]:
+    """Walk named_modules top-down; the first matching rule decides each module."""
+    rows: list[PlanRow] = []
+
+    def visit(name: str, module: nn.Module, inherited: dict) -> None:
+        rule = first_match(rules, name, module)
+        if rule is None:
+            rows.append(PlanRow(name, None, DEFAULT, inherited))
+        else:
+            rows.append(PlanRow(name, rule.index, rule.operator_name, rule.kwargs))
+            if not rule.recursive:
+                return
+            if rule.operator is None and rule.kwargs:
+                inherited = {k: v for k, v in rule.kwargs.items() if k.endswith("_device")}
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, inherited)
+
+    base = {"generate_device": default_device, "prefill_device": default_device}
+    for child_name, child in model.named_children():
+        visit(child_name, child, base)
+    return rows
+
+
+def format_plan(rows: list[PlanRow]) -> str:
+    """The plan as a table: one line per matched module, then a count of the rest."""
+    matched = [r for r in rows if r.rule is not None]
+    width = max((len(r.name) for r in matched), default=10)
+    lines = [f"{'module':<{width}}  rule  operator  kwargs"]
+    lines += [f"{r.name:<{width}}  {r.rule:>4}  {r.operator}  {r.kwargs}" for r in matched]
+    lines.append(f"({len(rows) - len(matched)} more modules keep their HF class, placed on their parent's device)")
+    return "\n".join(lines)
+
+
+def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config) -> None:
+    """Replace every module whose row names an operator (top-down, so parents go first)."""
+    for row in rows:
+        if row.operator == DEFAULT:
+            continue
+        from ..operators.registry import OPERATORS
+
+        parent_name, _, attr = row.name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        orig = getattr(parent, attr)
+        operator = OPERATORS.get(row.operator)(row.name, weights, config, orig, **row.kwargs)
+        setattr(parent, attr, operator)
+
+
+def load_weights(model: nn.Module, rows: list[PlanRow], weights: WeightSource, progress: bool = False) -> None:
+    """Load operators (each pulls its own tensors) and the parameters of the modules kept as they are."""
+    device_of = {r.name: r.device for r in rows}
+    modules = list(model.named_modules())
+    for name, module in tqdm(modules, desc="loading", unit="module", disable=not progress):
+        if isinstance(module, BaseInjectedModule):
+            module.load()
+        elif name in device_of:
+            _load_own_tensors(name, module, weights, torch.device(device_of[name]))
+    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise WeightError(f"{weights.path}: after loading, these tensors have no data: {', '.join(leftovers[:20])}"
+                          + (f" and {len(leftovers) - 20} more" if len(leftovers) > 20 else ""))
+
+
+def _load_own_tensors(name: str, module: nn.Module, weights: WeightSource, device: torch.device) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        tensor = weights.load(f"{name}.{pname}", device, param.dtype, shape=tuple(param.shape))
+        module._parameters[pname] = nn.Parameter(tensor, requires_grad=False)
+    for bname, buf in list(module.named_buffers(recurse=False)):
+        full = f"{name}.{bname}"
+        persistent = bname not in module._non_persistent_buffers_set
+        if persistent and (weights.has(full) or buf.is_meta):
+            buf = weights.load(full, device, buf.dtype, shape=tuple(buf.shape))
+        module._buffers[bname] = buf.to(device)
+
+
+def open_weights(path: str | os.PathLike, model_type: str = "") -> WeightSource:
+    """A GGUF file / directory, or a directory of safetensors."""
+    path = Path(path)
+    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+        return GGUFSource(path)
+    if path.suffix == ".safetensors" or (path.is_dir() and any(path.glob("*.safetensors"))):
+        return SafetensorsSource(path, model_type)
+    if not path.exists():
+        raise FileNotFoundError(f"weights path {str(path)!r} does not exist")
+    raise WeightError(f"{path}: neither a .gguf file nor a directory of .gguf or .safetensors files")
+
+
+def check_extras(weights: WeightSource, config) -> None:
+    """Tensors in the file that the model did not read mean the file and config disagree."""
+    unknown = getattr(weights, "unknown", [])
+    extra = [n for n in weights.unconsumed() if not _ignorable(n, config)]
+    problems = []
+    if unknown:
+        problems.append(f"tensors the {getattr(weights, 'arch', '')} name map does not know: {', '.join(unknown[:20])}")
+    if extra:
+        problems.append(f"tensors the model did not use: {', '.join(extra[:20])}" + (" ..." if len(extra) > 20 else ""))
+    if problems:
+        raise WeightError(f"{weights.path}: " + "; ".join(problems))
+
+
+def _ignorable(name: str, config) -> bool:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    beyond = match is not None and int(match[1]) >= config.num_hidden_layers  # DeepSeek's MTP layers
+    return beyond or bool(_MTP_OR_ROTARY.search(name))
+
+
+def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule], gguf_path: str | os.PathLike,
+                           config, default_device: str = "cpu", progress: bool = False) -> list[PlanRow]:
+    """Rewrite `model` (built on the meta device) by the rules and load its weights in place.
+
+    `gguf_path`: a .gguf file (split siblings found beside it), a directory of one model's GGUF
+    files, or a directory of safetensors. Returns the plan rows (what replaced what)."""
+    rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
+    weights = open_weights(gguf_path, config.model_type)
+    if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
+        weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    rows = plan(model, rules, default_device)
+    inject(model, rows, weights, config)
+    load_weights(model, rows, weights, progress)
+    check_extras(weights, config)
+    model.eval()
+    return rows
+
+
+__all__ = ["PlanRow", "plan", "format_plan", "inject", "load_weights", "open_weights", "optimize_and_load_gguf",
+           "parse_rules", "load_rules"]

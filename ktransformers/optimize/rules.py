@@ -1,0 +1,210 @@
+"""Parse and validate YAML rule files, and match rules against a model's modules.
+
+A rule file is a list of rules:
+    - match: {name: REGEX, class: DOTTED_CLASS}   # name = re.search on the dotted module name;
+      replace: {class: OPERATOR, kwargs: {...}}   # class = isinstance; both must hold if both given
+      recursive: true                             # false stops descent below a matched module
+The first rule that matches a module wins. Everything is checked when the file loads: every
+error names the file, the rule's index and the key, and lists the valid choices.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import nn
+
+from ..operators.base import BaseInjectedModule, Placement, option_errors
+from ..operators.registry import OPERATORS, ensure_builtin_operators_loaded
+
+SAFE_PREFIXES = ("ktransformers.", "transformers.", "torch.")
+RULE_KEYS = {"match", "replace", "recursive"}
+MATCH_KEYS = {"name", "class"}
+REPLACE_KEYS = {"class", "kwargs"}
+DEFAULT = "default"
+
+# Upstream KTransformers shipped its own copies of the HF modeling files; their classes are
+# transformers' classes now. Where the class name changed, say so here; the rest map by module.
+_UPSTREAM_MODELS = {
+    "modeling_deepseek_v3": "deepseek_v3",
+    "modeling_deepseek": "deepseek_v2",
+    "modeling_qwen3_moe": "qwen3_moe",
+    "modeling_qwen2_moe": "qwen2_moe",
+    "modeling_mixtral": "mixtral",
+    "modeling_llama": "llama",
+}
+_UPSTREAM_RENAMES = {
+    "ktransformers.models.modeling_deepseek_v3.MoEGate": "DeepseekV3TopkRouter",
+    "ktransformers.models.modeling_deepseek.MoEGate": "DeepseekV2TopkRouter",
+    "ktransformers.models.modeling_deepseek.DeepseekV2MoE": "DeepseekV2Moe",
+}
+
+
+class RuleError(ValueError):
+    """A rule file that cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    index: int
+    name: re.Pattern | None
+    match_class: type | None
+    operator: type | None  # None: keep the HF module ("default"), only place it
+    kwargs: dict = field(default_factory=dict)
+    recursive: bool = True
+
+    @property
+    def operator_name(self) -> str:
+        if self.operator is None:
+            return DEFAULT
+        return OPERATORS.name_of(self.operator) or self.operator.__qualname__
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        if self.name is not None and not self.name.search(name):
+            return False
+        return self.match_class is None or isinstance(module, self.match_class)
+
+
+def _upstream_model_path(path: str) -> str | None:
+    parts = path.split(".")
+    if len(parts) != 4 or parts[:2] != ["ktransformers", "models"] or parts[2] not in _UPSTREAM_MODELS:
+        return None
+    family = _UPSTREAM_MODELS[parts[2]]
+    cls = _UPSTREAM_RENAMES.get(path, parts[3])
+    return f"transformers.models.{family}.modeling_{family}.{cls}"
+
+
+def _import_class(path: str, allow_prefixes: tuple[str, ...]) -> type:
+    if not path.startswith(SAFE_PREFIXES + allow_prefixes):
+        raise ValueError(
+            f"{path!r} is outside {', '.join(SAFE_PREFIXES)}; a rule file may only import from those "
+            "(pass allow_import_prefixes to opt in)")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"{path!r} is not a class")
+    return obj
+
+
+def resolve_match_class(path: str, allow_prefixes: tuple[str, ...] = ()) -> type:
+    """A dotted class path (or an upstream KTransformers alias) to the class it names."""
+    return _import_class(_upstream_model_path(path) or path, allow_prefixes)
+
+
+def resolve_operator(name: str, allow_prefixes: tuple[str, ...] = ()) -> type | None:
+    """A registered name, `ktransformers.operators.<module>.<Name>` (ours or upstream's), or a dotted path."""
+    ensure_builtin_operators_loaded()
+    if name == DEFAULT:
+        return None
+    short = name.rpartition(".")[2]
+    if name in OPERATORS or (name.startswith("ktransformers.operators.") and short in OPERATORS):
+        return OPERATORS.get(short)
+    if "." not in name:
+        raise ValueError(f"unknown operator {name!r}; valid: {DEFAULT}, {', '.join(OPERATORS.names())}")
+    cls = _import_class(name, allow_prefixes)
+    if not issubclass(cls, BaseInjectedModule):
+        raise ValueError(f"{name!r} is not an operator (a BaseInjectedModule); valid: {', '.join(OPERATORS.names())}")
+    return cls
+
+
+class _RuleParser:
+    def __init__(self, source: str, allow_prefixes: tuple[str, ...]):
+        self.source = source
+        self.allow = allow_prefixes
+
+    def fail(self, index: int | None, key: str, message: str) -> RuleError:
+        where = self.source if index is None else f"{self.source}: rule {index}"
+        return RuleError(f"{where}: {key}: {message}")
+
+    def check_keys(self, index: int, where: str, got: dict, valid: set[str]) -> None:
+        unknown = sorted(set(got) - valid)
+        if unknown:
+            raise self.fail(index, f"{where}{unknown[0]}", f"unknown key; valid: {', '.join(sorted(valid))}")
+
+    def parse(self, data: Any) -> list[Rule]:
+        if data is None:
+            return []
+        if not isinstance(data, list):
+            raise self.fail(None, "top level", f"expected a list of rules, got {type(data).__name__}")
+        return [self.parse_rule(i, item) for i, item in enumerate(data)]
+
+    def parse_rule(self, i: int, item: Any) -> Rule:
+        if not isinstance(item, dict):
+            raise self.fail(i, "rule", f"expected a mapping with keys {sorted(RULE_KEYS)}, got {item!r}")
+        self.check_keys(i, "", item, RULE_KEYS)
+        for key in ("match", "replace"):
+            if not isinstance(item.get(key), dict):
+                raise self.fail(i, key, f"required, and must be a mapping (got {item.get(key)!r})")
+        self.check_keys(i, "match.", item["match"], MATCH_KEYS)
+        self.check_keys(i, "replace.", item["replace"], REPLACE_KEYS)
+        recursive = item.get("recursive", True)
+        if not isinstance(recursive, bool):
+            raise self.fail(i, "recursive", f"expected true or false, got {recursive!r}")
+        name, match_class = self.parse_match(i, item["match"])
+        operator, kwargs = self.parse_replace(i, item["replace"])
+        return Rule(i, name, match_class, operator, kwargs, recursive)
+
+    def parse_match(self, i: int, match: dict) -> tuple[re.Pattern | None, type | None]:
+        if not match:
+            raise self.fail(i, "match", "needs at least one of: name, class")
+        name = match.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise self.fail(i, "match.name", f"expected a regular expression string, got {name!r}")
+            try:
+                name = re.compile(name)
+            except re.error as e:
+                raise self.fail(i, "match.name", f"bad regular expression {match['name']!r}: {e}") from None
+        cls = match.get("class")
+        if cls is not None:
+            if not isinstance(cls, str):
+                raise self.fail(i, "match.class", f"expected a dotted class path, got {cls!r}")
+            try:
+                cls = resolve_match_class(cls, self.allow)
+            except ValueError as e:
+                raise self.fail(i, "match.class", str(e)) from None
+        return name, cls
+
+    def parse_replace(self, i: int, replace: dict) -> tuple[type | None, dict]:
+        if "class" not in replace or not isinstance(replace["class"], str):
+            raise self.fail(i, "replace.class", f"required: an operator name or 'default' (got {replace.get('class')!r})")
+        try:
+            operator = resolve_operator(replace["class"], self.allow)
+        except (ValueError, KeyError) as e:
+            raise self.fail(i, "replace.class", str(e).strip('"')) from None
+        kwargs = replace.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise self.fail(i, "replace.kwargs", f"expected a mapping, got {kwargs!r}")
+        options = Placement if operator is None else operator.Options
+        errors = option_errors(options, kwargs)
+        if errors:
+            key, message = errors[0]
+            raise self.fail(i, f"replace.kwargs.{key}", message)
+        return operator, dict(kwargs)
+
+
+def parse_rules(text: str, source: str = "<rules>", allow_import_prefixes: tuple[str, ...] = ()) -> list[Rule]:
+    """Parse rule-file text (YAML, safe_load only) into validated Rules."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RuleError(f"{source}: not valid YAML: {e}") from None
+    return _RuleParser(source, allow_import_prefixes).parse(data)
+
+
+def load_rules(path: str | Path, allow_import_prefixes: tuple[str, ...] = ()) -> list[Rule]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"rule file {str(path)!r} does not exist")
+    return parse_rules(path.read_text(), str(path), allow_import_prefixes)
+
+
+def first_match(rules: list[Rule], name: str, module: nn.Module) -> Rule | None:
+    return next((r for r in rules if r.matches(name, module)), None)

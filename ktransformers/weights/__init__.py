@@ -1,0 +1,1 @@
+"""Weight sources: reading, dequantizing and laying out model weights."""

@@ -1,0 +1,203 @@
+"""GGUF file sets: one .gguf file, its split siblings, or a directory holding one model's files.
+
+Files are memory-mapped (gguf's GGUFReader); `raw()` hands out zero-copy views of the stored
+blocks. Tensor shapes are stored ne0-first; this module reverses them once, so everything above
+sees HF (row-major) shapes. Names are translated through gguf_names.GGUFNameTable.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+
+from .ggml_quants import GGMLType, dequantize, tensor_nbytes
+from .gguf_names import DERIVED_HF, IGNORABLE_GGUF, GGUFNameTable
+from .source import MissingTensorError, TensorInfo, WeightError, WeightSource
+
+GGUF_MAGIC = b"GGUF"
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, ...]  # HF order (reversed from the file's ne0-first dims)
+    data: np.ndarray  # uint8 view into the file's memory map
+    file: str
+
+
+def gguf_files(path: str | os.PathLike) -> list[Path]:
+    """The files of one model: a .gguf file (plus its split siblings) or a directory of them."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix == ".gguf")
+        if not files:
+            raise FileNotFoundError(f"no .gguf file in directory {str(path)!r}")
+        models = {(_SPLIT.match(p.name)["stem"] if _SPLIT.match(p.name) else p.stem) for p in files}
+        if len(models) > 1:
+            raise WeightError(f"{path} holds several models ({', '.join(sorted(models))}); pass one .gguf file")
+        return _complete_split(files)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF path {str(path)!r} does not exist")
+    match = _SPLIT.match(path.name)
+    if not match:
+        return [path]
+    siblings = sorted(p for p in path.parent.iterdir() if (m := _SPLIT.match(p.name)) and m["stem"] == match["stem"])
+    return _complete_split(siblings)
+
+
+def _complete_split(files: list[Path]) -> list[Path]:
+    match = _SPLIT.match(files[0].name)
+    if not match:
+        return files
+    count = int(match["count"])
+    expected = [files[0].parent / f"{match['stem']}-{n:05d}-of-{count:05d}.gguf" for n in range(1, count + 1)]
+    missing = [p.name for p in expected if not p.is_file()]
+    if missing:
+        raise WeightError(f"split GGUF {match['stem']} is incomplete: missing {', '.join(missing)}")
+    return expected
+
+
+def _field_value(field) -> Any:
+    if field.types and field.types[0] == GGUFValueType.ARRAY and field.types[-1] != GGUFValueType.STRING:
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    return field.contents()
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise WeightError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r})")
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if version not in (2, 3):
+        raise WeightError(f"{path}: GGUF version {version} is not supported (expected 3)")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the reader raises many kinds on corrupt headers; one message for all
+        raise WeightError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
+        if end > size:
+            raise WeightError(f"{path}: tensor {t.name!r} data ends at byte {end}, past the end of the file ({size} bytes)")
+    return reader
+
+
+class GGUFFileSet:
+    """Metadata and tensors of one model's GGUF files (split files merged)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self.files = gguf_files(path)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, GGUFTensor] = {}
+        for file in self.files:
+            self._add(file, _open_reader(file))
+
+    def _add(self, file: Path, reader: GGUFReader) -> None:
+        for key, field in reader.fields.items():
+            if not key.startswith("GGUF."):
+                self.metadata.setdefault(key, _field_value(field))
+        for t in reader.tensors:
+            if t.name in self.tensors:
+                raise WeightError(f"{file}: tensor {t.name!r} also appears in {self.tensors[t.name].file}")
+            data = reader.data[t.data_offset: t.data_offset + t.n_bytes]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = GGUFTensor(t.name, GGMLType(int(t.tensor_type)), shape, data, str(file))
+
+    @property
+    def arch(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise WeightError(f"{self.path}: metadata has no general.architecture")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value; `{arch}` in the key is replaced by the architecture name."""
+        return self.metadata.get(key.replace("{arch}", self.arch), default)
+
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's llama Q/K permutation (rows of each head interleaved by halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource(WeightSource):
+    """WeightSource over a GGUF file set: HF names in, llama.cpp names and layouts underneath."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__()
+        self.files = GGUFFileSet(path)
+        self.path = self.files.path
+        self.arch = self.files.arch
+        self.names = GGUFNameTable(self.arch)
+        self._by_hf: dict[str, tuple[str, str]] = {}
+        self.unknown: list[str] = []
+        for gguf_name in self.files.tensors:
+            mapped = self.names.to_hf(gguf_name)
+            if mapped:
+                self._by_hf[mapped[0]] = (gguf_name, mapped[1])
+            elif not IGNORABLE_GGUF.match(gguf_name):
+                self.unknown.append(gguf_name)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.files.metadata
+
+    def keys(self) -> list[str]:
+        return list(self._by_hf)
+
+    def _tensor(self, name: str) -> tuple[GGUFTensor, str]:
+        try:
+            gguf_name, transform = self._by_hf[name]
+        except KeyError:
+            raise MissingTensorError(f"{self.path}: no tensor for {name!r}{self._hint(name)}") from None
+        return self.files.tensors[gguf_name], transform
+
+    def _hint(self, name: str) -> str:
+        gguf_name = self.names.to_gguf(name)
+        return f" (GGUF name {gguf_name!r})" if gguf_name else f" (no GGUF name for it in the {self.arch} map)"
+
+    def info(self, name: str) -> TensorInfo:
+        t, transform = self._tensor(name)
+        return TensorInfo(t.ggml_type, t.shape, transform)
+
+    def raw(self, name: str) -> np.ndarray:
+        t, _ = self._tensor(name)
+        self.consumed.add(name)
+        return t.data
+
+    def _load_stored(self, name: str) -> torch.Tensor:
+        t, transform = self._tensor(name)
+        try:
+            expected = tensor_nbytes(t.ggml_type, int(np.prod(t.shape)))
+        except ValueError as e:
+            raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
+        if expected != t.data.nbytes:
+            raise WeightError(f"{t.file}: tensor {t.name!r} holds {t.data.nbytes} bytes, expected {expected}")
+        try:
+            tensor = dequantize(t.data, t.ggml_type, t.shape)
+        except NotImplementedError as e:
+            raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
+        if transform:
+            key = "attention.head_count" if transform == "unpermute_q" else "attention.head_count_kv"
+            n_head = self.files.get("{arch}." + key) or self.files.get("{arch}.attention.head_count")
+            tensor = _unpermute(tensor, int(n_head))
+        return tensor
+
+    def unconsumed(self) -> list[str]:
+        """Stored tensors nothing read, not counting parts that composed tensors make redundant."""
+        return [n for n in super().unconsumed() if not DERIVED_HF.search(n) or self._derived_unused(n)]
+
+    def _derived_unused(self, name: str) -> bool:
+        kv_b = re.sub(r"[kv]_b_proj\.weight$", "kv_b_proj.weight", name)
+        return kv_b not in self.consumed

@@ -1,0 +1,153 @@
+"""HF config <-> GGUF metadata, one declarative table per architecture.
+
+Keys are what llama.cpp's converter writes under `{arch}.`; the same tables build an HF config
+from a GGUF file (when no --model_path is given) and write the metadata of GGUF files we make
+(tests, synthetic benchmark models).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from .source import WeightError
+
+# (GGUF key under "{arch}.", HF config attribute). Values are copied as they are.
+_COMMON = (
+    ("block_count", "num_hidden_layers"),
+    ("context_length", "max_position_embeddings"),
+    ("embedding_length", "hidden_size"),
+    ("feed_forward_length", "intermediate_size"),
+    ("attention.head_count", "num_attention_heads"),
+    ("attention.head_count_kv", "num_key_value_heads"),
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
+    ("expert_used_count", "num_experts_per_tok"),
+)
+_QWEN_MOE = _COMMON + (("expert_count", "num_experts"), ("expert_feed_forward_length", "moe_intermediate_size"))
+KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "deepseek2": tuple(k for k in _COMMON if k[0] != "attention.head_count_kv") + (
+        ("leading_dense_block_count", "first_k_dense_replace"),
+        ("vocab_size", "vocab_size"),
+        ("attention.q_lora_rank", "q_lora_rank"),
+        ("attention.kv_lora_rank", "kv_lora_rank"),
+        ("attention.value_length_mla", "v_head_dim"),
+        ("rope.dimension_count", "qk_rope_head_dim"),
+        ("expert_feed_forward_length", "moe_intermediate_size"),
+        ("expert_count", "n_routed_experts"),
+        ("expert_shared_count", "n_shared_experts"),
+        ("expert_weights_scale", "routed_scaling_factor"),
+        ("expert_weights_norm", "norm_topk_prob"),
+        ("expert_group_count", "n_group"),
+        ("expert_group_used_count", "topk_group"),
+    ),
+    "qwen3moe": _QWEN_MOE + (("attention.key_length", "head_dim"),),
+    "qwen2moe": _QWEN_MOE + (("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),),
+    "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
+}
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+
+
+def arch_of(config: PretrainedConfig) -> str:
+    arch = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "qwen3_moe": "qwen3moe",
+            "qwen2_moe": "qwen2moe", "mixtral": "llama"}.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"model_type {config.model_type!r} has no GGUF architecture here; "
+                         "supported: deepseek_v3, deepseek_v2, qwen3_moe, qwen2_moe, mixtral")
+    return arch
+
+
+def _rope_theta(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def metadata_from_config(config: PretrainedConfig) -> dict[str, Any]:
+    """The `{arch}.*` metadata llama.cpp's converter would write for `config`."""
+    arch = arch_of(config)
+    meta: dict[str, Any] = {"general.architecture": arch, f"{arch}.rope.freq_base": _rope_theta(config)}
+    for key, attr in KEYS[arch]:
+        value = getattr(config, attr, None)
+        if value is not None and not (key == "expert_weights_norm" and not value):
+            meta[f"{arch}.{key}"] = value
+    if arch == "deepseek2":
+        meta.update(_deepseek_metadata(config))
+    return meta
+
+
+def _deepseek_metadata(config: PretrainedConfig) -> dict[str, Any]:
+    meta = {
+        "deepseek2.attention.head_count_kv": 1,
+        "deepseek2.attention.key_length": config.kv_lora_rank + config.qk_rope_head_dim,
+        "deepseek2.attention.value_length": config.kv_lora_rank,
+        "deepseek2.attention.key_length_mla": config.qk_nope_head_dim + config.qk_rope_head_dim,
+        "deepseek2.expert_gating_func": GATING_SIGMOID if config.model_type == "deepseek_v3" else GATING_SOFTMAX,
+    }
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn":
+        meta.update({
+            "deepseek2.rope.scaling.type": "yarn",
+            "deepseek2.rope.scaling.factor": float(rope["factor"]),
+            "deepseek2.rope.scaling.original_context_length": int(rope["original_max_position_embeddings"]),
+            "deepseek2.rope.scaling.yarn_log_multiplier": 0.1 * float(rope.get("mscale_all_dim", 0.0)),
+        })
+    return meta
+
+
+def config_from_metadata(meta: dict[str, Any], vocab_size: int, has_output: bool = True) -> PretrainedConfig:
+    """An HF config from GGUF metadata (`vocab_size` from the embedding tensor's rows)."""
+    arch = meta.get("general.architecture")
+    if arch not in KEYS:
+        raise WeightError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(KEYS)}")
+    kwargs: dict[str, Any] = {}
+    for key, attr in KEYS[arch]:
+        if f"{arch}.{key}" in meta:
+            value = meta[f"{arch}.{key}"]
+            kwargs[attr] = value[0] if isinstance(value, list) and value else value
+    kwargs.update(vocab_size=vocab_size, tie_word_embeddings=not has_output,
+                  rope_parameters={"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))})
+    for which in ("bos", "eos", "padding"):
+        token = meta.get(f"tokenizer.ggml.{which}_token_id")
+        if token is not None:
+            kwargs["pad_token_id" if which == "padding" else f"{which}_token_id"] = int(token)
+    return _BUILDERS[arch](meta, kwargs)
+
+
+def _deepseek_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+    rope_dim = kw["qk_rope_head_dim"]
+    if "deepseek2.attention.key_length_mla" in meta:
+        kw["qk_nope_head_dim"] = meta["deepseek2.attention.key_length_mla"] - rope_dim
+    else:  # files from before MLA-aware conversion: key/value_length are the per-head sizes
+        kw["qk_nope_head_dim"] = meta["deepseek2.attention.key_length"] - rope_dim
+        kw["v_head_dim"] = meta["deepseek2.attention.value_length"]
+    kw["num_key_value_heads"] = kw["num_attention_heads"]
+    kw.setdefault("norm_topk_prob", False)
+    kw.setdefault("q_lora_rank", None)
+    if meta.get("deepseek2.rope.scaling.type") == "yarn":
+        mscale = meta.get("deepseek2.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        kw["rope_parameters"].update(
+            rope_type="yarn", factor=meta["deepseek2.rope.scaling.factor"], mscale=mscale, mscale_all_dim=mscale,
+            original_max_position_embeddings=meta["deepseek2.rope.scaling.original_context_length"])
+    if meta.get("deepseek2.expert_gating_func", GATING_SIGMOID) == GATING_SIGMOID:
+        return DeepseekV3Config(**kw)
+    kw.pop("n_group", None), kw.pop("topk_group", None)
+    return DeepseekV2Config(**kw)
+
+
+def _qwen3_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+    return Qwen3MoeConfig(norm_topk_prob=True, **kw)  # llama.cpp always normalizes qwen3moe's top-k
+
+
+def _qwen2_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+    return Qwen2MoeConfig(norm_topk_prob=False, qkv_bias=True, **kw)
+
+
+def _llama_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+    if "num_local_experts" not in kw:
+        raise WeightError("GGUF architecture 'llama' without llama.expert_count is a dense model; only MoE (Mixtral) is supported")
+    head_dim = meta.get("llama.rope.dimension_count")
+    if head_dim and head_dim != kw["hidden_size"] // kw["num_attention_heads"]:
+        kw["head_dim"] = head_dim
+    return MixtralConfig(**kw)
+
+
+_BUILDERS = {"deepseek2": _deepseek_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}

@@ -1,0 +1,122 @@
+"""HF <-> GGUF tensor names, one declarative table per llama.cpp architecture.
+
+Names are what llama.cpp's convert_hf_to_gguf.py writes. `{i}` is the block (layer) index and
+`{e}` an expert index (old per-expert Mixtral files). A transform is how the converter changed
+the tensor; load() undoes it: "unpermute_q"/"unpermute_k" undo llama's Q/K row permutation.
+Virtual HF names (not parameters of the HF model) are composed by WeightSource:
+`experts.{gate,up,down}_proj` [E, ...] and DeepSeek's `k_b_proj`/`v_b_proj`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NameMap:
+    hf: str
+    gguf: str
+    transform: str = ""
+
+
+def _m(hf: str, gguf: str, transform: str = "") -> NameMap:
+    return NameMap(hf, gguf, transform)
+
+
+L = "model.layers.{i}."
+B = "blk.{i}."
+
+_GLOBAL = (
+    _m("model.embed_tokens.weight", "token_embd.weight"),
+    _m("model.norm.weight", "output_norm.weight"),
+    _m("lm_head.weight", "output.weight"),
+)
+_BLOCK = (
+    _m(L + "input_layernorm.weight", B + "attn_norm.weight"),
+    _m(L + "post_attention_layernorm.weight", B + "ffn_norm.weight"),
+    _m(L + "self_attn.o_proj.weight", B + "attn_output.weight"),
+)
+
+
+def _gqa(permute: bool = False, bias: bool = False, qk_norm: bool = False) -> tuple[NameMap, ...]:
+    q, k = ("unpermute_q", "unpermute_k") if permute else ("", "")
+    out = [
+        _m(L + "self_attn.q_proj.weight", B + "attn_q.weight", q),
+        _m(L + "self_attn.k_proj.weight", B + "attn_k.weight", k),
+        _m(L + "self_attn.v_proj.weight", B + "attn_v.weight"),
+    ]
+    if bias:
+        out += [_m(L + f"self_attn.{p}_proj.bias", B + f"attn_{p}.bias") for p in "qkv"]
+    if qk_norm:
+        out += [_m(L + "self_attn.q_norm.weight", B + "attn_q_norm.weight"),
+                _m(L + "self_attn.k_norm.weight", B + "attn_k_norm.weight")]
+    return tuple(out)
+
+
+def _mlp(hf: str, suffix: str) -> tuple[NameMap, ...]:
+    return tuple(_m(L + f"{hf}.{p}_proj.weight", B + f"ffn_{p}{suffix}.weight") for p in ("gate", "up", "down"))
+
+
+_ROUTED = (
+    _m(L + "mlp.gate.weight", B + "ffn_gate_inp.weight"),
+    *(_m(L + f"mlp.experts.{p}_proj", B + f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")),
+)
+_PER_EXPERT = tuple(
+    _m(L + "mlp.experts.{e}." + f"{p}_proj.weight", B + f"ffn_{p}." + "{e}.weight") for p in ("gate", "up", "down"))
+
+_MLA = (
+    _m(L + "self_attn.q_proj.weight", B + "attn_q.weight"),
+    _m(L + "self_attn.q_a_proj.weight", B + "attn_q_a.weight"),
+    _m(L + "self_attn.q_a_layernorm.weight", B + "attn_q_a_norm.weight"),
+    _m(L + "self_attn.q_b_proj.weight", B + "attn_q_b.weight"),
+    _m(L + "self_attn.kv_a_proj_with_mqa.weight", B + "attn_kv_a_mqa.weight"),
+    _m(L + "self_attn.kv_a_layernorm.weight", B + "attn_kv_a_norm.weight"),
+    _m(L + "self_attn.kv_b_proj.weight", B + "attn_kv_b.weight"),
+    _m(L + "self_attn.k_b_proj.weight", B + "attn_k_b.weight"),
+    _m(L + "self_attn.v_b_proj.weight", B + "attn_v_b.weight"),
+)
+
+ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
+    "deepseek2": _GLOBAL + _BLOCK + _MLA + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
+        _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),),
+    "qwen3moe": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED,
+    "qwen2moe": _GLOBAL + _BLOCK + _gqa(bias=True) + _ROUTED + _mlp("mlp.shared_expert", "_shexp") + (
+        _m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),),
+    "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
+}
+
+# Tensors a file may carry that no HF parameter uses: never an error when left unread.
+IGNORABLE_GGUF = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.(nextn\.|attn_rot_embd).*)$")
+# HF names composed from others, so that their parts count as read when they are.
+DERIVED_HF = re.compile(r"\.self_attn\.[kv]_b_proj\.weight$")
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(f"^{escaped}$")
+
+
+class GGUFNameTable:
+    """Translate one architecture's GGUF tensor names to HF names (and back)."""
+
+    def __init__(self, arch: str):
+        if arch not in ARCH_NAMES:
+            raise ValueError(f"no HF<->GGUF name map for architecture {arch!r}; supported: {', '.join(ARCH_NAMES)}")
+        self.arch = arch
+        self.maps = ARCH_NAMES[arch]
+        self._gguf_patterns = [(_pattern(m.gguf), m) for m in self.maps]
+
+    def to_hf(self, gguf_name: str) -> tuple[str, str] | None:
+        """(HF name, transform) for a GGUF tensor name, or None when the table does not know it."""
+        for pattern, entry in self._gguf_patterns:
+            match = pattern.match(gguf_name)
+            if match:
+                return entry.hf.format(**match.groupdict()), entry.transform
+        return None
+
+    def to_gguf(self, hf_name: str) -> str | None:
+        for entry in self.maps:
+            match = _pattern(entry.hf).match(hf_name)
+            if match:
+                return entry.gguf.format(**match.groupdict())
+        return None

@@ -1,0 +1,116 @@
+"""Write GGUF files the way llama.cpp's converter (and quantizer) lay them out.
+
+Used by tests (tiny random models in every format) and by synthetic benchmark models. The HF
+state dict goes through the inverse of the name map: fused experts split into gate/up/down,
+DeepSeek's kv_b_proj split into attn_k_b/attn_v_b (or kept whole, like older files), llama's
+Q/K rows permuted; 1-D tensors, norms and routers stay F32, as the converter keeps them.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from transformers import PretrainedConfig
+
+from .ggml_quants import FORMATS, GGMLType, quantize
+from .gguf_config import arch_of, metadata_from_config
+from .gguf_names import GGUFNameTable
+
+TypeChooser = Callable[[str, tuple[int, ...]], GGMLType]
+_KEEP_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp(_shexp)?\.weight|\.bias)$")
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's Q/K row order: within each head, interleave the two rotary halves."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def converter_tensors(state_dict: dict[str, torch.Tensor], config: PretrainedConfig,
+                      split_kv_b: bool = True) -> dict[str, torch.Tensor]:
+    """GGUF name -> float tensor (HF row-major layout), as convert_hf_to_gguf.py would emit them."""
+    arch = arch_of(config)
+    table = GGUFNameTable(arch)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().float()
+        for hf_name, t in _split_hf(name, tensor, config, split_kv_b):
+            gguf_name = table.to_gguf(hf_name)
+            if gguf_name is None:
+                raise KeyError(f"no GGUF name for HF tensor {hf_name!r} in the {arch} map")
+            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+                t = _permute(t, heads)
+            out[gguf_name] = t
+    return out
+
+
+def _split_hf(name: str, t: torch.Tensor, config, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
+    if name.endswith(".experts.gate_up_proj"):
+        base, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+        return [(base + "gate_proj", t[:, :half]), (base + "up_proj", t[:, half:])]
+    if name.endswith(".self_attn.kv_b_proj.weight") and split_kv_b:
+        base = name[: -len("kv_b_proj.weight")]
+        nope, v = config.qk_nope_head_dim, config.v_head_dim
+        kv = t.reshape(config.num_attention_heads, nope + v, t.shape[-1])
+        return [(base + "k_b_proj.weight", kv[:, :nope].transpose(1, 2)), (base + "v_b_proj.weight", kv[:, nope:])]
+    return [(name, t)]
+
+
+def converter_type(default: GGMLType) -> TypeChooser:
+    """The converter's rule: 1-D tensors, norms, routers and biases F32; the rest `default`
+    (falling back like llama-quantize when a row is not a whole number of blocks)."""
+    def choose(name: str, shape: tuple[int, ...]) -> GGMLType:
+        if len(shape) <= 1 or _KEEP_F32.search(name):
+            return GGMLType.F32
+        return fit_type(default, shape[-1])
+    return choose
+
+
+def fit_type(t: GGMLType, row: int) -> GGMLType:
+    for candidate in (t, GGMLType.Q8_0, GGMLType.F16):
+        if row % FORMATS[candidate].block_elems == 0:
+            return candidate
+    return GGMLType.F16
+
+
+def _add_metadata(writer: GGUFWriter, meta: dict) -> None:
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            raise TypeError(f"metadata {key!r}: cannot write {type(value).__name__}")
+
+
+def write_gguf(path: str | os.PathLike, config: PretrainedConfig, state_dict: dict[str, torch.Tensor], *,
+               types: GGMLType | TypeChooser = GGMLType.F32, split_kv_b: bool = True, extra_metadata: dict | None = None,
+               split_max_tensors: int = 0) -> dict[str, GGMLType]:
+    """Write `state_dict` as a GGUF model (split into `-0000N-of-0000M` files when split_max_tensors > 0).
+    Returns the type chosen for each GGUF tensor."""
+    choose = converter_type(types) if isinstance(types, GGMLType) else types
+    meta = metadata_from_config(config) | (extra_metadata or {})
+    writer = GGUFWriter(str(path), meta["general.architecture"], split_max_tensors=split_max_tensors)
+    _add_metadata(writer, meta)
+    chosen = {}
+    for name, tensor in converter_tensors(state_dict, config, split_kv_b).items():
+        t = chosen[name] = choose(name, tuple(tensor.shape))
+        data = quantize(tensor.contiguous(), t).numpy().reshape(*tensor.shape[:-1], -1)
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=GGMLQuantizationType(int(t)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return chosen

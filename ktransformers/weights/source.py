@@ -1,0 +1,161 @@
+"""WeightSource: tensors by Hugging Face name, whatever the file format underneath.
+
+Sources store tensors under their own names and layouts; each translates HF names in and gives
+back `load(name) -> Tensor` (dequantized, in HF layout) or `raw(name)` (the stored bytes). HF
+tensors that files keep in pieces are composed here, once for every format:
+  experts.gate_up_proj    [E, 2I, H] = cat(experts.gate_proj [E, I, H], experts.up_proj [E, I, H])
+  experts.<p>_proj        [E, ...]   = stack of experts.<e>.<p>_proj.weight over e (per-expert files)
+  self_attn.kv_b_proj     [N*(D+V), R] from k_b_proj [N, R, D] and v_b_proj [N, V, R] (newer GGUF)
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .ggml_quants import GGMLType
+
+
+class WeightError(ValueError):
+    """A weight file or tensor that cannot be used as asked; the message names file and tensor."""
+
+
+class MissingTensorError(WeightError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    ggml_type: GGMLType
+    shape: tuple[int, ...]  # HF (row-major) order of the stored tensor
+    transform: str = ""  # applied by load(), not by raw(): e.g. "unpermute_q"
+
+
+_EXPERT_PART = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate|up|down)_proj$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+class WeightSource(ABC):
+    """Tensors by HF name. Subclasses implement the stored-tensor primitives."""
+
+    path: str
+
+    def __init__(self) -> None:
+        self.consumed: set[str] = set()
+        self.aliases: dict[str, str] = {}  # e.g. tied lm_head.weight -> model.embed_tokens.weight
+        self._expert_counts: dict[str, int] | None = None
+
+    # --- primitives --------------------------------------------------------------------------
+    @abstractmethod
+    def keys(self) -> list[str]:
+        """HF names of the tensors stored (before composition)."""
+
+    @abstractmethod
+    def info(self, name: str) -> TensorInfo: ...
+
+    @abstractmethod
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of one tensor, zero-copy where the file allows (a uint8 view)."""
+
+    @abstractmethod
+    def _load_stored(self, name: str) -> torch.Tensor:
+        """One stored tensor, dequantized to float32 (or its float dtype), in HF layout."""
+
+    # --- composition -------------------------------------------------------------------------
+    def stored(self, name: str) -> bool:
+        return name in self._key_set()
+
+    def _key_set(self) -> set[str]:
+        if not hasattr(self, "_keys_cache"):
+            self._keys_cache = set(self.keys())
+        return self._keys_cache
+
+    def has(self, name: str) -> bool:
+        try:
+            self._plan(name)
+            return True
+        except MissingTensorError:
+            return False
+
+    def _plan(self, name: str) -> list[str]:
+        """The stored tensors `name` is made of; raises MissingTensorError naming what is absent."""
+        if self.stored(name):
+            return [name]
+        if name in self.aliases:
+            return self._plan(self.aliases[name])
+        if name.endswith(".experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            return self._plan(base + "gate_proj") + self._plan(base + "up_proj")
+        m = _EXPERT_PART.match(name)
+        if m and self.expert_count(m["prefix"]):
+            return [f"{m['prefix']}.{e}.{m['proj']}_proj.weight" for e in range(self.expert_count(m["prefix"]))]
+        if name.endswith(".self_attn.kv_b_proj.weight"):
+            base = name[: -len("kv_b_proj.weight")]
+            parts = [base + "k_b_proj.weight", base + "v_b_proj.weight"]
+            if all(self.stored(p) for p in parts):
+                return parts
+        raise MissingTensorError(f"{self.path}: no tensor for {name!r}{self._hint(name)}")
+
+    def _hint(self, name: str) -> str:
+        return ""
+
+    def expert_count(self, prefix: str) -> int:
+        """Number of per-expert tensors stored under `prefix` (e.g. 'model.layers.3.mlp.experts')."""
+        if self._expert_counts is None:
+            counts: dict[str, int] = {}
+            for key in self._key_set():
+                m = _PER_EXPERT.match(key)
+                if m:
+                    counts[m["prefix"]] = max(counts.get(m["prefix"], 0), int(m["e"]) + 1)
+            self._expert_counts = counts
+        return self._expert_counts.get(prefix, 0)
+
+    def load(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The HF tensor `name`, dequantized and composed, on `device` in `dtype` (default: as stored).
+        With `shape`, a tensor of another shape is an error (size-1 dimensions may differ)."""
+        tensor = self._compose(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            if tensor.numel() != _numel(shape) or [d for d in tensor.shape if d != 1] != [d for d in shape if d != 1]:
+                raise WeightError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {tuple(shape)}")
+            tensor = tensor.reshape(shape)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def _compose(self, name: str) -> torch.Tensor:
+        parts = self._plan(name)
+        self.consumed.update(parts)
+        if name in self.aliases and not self.stored(name):
+            return self._compose(self.aliases[name])
+        if parts == [name]:
+            tensor = self._load_stored(name)
+        elif name.endswith(".experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            tensor = torch.cat([self._compose(base + "gate_proj"), self._compose(base + "up_proj")], dim=1)
+        elif name.endswith(".self_attn.kv_b_proj.weight"):
+            tensor = _kv_b_from_parts(self._load_stored(parts[0]), self._load_stored(parts[1]))
+        else:
+            tensor = torch.stack([self._load_stored(p) for p in parts])
+        return tensor
+
+    def unconsumed(self) -> list[str]:
+        return sorted(self._key_set() - self.consumed)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _kv_b_from_parts(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [N*(D+V), R] from k_b [N, R, D] (stored transposed) and v_b [N, V, R]."""
+    n_head, rank = k_b.shape[0], k_b.shape[1]
+    if v_b.shape[0] != n_head or v_b.shape[2] != rank:
+        raise WeightError(f"attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} do not fit together")
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, rank)

@@ -1,0 +1,80 @@
+"""Tiny random models of each family (transformers' own classes) and the reference weights a
+GGUF of them should load as: each tensor in GGUF layout, quantized by us, dequantized by the
+`gguf` package's numpy code (an independent decoder), then put back into HF layout."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as np_dequantize
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen2MoeConfig,
+                          Qwen3MoeConfig)
+
+from ktransformers.weights.ggml_quants import GGMLType, quantize
+from ktransformers.weights.gguf_write import converter_tensors
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
+         "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml"}
+
+
+def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
+    common = dict(vocab_size=320, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if family == "deepseek_v3":
+        return DeepseekV3Config(**common, intermediate_size=512, moe_intermediate_size=256, num_key_value_heads=4,
+                                n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16,
+                                v_head_dim=32, qk_nope_head_dim=32, routed_scaling_factor=2.5)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                              moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(**common, num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=256,
+                              shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=False)
+    if family == "mixtral":
+        return MixtralConfig(**common, num_key_value_heads=2, intermediate_size=256, num_local_experts=5,
+                             num_experts_per_tok=2)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, **kw) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=torch.float32).eval()
+    with torch.no_grad():  # HF inits some weights to zero/one; make every tensor random and non-trivial
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if name.endswith("norm.weight") else 0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.01)
+    return model
+
+
+def _roundtrip(t: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
+    data = quantize(t.contiguous(), ggml_type).numpy().reshape(*t.shape[:-1], -1)
+    return torch.from_numpy(np.array(np_dequantize(data, GGMLQuantizationType(int(ggml_type))), dtype=np.float32))
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reference_state_dict(model, types: dict[str, GGMLType], split_kv_b: bool = True) -> dict[str, torch.Tensor]:
+    """What each HF tensor becomes after the trip through a GGUF written with `types`."""
+    config, out = model.config, {}
+    for name, tensor in model.state_dict().items():
+        pieces = converter_tensors({name: tensor}, config, split_kv_b)
+        back = {g: _roundtrip(t, types[g]) for g, t in pieces.items()}
+        vals = list(back.values())
+        if name.endswith("gate_up_proj"):
+            out[name] = torch.cat(vals, dim=1)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            k_b, v_b = vals
+            out[name] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(tensor.shape)
+        elif config.model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            out[name] = _unpermute(vals[0], heads)
+        else:
+            (out[name],) = vals
+    return out
