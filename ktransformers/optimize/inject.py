@@ -21,7 +21,7 @@ from ..weights.safetensors import SafetensorsSource
 from ..weights.source import WeightError, WeightSource
 from .rules import DEFAULT, Rule, first_match, load_rules, parse_rules
 
-_MTP_OR_ROTARY = re.compile(r"(\.rotary_emb\.inv_freq$)")
+_ROTARY = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def open_weights(path: str | os.PathLike, model_type: str = "") -> WeightSource:
 def check_extras(weights: WeightSource, config) -> None:
     """Tensors in the file that the model did not read mean the file and config disagree."""
     unknown = getattr(weights, "unknown", [])
-    extra = [n for n in weights.unconsumed() if not _ignorable(n, config)]
+    extra = [n for n in weights.unconsumed() if not _ignorable(n, config, weights)]
     problems = []
     if unknown:
         problems.append(f"tensors the {getattr(weights, 'arch', '')} name map does not know: {', '.join(unknown[:20])}")
@@ -135,10 +135,12 @@ def check_extras(weights: WeightSource, config) -> None:
         raise WeightError(f"{weights.path}: " + "; ".join(problems))
 
 
-def _ignorable(name: str, config) -> bool:
+def _ignorable(name: str, config, weights: WeightSource) -> bool:
+    """HF checkpoints keep DeepSeek's multi-token-prediction layers after the last layer; GGUF drops them."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    beyond = match is not None and int(match[1]) >= config.num_hidden_layers  # DeepSeek's MTP layers
-    return beyond or bool(_MTP_OR_ROTARY.search(name))
+    n, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0) or 0
+    is_mtp = isinstance(weights, SafetensorsSource) and match is not None and n <= int(match[1]) < n + mtp
+    return is_mtp or bool(_ROTARY.search(name))
 
 
 def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule], gguf_path: str | os.PathLike,

@@ -6,8 +6,10 @@ sees HF (row-major) shapes. Names are translated through gguf_names.GGUFNameTabl
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,8 +73,83 @@ def _field_value(field) -> Any:
     return field.contents()
 
 
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+class _HeaderScan:
+    """A bounds-checked walk over the header, so corrupt files fail with a message naming the problem
+    (the gguf reader's own errors are numpy reshape failures)."""
+
+    def __init__(self, path: Path, data: memoryview):
+        self.path, self.data, self.at = path, data, 8
+
+    def take(self, fmt: str, what: str):
+        size = struct.calcsize(fmt)
+        if self.at + size > len(self.data):
+            raise WeightError(f"{self.path}: truncated header while reading {what} at byte {self.at}")
+        value = struct.unpack_from(fmt, self.data, self.at)
+        self.at += size
+        return value[0] if len(value) == 1 else value
+
+    def string(self, what: str) -> str:
+        n = self.take("<Q", what)
+        if self.at + n > len(self.data):
+            raise WeightError(f"{self.path}: truncated header: {what} of {n} bytes at byte {self.at}")
+        self.at += n
+        return bytes(self.data[self.at - n: self.at]).decode("utf-8", "replace")
+
+    def skip_value(self, vtype: int, key: str) -> None:
+        if vtype == _STRING:
+            self.string(f"value of {key!r}")
+        elif vtype == _ARRAY:
+            etype, count = self.take("<IQ", f"array header of {key!r}")
+            if etype in _SCALAR_SIZES:
+                self.at += _SCALAR_SIZES[etype] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(etype, key)
+        elif vtype in _SCALAR_SIZES:
+            self.at += _SCALAR_SIZES[vtype]
+        else:
+            raise WeightError(f"{self.path}: metadata {key!r} has unknown value type {vtype}")
+
+    def check(self) -> None:
+        n_tensors, n_kv = self.take("<QQ", "tensor and key counts")
+        alignment = 32
+        for _ in range(n_kv):
+            key = self.string("a metadata key")
+            vtype = self.take("<I", f"type of {key!r}")
+            start = self.at
+            self.skip_value(vtype, key)
+            if key == "general.alignment" and vtype == 4:
+                alignment = struct.unpack_from("<I", self.data, start)[0] or 32
+        infos = [self.tensor_info() for _ in range(n_tensors)]
+        data_start = -(-self.at // alignment) * alignment
+        for name, ggml_type, n_elements, offset in infos:
+            try:
+                end = data_start + offset + tensor_nbytes(ggml_type, n_elements)
+            except ValueError as e:
+                raise WeightError(f"{self.path}: tensor {name!r}: {e}") from None
+            if end > len(self.data):
+                raise WeightError(f"{self.path}: tensor {name!r} data ends at byte {end}, "
+                                  f"past the end of the file ({len(self.data)} bytes)")
+
+    def tensor_info(self) -> tuple[str, GGMLType, int, int]:
+        name = self.string("a tensor name")
+        n_dims = self.take("<I", f"dimension count of {name!r}")
+        if n_dims > 4:
+            raise WeightError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions (at most 4)")
+        dims = [self.take("<Q", f"dims of {name!r}") for _ in range(n_dims)]
+        raw_type, offset = self.take("<IQ", f"type and offset of {name!r}")
+        try:
+            ggml_type = GGMLType(raw_type)
+        except ValueError:
+            raise WeightError(f"{self.path}: tensor {name!r} has unknown ggml type {raw_type}") from None
+        return name, ggml_type, int(np.prod(dims, dtype=np.uint64)), offset
+
+
 def _open_reader(path: Path) -> GGUFReader:
-    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] != GGUF_MAGIC:
@@ -80,15 +157,16 @@ def _open_reader(path: Path) -> GGUFReader:
     version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
     if version not in (2, 3):
         raise WeightError(f"{path}: GGUF version {version} is not supported (expected 3)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            _HeaderScan(path, view).check()
+        finally:
+            view.release()
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # the reader raises many kinds on corrupt headers; one message for all
-        raise WeightError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
-    for t in reader.tensors:
-        end = t.data_offset + t.n_bytes
-        if end > size:
-            raise WeightError(f"{path}: tensor {t.name!r} data ends at byte {end}, past the end of the file ({size} bytes)")
-    return reader
+        return GGUFReader(path, "r")
+    except Exception as e:  # anything the scan above did not foresee; one message for all
+        raise WeightError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
 
 
 class GGUFFileSet:

@@ -1,0 +1,117 @@
+"""Model-level parity: tiny random models of each family, written to GGUF in several types and
+loaded through the shipped CPU rule files, give transformers' logits on the same weights."""
+import pytest
+import torch
+
+from ktransformers import load_model, optimize_and_load_gguf
+from ktransformers.loader import RULES_DIR, build_skeleton, load_config
+from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.gguf_write import converter_type, write_gguf
+from ktransformers.weights.source import WeightError
+from tiny import FAMILIES, RULES, reference_state_dict, tiny_model
+
+TOL = 1e-4
+
+
+def q4_k_m(name: str, shape) -> GGMLType:
+    """A mixed-type file like llama-quantize's Q4_K_M: Q6_K for attn_v / ffn_down / output, else Q4_K."""
+    if "attn_v" in name or "ffn_down" in name or name == "output.weight":
+        return converter_type(GGMLType.Q6_K)(name, shape)
+    return converter_type(GGMLType.Q4_K)(name, shape)
+
+
+TYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16, "Q8_0": GGMLType.Q8_0,
+         "Q4_K": GGMLType.Q4_K, "Q6_K": GGMLType.Q6_K, "Q4_K_M": q4_k_m}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def check_parity(family, path, types, model, split_kv_b=True, seq=13):
+    reference = tiny_model(family, seed=99)
+    reference.load_state_dict(reference_state_dict(model, types, split_kv_b))
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, RULES_DIR / RULES[family], path, model.config)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+    err = rel_err(logits(ours, ids), logits(reference, ids))
+    assert err < TOL, f"{family}: relative error {err:.2e}"
+    return ours
+
+
+@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_logits_match_transformers(tmp_path, family, type_name):
+    model = tiny_model(family)
+    path = tmp_path / f"{family}-{type_name}.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=TYPES[type_name])
+    if type_name not in ("F32", "F16", "BF16"):
+        assert any(t not in (GGMLType.F32,) for t in types.values())
+    check_parity(family, path, types, model)
+
+
+def test_deepseek_old_files_with_attn_kv_b(tmp_path):
+    model = tiny_model("deepseek_v3", seed=3)
+    path = tmp_path / "old.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0, split_kv_b=False)
+    assert "blk.1.attn_kv_b.weight" in types and "blk.1.attn_k_b.weight" not in types
+    check_parity("deepseek_v3", path, types, model, split_kv_b=False)
+
+
+def test_split_files_and_directory(tmp_path):
+    model = tiny_model("qwen3_moe", seed=5)
+    types = write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(), types=GGMLType.Q8_0, split_max_tensors=10)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) > 3 and files[0] == f"m-00001-of-{len(files):05d}.gguf"
+    check_parity("qwen3_moe", tmp_path, types, model)  # the directory
+    check_parity("qwen3_moe", tmp_path / files[-1], types, model)  # any one split file finds its siblings
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_from_gguf_metadata(tmp_path, family):
+    model = tiny_model(family)
+    path = tmp_path / "m.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F16)
+    config = load_config(None, path)
+    assert config.model_type == model.config.model_type
+    for attr in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok",
+                 "intermediate_size", "rms_norm_eps", "num_key_value_heads"):
+        assert getattr(config, attr) == pytest.approx(getattr(model.config, attr)), attr
+    loaded = load_model(path, dtype=torch.float32, progress=False)  # config from GGUF, shipped CPU rules
+    reference = tiny_model(family, seed=99)
+    reference.load_state_dict(reference_state_dict(model, types))
+    ids = torch.randint(0, 320, (1, 9))
+    assert rel_err(logits(loaded.model, ids), logits(reference, ids)) < TOL
+
+
+def test_missing_tensor_is_an_error_listing_it(tmp_path):
+    model = tiny_model("mixtral")
+    state = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    write_gguf(tmp_path / "m.gguf", model.config, state)
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*blk\.1\.attn_k\.weight"):
+        optimize_and_load_gguf(build_skeleton(model.config, torch.float32), RULES_DIR / RULES["mixtral"],
+                               tmp_path / "m.gguf", model.config)
+
+
+def test_extra_tensor_is_an_error_listing_it(tmp_path):
+    model = tiny_model("qwen2_moe")
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict())
+    fewer = tiny_model("qwen2_moe", layers=2).config  # the file has a third layer the config does not
+    with pytest.raises(WeightError, match=r"did not use: .*model\.layers\.2\."):
+        optimize_and_load_gguf(build_skeleton(fewer, torch.float32), RULES_DIR / RULES["qwen2_moe"],
+                               tmp_path / "m.gguf", fewer)
+
+
+def test_shape_that_disagrees_with_config(tmp_path):
+    model = tiny_model("qwen3_moe")
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict())
+    config = tiny_model("qwen3_moe").config
+    config.vocab_size = 640
+    with pytest.raises((WeightError, ValueError), match=r"token_embd|embed_tokens|lm_head"):
+        optimize_and_load_gguf(build_skeleton(config, torch.float32), RULES_DIR / RULES["qwen3_moe"],
+                               tmp_path / "m.gguf", config)

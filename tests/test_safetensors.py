@@ -1,0 +1,110 @@
+"""safetensors checkpoints: sharded BF16 (per-expert tensors, Mixtral's w1/w2/w3 names) and
+DeepSeek-V3's FP8 e4m3 weights with 128x128 weight_scale_inv blocks."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from ktransformers import optimize_and_load_gguf
+from ktransformers.loader import RULES_DIR, build_skeleton
+from ktransformers.weights.safetensors import SafetensorsSource, dequant_fp8_blocks
+from ktransformers.weights.source import WeightError
+from tiny import FAMILIES, RULES, tiny_model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_bf16_checkpoint(tmp_path, family):
+    model = tiny_model(family).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="500KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, RULES_DIR / RULES[family], tmp_path, model.config)
+    ids = torch.randint(0, 320, (2, 7))
+    assert rel_err(logits(ours, ids), logits(reference, ids)) < 1e-4
+
+
+def to_fp8_blocks(w: torch.Tensor, block: int = 128):
+    """e4m3 weight and per-block scale_inv such that weight * scale_inv ~ w (what DeepSeek ships)."""
+    rows, cols = w.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(br * block, bc * block)
+    padded[:rows, :cols] = w
+    amax = padded.reshape(br, block, bc, block).abs().amax(dim=(1, 3)).clamp(min=1e-8)
+    scale_inv = amax / 448.0
+    scaled = padded.reshape(br, block, bc, block) / scale_inv[:, None, :, None]
+    return scaled.reshape(br * block, bc * block)[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
+
+
+def reference_fp8_dequant(w8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    out = w8.float().clone()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * block:(i + 1) * block, j * block:(j + 1) * block] *= scale_inv[i, j]
+    return out
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (96, 513)])
+def test_fp8_block_dequant(shape):
+    w8, scale_inv = to_fp8_blocks(torch.randn(shape) * 0.05)
+    assert torch.equal(dequant_fp8_blocks(w8, scale_inv), reference_fp8_dequant(w8, scale_inv))
+    with pytest.raises(WeightError, match="does not fit"):
+        dequant_fp8_blocks(w8, scale_inv[:-1])
+
+
+def test_deepseek_fp8_checkpoint(tmp_path):
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path)  # per-expert names, as DeepSeek's own checkpoint
+    stored = {}
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    fp8, dequantized = {}, {}
+    for name, t in stored.items():
+        if t.dim() == 2 and ("proj" in name) and "layernorm" not in name:
+            w8, s = to_fp8_blocks(t.float())
+            fp8[name], fp8[name + "_scale_inv"] = w8, s
+            dequantized[name] = reference_fp8_dequant(w8, s)
+        else:
+            fp8[name] = dequantized[name] = t
+    (tmp_path / "model.safetensors").unlink()
+    save_file(fp8, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    (ref_dir / "config.json").write_text((tmp_path / "config.json").read_text())
+    reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, RULES_DIR / RULES["deepseek_v3"], tmp_path, model.config)
+    ids = torch.randint(0, 320, (1, 11))
+    assert rel_err(logits(ours, ids), logits(reference, ids)) < 1e-4
+    assert rel_err(logits(ours, ids), logits(model, ids)) > 1e-4  # FP8 really changed the weights
+
+
+def test_index_naming_an_absent_shard(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(WeightError, match="model-1.safetensors"):
+        SafetensorsSource(tmp_path)
+
+
+def test_fp8_without_scale(tmp_path):
+    save_file({"w.weight": torch.randn(4, 4).to(torch.float8_e4m3fn)}, tmp_path / "m.safetensors")
+    with pytest.raises(WeightError, match="scale_inv"):
+        SafetensorsSource(tmp_path).load("w.weight")
+
+
+def test_corrupt_safetensors(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(WeightError, match="m.safetensors"):
+        SafetensorsSource(tmp_path)
