@@ -446,6 +446,9 @@ def _as_bytes(raw) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+_CHUNK_BLOCKS = 1 << 15
+
+
 def dequantize(raw, t, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor of row-major `shape` stored as `raw` bytes of ggml type `t`, in `dtype`."""
     fmt = FORMATS[ggml_type(t)]
@@ -462,7 +465,10 @@ def dequantize(raw, t, shape, dtype: torch.dtype = torch.float32) -> torch.Tenso
         raise ValueError(f"{fmt.type.name} tensor of shape {shape}: expected {expected} bytes, "
                          f"got {data.numel()}")
     blocks = data.view(expected // fmt.block_bytes, fmt.block_bytes)
-    return fmt.dequant(blocks).reshape(shape).to(dtype)
+    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=dtype)
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):  # bounded float32 temporaries
+        out[start:start + _CHUNK_BLOCKS] = fmt.dequant(blocks[start:start + _CHUNK_BLOCKS])
+    return out.reshape(shape)
 
 
 def quantize(x: torch.Tensor, t) -> torch.Tensor:

@@ -254,7 +254,7 @@ class GGUFSource(WeightSource):
         self.consumed.add(name)
         return t.data
 
-    def _load_stored(self, name: str) -> torch.Tensor:
+    def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t, transform = self._tensor(name)
         try:
             expected = tensor_nbytes(t.ggml_type, int(np.prod(t.shape)))
@@ -263,7 +263,7 @@ class GGUFSource(WeightSource):
         if expected != t.data.nbytes:
             raise WeightError(f"{t.file}: tensor {t.name!r} holds {t.data.nbytes} bytes, expected {expected}")
         try:
-            tensor = dequantize(t.data, t.ggml_type, t.shape)
+            tensor = dequantize(t.data, t.ggml_type, t.shape, dtype or torch.float32)
         except NotImplementedError as e:
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
         if transform:

@@ -36,7 +36,7 @@ def converter_tensors(state_dict: dict[str, torch.Tensor], config: PretrainedCon
     table = GGUFNameTable(arch)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        tensor = tensor.detach().float()
+        tensor = tensor.detach().float()  # (a meta tensor stays meta: shapes only)
         for hf_name, t in _split_hf(name, tensor, config, split_kv_b):
             gguf_name = table.to_gguf(hf_name)
             if gguf_name is None:
@@ -95,11 +95,15 @@ def _add_metadata(writer: GGUFWriter, meta: dict) -> None:
             raise TypeError(f"metadata {key!r}: cannot write {type(value).__name__}")
 
 
+Encoder = Callable[[torch.Tensor, GGMLType], torch.Tensor]
+
+
 def write_gguf(path: str | os.PathLike, config: PretrainedConfig, state_dict: dict[str, torch.Tensor], *,
                types: GGMLType | TypeChooser = GGMLType.F32, split_kv_b: bool = True, extra_metadata: dict | None = None,
-               split_max_tensors: int = 0) -> dict[str, GGMLType]:
+               split_max_tensors: int = 0, encode: Encoder = quantize) -> dict[str, GGMLType]:
     """Write `state_dict` as a GGUF model (split into `-0000N-of-0000M` files when split_max_tensors > 0).
-    Returns the type chosen for each GGUF tensor."""
+    `encode(tensor, type)` makes each tensor's bytes (default: quantize it; synthetic models pass
+    random valid blocks, and tensors on the meta device). Returns the type chosen for each tensor."""
     choose = converter_type(types) if isinstance(types, GGMLType) else types
     meta = metadata_from_config(config) | (extra_metadata or {})
     writer = GGUFWriter(str(path), meta["general.architecture"], split_max_tensors=split_max_tensors)
@@ -107,7 +111,7 @@ def write_gguf(path: str | os.PathLike, config: PretrainedConfig, state_dict: di
     chosen = {}
     for name, tensor in converter_tensors(state_dict, config, split_kv_b).items():
         t = chosen[name] = choose(name, tuple(tensor.shape))
-        data = quantize(tensor.contiguous(), t).numpy().reshape(*tensor.shape[:-1], -1)
+        data = encode(tensor.contiguous(), t).numpy().reshape(*tensor.shape[:-1], -1)
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=GGMLQuantizationType(int(t)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

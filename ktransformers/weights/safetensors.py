@@ -123,7 +123,7 @@ class SafetensorsSource(WeightSource):
         self.consumed.add(name)
         return self._get(stored_name, file).contiguous().view(torch.uint8).numpy().reshape(-1)
 
-    def _load_stored(self, name: str) -> torch.Tensor:
+    def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         stored_name, file = self._entry(name)
         tensor = self._get(stored_name, file)
         if tensor.dtype == torch.float8_e4m3fn:
@@ -134,4 +134,4 @@ class SafetensorsSource(WeightSource):
                 tensor = dequant_fp8_blocks(tensor, self._get(stored_name + "_scale_inv", scale_file))
             except WeightError as e:
                 raise WeightError(f"{file}: {stored_name}: {e}") from None
-        return tensor
+        return tensor if dtype is None else tensor.to(dtype)

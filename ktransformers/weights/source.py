@@ -62,8 +62,8 @@ class WeightSource(ABC):
         """The stored bytes of one tensor, zero-copy where the file allows (a uint8 view)."""
 
     @abstractmethod
-    def _load_stored(self, name: str) -> torch.Tensor:
-        """One stored tensor, dequantized to float32 (or its float dtype), in HF layout."""
+    def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One stored tensor, dequantized to `dtype` (default float32, or its own float dtype), in HF layout."""
 
     # --- composition -------------------------------------------------------------------------
     def stored(self, name: str) -> bool:
@@ -118,7 +118,7 @@ class WeightSource(ABC):
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The HF tensor `name`, dequantized and composed, on `device` in `dtype` (default: as stored).
         With `shape`, a tensor of another shape is an error (size-1 dimensions may differ)."""
-        tensor = self._compose(name)
+        tensor = self._compose(name, dtype)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             if tensor.numel() != _numel(shape) or [d for d in tensor.shape if d != 1] != [d for d in shape if d != 1]:
                 raise WeightError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -126,21 +126,20 @@ class WeightSource(ABC):
             tensor = tensor.reshape(shape)
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
-    def _compose(self, name: str) -> torch.Tensor:
+    def _compose(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """Parts are converted to `dtype` as they are read, so no float32 copy of a whole fused tensor exists."""
         parts = self._plan(name)
         self.consumed.update(parts)
         if name in self.aliases and not self.stored(name):
-            return self._compose(self.aliases[name])
+            return self._compose(self.aliases[name], dtype)
         if parts == [name]:
-            tensor = self._load_stored(name)
-        elif name.endswith(".experts.gate_up_proj"):
+            return self._load_stored(name, dtype)
+        if name.endswith(".experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
-            tensor = torch.cat([self._compose(base + "gate_proj"), self._compose(base + "up_proj")], dim=1)
-        elif name.endswith(".self_attn.kv_b_proj.weight"):
-            tensor = _kv_b_from_parts(self._load_stored(parts[0]), self._load_stored(parts[1]))
-        else:
-            tensor = torch.stack([self._load_stored(p) for p in parts])
-        return tensor
+            return torch.cat([self._compose(base + "gate_proj", dtype), self._compose(base + "up_proj", dtype)], dim=1)
+        if name.endswith(".self_attn.kv_b_proj.weight"):
+            return _kv_b_from_parts(self._load_stored(parts[0], dtype), self._load_stored(parts[1], dtype))
+        return torch.stack([self._load_stored(p, dtype) for p in parts])
 
     def unconsumed(self) -> list[str]:
         return sorted(self._key_set() - self.consumed)

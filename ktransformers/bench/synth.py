@@ -1,0 +1,96 @@
+"""Write a GGUF with an architecture's real tensor names and shapes, filled with random valid
+blocks of a chosen type: realistic-size benchmark models without a download.
+
+    python -m ktransformers.bench.synth --model qwen3-30b-a3b --layers 4 --type Q4_K_M --out /tmp/q3.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from ..loader import build_skeleton
+from ..weights.ggml_quants import FORMATS, GGMLType, ggml_type, random_blocks
+from ..weights.gguf_write import converter_type, write_gguf
+
+# Shapes of real models (from their published config.json), trimmed to what the skeleton needs.
+PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=40960),
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
+                        n_group=8, topk_group=4, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=163840),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768),
+}
+
+
+def preset_config(name: str, layers: int | None = None, experts: int | None = None,
+                  vocab: int | None = None) -> PretrainedConfig:
+    fields = dict(PRESETS[name])
+    model_type = fields.pop("model_type")
+    if layers:
+        fields["num_hidden_layers"] = layers
+    if experts:
+        key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in fields)
+        fields[key] = experts
+    if vocab:
+        fields["vocab_size"] = vocab
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def q4_k_m(name: str, shape: tuple[int, ...]) -> GGMLType:
+    """llama-quantize's Q4_K_M, simplified: Q6_K for attn_v, ffn_down* and output; Q4_K elsewhere."""
+    more_bits = "attn_v" in name or "ffn_down" in name or name == "output.weight"
+    return converter_type(GGMLType.Q6_K if more_bits else GGMLType.Q4_K)(name, shape)
+
+
+def type_chooser(name: str):
+    return q4_k_m if name.upper() == "Q4_K_M" else converter_type(ggml_type(name))
+
+
+def random_encoder(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def encode(tensor: torch.Tensor, t: GGMLType) -> torch.Tensor:
+        return random_blocks(t, tensor.numel() // FORMATS[t].block_elems, gen).reshape(-1)
+    return encode
+
+
+def write_synthetic(config: PretrainedConfig, out: str | Path, type_name: str = "Q4_K_M", seed: int = 0) -> dict:
+    skeleton = build_skeleton(config, torch.float32)
+    return write_gguf(out, config, skeleton.state_dict(), types=type_chooser(type_name), encode=random_encoder(seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b", help=f"preset shape: {', '.join(PRESETS)}")
+    p.add_argument("--config", help="an HF config.json to take the shape from instead of a preset")
+    p.add_argument("--layers", type=int, help="override num_hidden_layers")
+    p.add_argument("--experts", type=int, help="override the routed expert count")
+    p.add_argument("--vocab", type=int, help="override vocab_size")
+    p.add_argument("--type", default="Q4_K_M", help="Q4_K_M or a ggml type name (Q8_0, Q4_K, BF16, ...)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if a.config:
+        fields = json.loads(Path(a.config).read_text())
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = preset_config(a.model, a.layers, a.experts, a.vocab)
+    types = write_synthetic(config, a.out, a.type)
+    size = sum(p.stat().st_size for p in Path(a.out).parent.glob(Path(a.out).stem + "*.gguf"))
+    print(f"wrote {a.out}: {len(types)} tensors, {size / 2**20:.1f} MiB, {config.model_type}, "
+          f"{config.num_hidden_layers} layers")
+
+
+if __name__ == "__main__":
+    main()

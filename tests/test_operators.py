@@ -1,0 +1,135 @@
+"""Operators against transformers' own modules on fresh random inputs at several shapes."""
+import pytest
+import torch
+from torch import nn
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3TopkRouter
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from ktransformers.operators.base import set_phase
+from ktransformers.operators.experts import KTransformersExperts, moe_reference
+from ktransformers.operators.gate import KMoEGate, KMoEGateSoftmax
+from ktransformers.operators.linear import KTransformersLinear
+from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.source import TensorInfo, WeightSource
+from tiny import tiny_config
+
+
+class DictSource(WeightSource):
+    """An in-memory WeightSource over a module's state dict."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.path, self.tensors = "<memory>", tensors
+
+    def keys(self):
+        return list(self.tensors)
+
+    def info(self, name):
+        return TensorInfo(GGMLType.F32, tuple(self.tensors[name].shape))
+
+    def raw(self, name):
+        return self.tensors[name].numpy().view("uint8").reshape(-1)
+
+    def _load_stored(self, name, dtype=None):
+        return self.tensors[name].to(dtype or self.tensors[name].dtype, copy=True)
+
+
+def prefixed(prefix: str, module: nn.Module) -> DictSource:
+    return DictSource({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 128])
+@pytest.mark.parametrize("E,K,H,I", [(8, 2, 64, 32), (7, 3, 48, 80), (16, 8, 32, 16)])
+def test_experts_match_hf(T, E, K, H, I):
+    config = tiny_config("deepseek_v3")
+    config.n_routed_experts, config.hidden_size, config.moe_intermediate_size = E, H, I
+    hf = DeepseekV3Experts(config)
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(0, 0.1), hf.down_proj.normal_(0, 0.1)
+    op = KTransformersExperts("m.experts", prefixed("m.experts", hf), config, hf)
+    op.load()
+    x = torch.randn(T, H)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    assert rel_err(op(x, ids, w), hf(x, ids, w)) < 1e-5
+
+
+def test_expert_ids_out_of_range_raise():
+    config = tiny_config("deepseek_v3")
+    hf = DeepseekV3Experts(config)
+    op = KTransformersExperts("m.experts", prefixed("m.experts", hf), config, hf)
+    op.load()
+    x, w = torch.randn(2, config.hidden_size), torch.rand(2, 2)
+    with pytest.raises(ValueError, match=r"m\.experts: expert ids must lie in \[0, 8\)"):
+        op(x, torch.tensor([[0, 8], [1, 2]]), w)
+    with pytest.raises(ValueError, match="in"):
+        op(x, torch.tensor([[0, -1], [1, 2]]), w)
+    with pytest.raises(ValueError, match="integer"):
+        op(x, torch.ones(2, 2), w)
+    with pytest.raises(ValueError, match=r"\[T, K\]"):
+        op(x, torch.tensor([[0, 1]]), w)
+
+
+def test_moe_reference_skips_unrouted_experts():
+    x = torch.randn(5, 8)
+    gate_up, down = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    ids, w = torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+    g, u = (x @ gate_up[0].T).chunk(2, dim=-1)
+    expect = (torch.nn.functional.silu(g) * u) @ down[0].T
+    assert torch.allclose(moe_reference(x, ids, w, gate_up, down), expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_deepseek_router_matches_hf(T):
+    config = tiny_config("deepseek_v3")
+    hf = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.1), hf.e_score_correction_bias.normal_(0, 0.05)
+    op = KMoEGate("g", prefixed("g", hf), config, hf)
+    op.load()
+    x = torch.randn(T, config.hidden_size)
+    (l1, w1, i1), (l2, w2, i2) = op(x), hf(x)
+    assert torch.equal(l1, l2)
+    o1, o2 = i1.sort(dim=-1), i2.sort(dim=-1)
+    assert torch.equal(o1.values, o2.values)
+    assert torch.allclose(w1.gather(1, o1.indices), w2.gather(1, o2.indices), atol=1e-6)
+
+
+@pytest.mark.parametrize("router_cls, family", [(Qwen3MoeTopKRouter, "qwen3_moe"), (MixtralTopKRouter, "mixtral")])
+@pytest.mark.parametrize("T", [1, 9])
+def test_softmax_router_matches_hf(router_cls, family, T):
+    config = tiny_config(family)
+    hf = router_cls(config)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.1)
+    op = KMoEGateSoftmax("g", prefixed("g", hf), config, hf)
+    op.load()
+    x = torch.randn(T, config.hidden_size)
+    for a, b in zip(op(x), hf(x)):
+        assert a.dtype == b.dtype and torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 7, 32)])
+def test_linear_matches_and_dispatches_by_phase(bias, shape):
+    lin = nn.Linear(32, 24, bias=bias)
+    op = KTransformersLinear("l", prefixed("l", lin), None, lin, prefill_op="KLinearTorch", generate_op="KLinearTorch")
+    op.load()
+    x = torch.randn(shape)
+    assert torch.allclose(op(x), lin(x), atol=1e-6)
+    assert op.ops["prefill"] is op.ops["generate"]  # same op and device: loaded once
+    set_phase(op, "generate")
+    assert op.phase == "generate" and torch.allclose(op(x), lin(x), atol=1e-6)
+    with pytest.raises(ValueError, match="phase"):
+        set_phase(op, "decode")
+
+
+def test_operator_kwargs_are_checked_at_construction():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"KTransformersLinear at 'l': generate_op: 'KLinearNope' is not one of"):
+        KTransformersLinear("l", None, None, lin, generate_op="KLinearNope")
