@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from .optimize.inject import PlanRow, optimize_and_load_gguf
 from .weights.gguf import GGUFFileSet
@@ -49,8 +49,8 @@ def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.Pat
         return AutoTokenizer.from_pretrained(model_path)
     path = Path(gguf_path)
     file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
-    try:
-        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    try:  # the fast-tokenizer class directly: AutoTokenizer would first want an HF config for the architecture
+        return PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
     except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
         return None
 

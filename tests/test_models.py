@@ -2,13 +2,14 @@
 loaded through the shipped CPU rule files, give transformers' logits on the same weights."""
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model, optimize_and_load_gguf
-from ktransformers.loader import RULES_DIR, build_skeleton, load_config
+from ktransformers.loader import RULES_DIR, build_skeleton, load_config, load_tokenizer
 from ktransformers.weights.ggml_quants import GGMLType
-from ktransformers.weights.gguf_write import converter_type, write_gguf
+from ktransformers.weights.gguf_write import converter_type, tokenizer_metadata, write_gguf
 from ktransformers.weights.source import WeightError
-from tiny import FAMILIES, RULES, reference_state_dict, tiny_model
+from tiny import FAMILIES, RULES, reference_state_dict, tiny_model, train_tokenizer
 
 TOL = 1e-4
 
@@ -34,7 +35,7 @@ def logits(model, ids):
 
 
 def check_parity(family, path, types, model, split_kv_b=True, seq=13):
-    reference = tiny_model(family, seed=99)
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
     reference.load_state_dict(reference_state_dict(model, types, split_kv_b))
     ours = build_skeleton(model.config, torch.float32)
     optimize_and_load_gguf(ours, RULES_DIR / RULES[family], path, model.config)
@@ -115,3 +116,23 @@ def test_shape_that_disagrees_with_config(tmp_path):
     with pytest.raises((WeightError, ValueError), match=r"token_embd|embed_tokens|lm_head"):
         optimize_and_load_gguf(build_skeleton(config, torch.float32), RULES_DIR / RULES["qwen3_moe"],
                                tmp_path / "m.gguf", config)
+
+
+def test_tokenizer_from_gguf_metadata(tmp_path):
+    tokenizer = train_tokenizer(320)
+    model = tiny_model("deepseek_v3", layers=2)
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(), extra_metadata=tokenizer_metadata(tokenizer))
+    rebuilt = load_tokenizer(None, tmp_path / "m.gguf")
+    text = "the lazy dog says hello, world!"
+    assert rebuilt(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert rebuilt.eos_token == "</s>" and rebuilt.decode(tokenizer(text)["input_ids"]) == text
+    config = load_config(None, tmp_path / "m.gguf")
+    assert (config.bos_token_id, config.eos_token_id) == (0, 1)
+
+
+def test_one_dimensional_shared_expert_gate(tmp_path):
+    """llama-quantize writes Qwen2-MoE's [1, H] shared_expert_gate as a 1-D [H] tensor."""
+    model = tiny_model("qwen2_moe", layers=1)
+    state = {k: (v.reshape(-1) if k.endswith("shared_expert_gate.weight") else v) for k, v in model.state_dict().items()}
+    types = write_gguf(tmp_path / "m.gguf", model.config, state)
+    check_parity("qwen2_moe", tmp_path / "m.gguf", types, model)

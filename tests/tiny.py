@@ -3,6 +3,8 @@ GGUF of them should load as: each tensor in GGUF layout, quantized by us, dequan
 `gguf` package's numpy code (an independent decoder), then put back into HF layout."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -60,12 +62,28 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def reference_state_dict(model, types: dict[str, GGMLType], split_kv_b: bool = True) -> dict[str, torch.Tensor]:
-    """What each HF tensor becomes after the trip through a GGUF written with `types`."""
+def gguf_numpy_pieces(path) -> "Callable[[str, torch.Tensor], torch.Tensor]":
+    """Tensors of a GGUF file read and dequantized by the gguf package alone (not our loader)."""
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def piece(gguf_name: str, like: torch.Tensor) -> torch.Tensor:
+        t = tensors[gguf_name]
+        values = np_dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(like.shape)
+    return piece
+
+
+def reference_state_dict(model, types: dict[str, GGMLType] | None = None, split_kv_b: bool = True,
+                         piece=None) -> dict[str, torch.Tensor]:
+    """What each HF tensor becomes after the trip through a GGUF written with `types` (or, with
+    `piece(gguf_name, tensor)`, as read from an existing file)."""
     config, out = model.config, {}
+    piece = piece or (lambda g, t: _roundtrip(t, types[g]))
     for name, tensor in model.state_dict().items():
         pieces = converter_tensors({name: tensor}, config, split_kv_b)
-        back = {g: _roundtrip(t, types[g]) for g, t in pieces.items()}
+        back = {g: piece(g, t) for g, t in pieces.items()}
         vals = list(back.values())
         if name.endswith("gate_up_proj"):
             out[name] = torch.cat(vals, dim=1)
@@ -78,3 +96,16 @@ def reference_state_dict(model, types: dict[str, GGMLType], split_kv_b: bool = T
         else:
             (out[name],) = vals
     return out
+
+
+def train_tokenizer(vocab: int = 320):
+    """A fresh byte-level BPE tokenizer (the shape of Qwen's and DeepSeek's) on a little English."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 2, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

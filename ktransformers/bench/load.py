@@ -23,6 +23,7 @@ from ..optimize.inject import optimize_and_load_gguf
 from ..weights.gguf import gguf_files
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_OF_TYPE = {"F16": "fp16", "BF16": "bf16", "F32": "fp32"}
 
 
 def _rss_bytes() -> int:
@@ -47,7 +48,8 @@ def _peak_bytes() -> int:
 def measure(gguf: str, dtype: torch.dtype = torch.bfloat16, rules: str | None = None) -> dict:
     config = load_config(None, gguf)
     model = build_skeleton(config, dtype)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    model_bytes = sum(sizes)
     file_bytes = sum(p.stat().st_size for p in gguf_files(gguf))
     _reset_peak()
     base = _rss_bytes()
@@ -55,7 +57,8 @@ def measure(gguf: str, dtype: torch.dtype = torch.bfloat16, rules: str | None = 
     optimize_and_load_gguf(model, rules or default_rule_file(config), gguf, config)
     seconds = time.perf_counter() - start
     peak = _peak_bytes() - base
-    return {"file_mib": file_bytes / 2**20, "model_mib": model_bytes / 2**20, "peak_rss_growth_mib": peak / 2**20,
+    return {"file_mib": file_bytes / 2**20, "model_mib": model_bytes / 2**20, "largest_tensor_mib": max(sizes) / 2**20,
+            "peak_rss_growth_mib": peak / 2**20,
             "ratio_to_file_plus_model": peak / (file_bytes + model_bytes), "seconds": seconds}
 
 

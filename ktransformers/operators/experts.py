@@ -50,14 +50,14 @@ def moe_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
 class KExpertsTorch:
     """Reference experts: dense [E, 2I, H] and [E, H, I] weights in the model's dtype on one device."""
 
-    def __init__(self, key: str, n_experts: int, device: torch.device, dtype: torch.dtype):
-        self.key, self.n_experts, self.device, self.dtype = key, n_experts, device, dtype
+    def __init__(self, key: str, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype):
+        self.key, self.shapes, self.device, self.dtype = key, shapes, device, dtype
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
 
     def load(self, weights) -> None:
-        self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype).contiguous()
-        self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype).contiguous()
+        self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype, self.shapes["gate_up_proj"])
+        self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype, self.shapes["down_proj"])
 
     def unload(self) -> None:
         self.gate_up = self.down = None
@@ -85,11 +85,12 @@ class KTransformersExperts(BaseInjectedModule):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.n_experts = orig_module.gate_up_proj.shape[0]
         dtype = orig_module.gate_up_proj.dtype
+        shapes = {n: tuple(getattr(orig_module, n).shape) for n in ("gate_up_proj", "down_proj")}
         o = self.options
-        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(key, self.n_experts, torch.device(o.prefill_device), dtype)}
+        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(key, shapes, torch.device(o.prefill_device), dtype)}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
-            key, self.n_experts, torch.device(o.generate_device), dtype)
+            key, shapes, torch.device(o.generate_device), dtype)
 
     def load(self) -> None:
         for op in {id(op): op for op in self.ops.values()}.values():

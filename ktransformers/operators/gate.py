@@ -47,11 +47,11 @@ class _Router(BaseInjectedModule):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.top_k = orig_module.top_k
         self.hidden_dim = orig_module.hidden_dim
-        self.weight_dtype = orig_module.weight.dtype
+        self.weight_dtype, self.weight_shape = orig_module.weight.dtype, tuple(orig_module.weight.shape)
         self.weight: torch.Tensor | None = None
 
     def load(self) -> None:
-        self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype)
+        self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype, self.weight_shape)
 
     def unload(self) -> None:
         self.weight = None
@@ -69,7 +69,8 @@ class KMoEGate(_Router):
 
     def load(self) -> None:
         super().load()
-        self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32)
+        self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32,
+                                      (self.weight_shape[0],))
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)

@@ -66,8 +66,8 @@ class KTransformersLinear(BaseInjectedModule):
         return LINEAR_OPS.get(name)(self.key, self.in_features, self.out_features, torch.device(device), self.dtype)
 
     def load(self) -> None:
-        weight = self.weights.load(f"{self.key}.weight")
-        bias = self.weights.load(f"{self.key}.bias") if self.has_bias else None
+        weight = self.weights.load(f"{self.key}.weight", shape=(self.out_features, self.in_features))
+        bias = self.weights.load(f"{self.key}.bias", shape=(self.out_features,)) if self.has_bias else None
         for op in {id(op): op for op in self.ops.values()}.values():
             op.load(weight, bias)
 

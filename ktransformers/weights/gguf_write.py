@@ -77,6 +77,29 @@ def fit_type(t: GGMLType, row: int) -> GGMLType:
     return GGMLType.F16
 
 
+def tokenizer_metadata(tokenizer, pre: str = "qwen2") -> dict:
+    """`tokenizer.ggml.*` keys for a byte-level BPE fast tokenizer, as the converter writes them
+    (`pre` names llama.cpp's pre-tokenizer; a freshly trained byte-level BPE matches qwen2's)."""
+    import json
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    if spec["model"]["type"] != "BPE":
+        raise ValueError(f"only BPE tokenizers can be written here, not {spec['model']['type']}")
+    vocab = tokenizer.get_vocab()
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens], "tokenizer.ggml.merges": merges}
+    for which, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        if getattr(tokenizer, key, None) is not None:
+            meta[f"tokenizer.ggml.{which}_token_id"] = getattr(tokenizer, key)
+    if getattr(tokenizer, "chat_template", None):
+        meta["tokenizer.chat_template"] = tokenizer.chat_template
+    return meta
+
+
 def _add_metadata(writer: GGUFWriter, meta: dict) -> None:
     for key, value in meta.items():
         if key == "general.architecture":

@@ -135,11 +135,20 @@ class WeightSource(ABC):
         if parts == [name]:
             return self._load_stored(name, dtype)
         if name.endswith(".experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            return torch.cat([self._compose(base + "gate_proj", dtype), self._compose(base + "up_proj", dtype)], dim=1)
+            return self._gate_up(name[: -len("gate_up_proj")], dtype)
         if name.endswith(".self_attn.kv_b_proj.weight"):
             return _kv_b_from_parts(self._load_stored(parts[0], dtype), self._load_stored(parts[1], dtype))
         return torch.stack([self._load_stored(p, dtype) for p in parts])
+
+    def _gate_up(self, base: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """[E, 2I, H] filled half by half: one part is alive at a time besides the result."""
+        gate = self._compose(base + "gate_proj", dtype)
+        out = torch.empty(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:], dtype=gate.dtype)
+        half = gate.shape[1]
+        out[:, :half] = gate
+        del gate
+        out[:, half:] = self._compose(base + "up_proj", dtype)
+        return out
 
     def unconsumed(self) -> list[str]:
         return sorted(self._key_set() - self.consumed)
