@@ -141,7 +141,7 @@ def test_upstream_style_file_parses_and_plans():
     assert rows["model.layers.1.self_attn.kv_b_proj"].rule is None  # excluded by the negative lookahead
     assert rows["model.layers.1.self_attn.q_a_proj"].operator == "KTransformersLinear"
     assert rows["model.layers.2.mlp.experts"].operator == "KTransformersExperts"
-    assert rows["model.rotary_emb"].operator == "RotaryEmbedding"
+    assert rows["model.rotary_emb"].operator == "YarnRotaryEmbeddingV3"
     table = format_plan(list(rows.values()))
     assert "model.layers.2.mlp.experts" in table and "KTransformersExperts" in table
 
@@ -161,3 +161,22 @@ def test_dry_run_rows_for_shipped_file():
     assert by_op["KTransformersExperts"] == [f"model.layers.{i}.mlp.experts" for i in range(3)]
     assert len(by_op["KMoEGateSoftmax"]) == 3 and "lm_head" in by_op["KTransformersLinear"]
     assert not any(n.startswith("model.layers.0.mlp.experts.") for n in sum(by_op.values(), []))  # recursive: false
+
+
+def test_dry_run_cli(tmp_path):
+    import subprocess
+    import sys
+    from ktransformers.weights.gguf_write import write_gguf
+    from tiny import tiny_model
+    model = tiny_model("mixtral", layers=1)
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict())
+    run = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "--gguf_path", str(tmp_path / "m.gguf"),
+                          "--dry-run"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "Mixtral-cpu.yaml" in run.stdout and "model.layers.0.mlp.experts" in run.stdout
+    assert "KMixtralSparseMoeBlock" in run.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- match: {name: x}\n  replace: {class: KNope}\n")
+    run = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "--gguf_path", str(tmp_path / "m.gguf"),
+                          "--optimize_config_path", str(bad), "--dry-run"], capture_output=True, text=True)
+    assert run.returncode == 2 and "bad.yaml: rule 0: replace.class: unknown operator 'KNope'" in run.stderr

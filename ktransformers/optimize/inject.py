@@ -28,8 +28,9 @@ _ROTARY = re.compile(r"\.rotary_emb\.inv_freq$")
 class PlanRow:
     name: str
     rule: int | None  # index of the rule that matched; None: placed by inheritance / default_device
-    operator: str  # registered operator name, or "default" (keep the HF module)
+    operator: str  # operator name as the rule file gives it, or "default" (keep the HF module)
     kwargs: dict = field(default_factory=dict)
+    cls: type | None = field(default=None, repr=False, compare=False)  # the operator class; None for default
 
     @property
     def device(self) -> str:
@@ -45,7 +46,7 @@ def plan(model: nn.Module, rules: list[Rule], default_device: str = "cpu") -> li
         if rule is None:
             rows.append(PlanRow(name, None, DEFAULT, inherited))
         else:
-            rows.append(PlanRow(name, rule.index, rule.operator_name, rule.kwargs))
+            rows.append(PlanRow(name, rule.index, rule.operator_name, rule.kwargs, rule.operator))
             if not rule.recursive:
                 return
             if rule.operator is None and rule.kwargs:
@@ -72,14 +73,12 @@ def format_plan(rows: list[PlanRow]) -> str:
 def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config) -> None:
     """Replace every module whose row names an operator (top-down, so parents go first)."""
     for row in rows:
-        if row.operator == DEFAULT:
+        if row.cls is None:
             continue
-        from ..operators.registry import OPERATORS
-
         parent_name, _, attr = row.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         orig = getattr(parent, attr)
-        operator = OPERATORS.get(row.operator)(row.name, weights, config, orig, **row.kwargs)
+        operator = row.cls(row.name, weights, config, orig, **row.kwargs)
         setattr(parent, attr, operator)
 
 

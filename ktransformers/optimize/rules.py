@@ -56,12 +56,7 @@ class Rule:
     operator: type | None  # None: keep the HF module ("default"), only place it
     kwargs: dict = field(default_factory=dict)
     recursive: bool = True
-
-    @property
-    def operator_name(self) -> str:
-        if self.operator is None:
-            return DEFAULT
-        return OPERATORS.name_of(self.operator) or self.operator.__qualname__
+    operator_name: str = DEFAULT  # as the file spells it, without the module path
 
     def matches(self, name: str, module: nn.Module) -> bool:
         if self.name is not None and not self.name.search(name):
@@ -149,7 +144,7 @@ class _RuleParser:
             raise self.fail(i, "recursive", f"expected true or false, got {recursive!r}")
         name, match_class = self.parse_match(i, item["match"])
         operator, kwargs = self.parse_replace(i, item["replace"])
-        return Rule(i, name, match_class, operator, kwargs, recursive)
+        return Rule(i, name, match_class, operator, kwargs, recursive, item["replace"]["class"].rpartition(".")[2])
 
     def parse_match(self, i: int, match: dict) -> tuple[re.Pattern | None, type | None]:
         if not match:
