@@ -136,3 +136,13 @@ def test_one_dimensional_shared_expert_gate(tmp_path):
     state = {k: (v.reshape(-1) if k.endswith("shared_expert_gate.weight") else v) for k, v in model.state_dict().items()}
     types = write_gguf(tmp_path / "m.gguf", model.config, state)
     check_parity("qwen2_moe", tmp_path / "m.gguf", types, model)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_rule_without_cuda_names_the_rule(tmp_path):
+    model = tiny_model("mixtral", layers=1)
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict())
+    rules = tmp_path / "gpu.yaml"
+    rules.write_text("- match: {name: '^lm_head$'}\n  replace: {class: KTransformersLinear, kwargs: {generate_device: cuda}}\n")
+    with pytest.raises(ValueError, match=r"rule 0 puts 'lm_head' on cuda \(generate_device\).*-cpu rule file"):
+        optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, tmp_path / "m.gguf", model.config)

@@ -70,6 +70,19 @@ def format_plan(rows: list[PlanRow]) -> str:
     return "\n".join(lines)
 
 
+def check_devices(rows: list[PlanRow]) -> None:
+    """Every device a row names must exist here; say which rule asked for one that does not."""
+    for row in rows:
+        for key, value in row.kwargs.items():
+            if not key.endswith("_device"):
+                continue
+            device = torch.device(value)
+            if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+                where = f"rule {row.rule}" if row.rule is not None else "default_device"
+                raise ValueError(f"{where} puts {row.name!r} on {value} ({key}), but this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s); use a -cpu rule file or another device")
+
+
 def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config) -> None:
     """Replace every module whose row names an operator (top-down, so parents go first)."""
     for row in rows:
@@ -153,6 +166,7 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
         weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
     rows = plan(model, rules, default_device)
+    check_devices(rows)
     inject(model, rows, weights, config)
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
