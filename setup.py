@@ -1,4 +1,39 @@
-"""Build script. The package metadata lives in pyproject.toml; C++ extensions (csrc/) are added here."""
+"""Build script. Package metadata lives in pyproject.toml; this adds the C++ CPU kernels.
+
+csrc/ is compiled once per ISA level into its own extension module; ktransformers.kernels.cpu
+picks the best one the CPU has at run time (KT_CPU_ISA forces a lower one). No CUDA is needed.
+"""
+import os
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-setup()
+SOURCES = ["csrc/quants.cpp", "csrc/pool.cpp", "csrc/moe.cpp", "csrc/linear.cpp", "csrc/bindings.cpp"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+AMX = AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+ISA_FLAGS = {"avx2": AVX2, "avx512": AVX512, "amx": AMX}
+
+
+def cpu_extension(isa: str) -> Pybind11Extension:
+    name = f"_cpu_{isa}"
+    return Pybind11Extension(
+        f"ktransformers.kernels.{name}",
+        SOURCES,
+        include_dirs=["csrc"],
+        define_macros=[("KT_MODULE", name), ("KT_ISA", isa)],
+        extra_compile_args=["-O3", "-fvisibility=hidden", "-pthread", *ISA_FLAGS[isa]],
+        extra_link_args=["-pthread"],
+        cxx_std=17,
+    )
+
+
+class ParallelBuildExt(build_ext):
+    """Compile the ISA variants' objects in parallel (they are independent)."""
+
+    def build_extensions(self):
+        self.parallel = self.parallel or os.cpu_count()
+        super().build_extensions()
+
+
+setup(ext_modules=[cpu_extension(isa) for isa in ISA_FLAGS], cmdclass={"build_ext": ParallelBuildExt})

@@ -1,0 +1,75 @@
+// Python bindings. Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
+// checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+
+#include "linear.h"
+#include "moe.h"
+
+#ifndef KT_MODULE
+#error "KT_MODULE (the extension's name) must be defined by the build"
+#endif
+#ifndef KT_ISA
+#error "KT_ISA (avx2, avx512, amx) must be defined by the build"
+#endif
+#define KT_STR2(x) #x
+#define KT_STR(x) KT_STR2(x)
+
+namespace py = pybind11;
+using namespace kt;
+
+namespace {
+template <typename T>
+const T* cptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
+Dtype dtype_of(int code) {
+    if (code != 0 && code != 1) throw std::invalid_argument("dtype code must be 0 (float32) or 1 (bfloat16)");
+    return (Dtype)code;
+}
+}  // namespace
+
+PYBIND11_MODULE(KT_MODULE, m) {
+    m.doc() = "ktransformers CPU kernels (" KT_STR(KT_ISA) " build)";
+    m.attr("isa") = KT_STR(KT_ISA);
+    m.def("supported_formats", &supported_formats);
+
+    py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+        .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 50)
+        .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); });
+
+    py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
+        .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
+                         int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
+                         size_t up_bytes, uintptr_t down, size_t down_bytes) {
+                 MoEConfig c;
+                 c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
+                 c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
+                 c.gate = cptr<void>(gate), c.up = cptr<void>(up), c.down = cptr<void>(down);
+                 c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
+                 return std::make_shared<MoE>(rt, c);
+             }),
+             py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
+             py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
+             py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"))
+        .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
+                 moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
+             }, py::call_guard<py::gil_scoped_release>())
+        .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
+                 moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
+             });
+
+    py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear")
+        .def(py::init([](std::shared_ptr<Runtime> rt, int in_features, int out_features, int type, uintptr_t weight,
+                         size_t weight_bytes, int max_tokens) {
+                 return std::make_shared<Linear>(rt, in_features, out_features, type, cptr<void>(weight), weight_bytes, max_tokens);
+             }),
+             py::arg("runtime"), py::arg("in_features"), py::arg("out_features"), py::arg("type"), py::arg("weight"),
+             py::arg("weight_bytes"), py::arg("max_tokens"))
+        .def("forward", [](Linear& lin, int tokens, uintptr_t x, uintptr_t y, int dtype) {
+                 lin.forward(tokens, cptr<void>(x), (void*)y, dtype_of(dtype));
+             }, py::call_guard<py::gil_scoped_release>())
+        .def("submit", [](Linear& lin, int tokens, uintptr_t x, uintptr_t y, int dtype) {
+                 lin.submit(tokens, cptr<void>(x), (void*)y, dtype_of(dtype));
+             });
+}

@@ -1,0 +1,72 @@
+// GGML block layouts (as stored in GGUF files) and the activation blocks our dot products use.
+// Each struct's size is asserted against ggml's; the Python table (weights/ggml_quants.py) is the
+// same data, and tests check the two agree.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace kt {
+
+constexpr int QK_K = 256;  // super-block size of the k-quants
+constexpr int QK = 32;     // block size of the legacy quants
+
+using fp16_t = uint16_t;
+using bf16_t = uint16_t;
+
+struct block_q4_0 { fp16_t d; uint8_t qs[QK / 2]; };
+struct block_q8_0 { fp16_t d; int8_t qs[QK]; };
+struct block_q4_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct block_q5_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; };
+struct block_q6_k { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; fp16_t d; };
+struct block_iq4_xs { fp16_t d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; };
+
+static_assert(sizeof(block_q4_0) == 18, "q4_0 block");
+static_assert(sizeof(block_q8_0) == 34, "q8_0 block");
+static_assert(sizeof(block_q4_k) == 144, "q4_k block");
+static_assert(sizeof(block_q5_k) == 176, "q5_k block");
+static_assert(sizeof(block_q6_k) == 210, "q6_k block");
+static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs block");
+
+// Activations, quantized once per call: per 32 values (for q8_0/q4_0 weights) or per 256 with
+// sums of each 16 (for the k-quants and iq4_xs, whose mins/offsets need them).
+struct act_q8_0 { float d; int8_t qs[QK]; };
+struct act_q8_k { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
+
+// ggml type ids (the subset computed on directly).
+enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30 };
+
+inline float fp16_to_f32(fp16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float bf16_to_f32(bf16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline bf16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (bf16_t)((bits >> 16) | 64);
+    return (bf16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+}  // namespace kt

@@ -1,0 +1,62 @@
+// The CPU linear op: activations prepared once per call, then rows of W split across threads.
+#include "linear.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kt {
+
+Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_features, int type, const void* weight,
+               size_t weight_bytes, int max_tokens)
+    : rt_(std::move(runtime)), in_(in_features), out_(out_features), max_tokens_(max_tokens), fmt_(find_format(type)),
+      w_((const uint8_t*)weight) {
+    if (!fmt_) throw std::invalid_argument("Linear: ggml type " + std::to_string(type) + " is not computed on here; supported: " + supported_formats());
+    if (in_ <= 0 || out_ <= 0 || max_tokens_ <= 0 || !w_) throw std::invalid_argument("Linear: sizes must be positive and weight non-null");
+    if (in_ % fmt_->block_elems)
+        throw std::invalid_argument("Linear: " + std::to_string(in_) + " inputs are not a whole number of " + fmt_->name + " blocks");
+    row_ = (size_t)(in_ / fmt_->block_elems) * fmt_->block_bytes;
+    if (weight_bytes != row_ * out_)
+        throw std::invalid_argument("Linear: weight holds " + std::to_string(weight_bytes) + " bytes, expected " + std::to_string(row_ * out_));
+    act_ = act_row_bytes(fmt_->act, in_);
+    off_act_ = ((size_t)max_tokens_ * in_ * sizeof(float) + 63) / 64 * 64;
+    rt_->reserve_scratch(off_act_ + (size_t)max_tokens_ * act_);
+}
+
+void Linear::forward(int tokens, const void* x, void* y, Dtype dtype) {
+    submit(tokens, x, y, dtype);
+    rt_->sync();
+}
+
+void Linear::submit(int tokens, const void* x, void* y, Dtype dtype) {
+    if (tokens < 0) throw std::invalid_argument("Linear: negative token count");
+    rt_->submit([=] { run(tokens, x, y, dtype); });
+}
+
+void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
+    float* x_f32 = (float*)rt_->scratch();
+    uint8_t* x_act = rt_->scratch() + off_act_;
+    const size_t elem = dtype == Dtype::F32 ? 4 : 2;
+    for (int start = 0; start < tokens; start += max_tokens_) {
+        const int n = std::min(max_tokens_, tokens - start);
+        const uint8_t* xs = (const uint8_t*)x + (size_t)start * in_ * elem;
+        uint8_t* ys = (uint8_t*)y + (size_t)start * out_ * elem;
+        rt_->pool().parallel_for(n, [&](int t, int) {
+            float* row = &x_f32[(size_t)t * in_];
+            if (dtype == Dtype::F32) std::copy((const float*)xs + (size_t)t * in_, (const float*)xs + (size_t)(t + 1) * in_, row);
+            else for (int i = 0; i < in_; i++) row[i] = bf16_to_f32(((const bf16_t*)xs)[(size_t)t * in_ + i]);
+            prepare_act(fmt_->act, row, &x_act[t * act_], in_);
+        });
+        const int chunk = std::max(16, out_ / (8 * rt_->pool().size()));
+        rt_->pool().parallel_for((out_ + chunk - 1) / chunk, [&](int task, int) {
+            for (int r = task * chunk; r < std::min(out_, (task + 1) * chunk); r++)
+                for (int t = 0; t < n; t++) {
+                    const float v = fmt_->dot(in_, w_ + r * row_, &x_act[t * act_]);
+                    if (dtype == Dtype::F32) ((float*)ys)[(size_t)t * out_ + r] = v;
+                    else ((bf16_t*)ys)[(size_t)t * out_ + r] = f32_to_bf16(v);
+                }
+        });
+    }
+}
+
+}  // namespace kt

@@ -1,0 +1,211 @@
+// MoE forward: prepare activations -> group (token, expert) pairs by expert -> gate/up rows ->
+// silu(g)*u -> down rows -> weighted sum per token. Each phase is one parallel_for; work is
+// split by weight rows so that every thread streams its own part of the experts' bytes.
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace kt {
+namespace {
+
+const Format* need_format(int type, const char* which) {
+    const Format* f = find_format(type);
+    if (!f) throw std::invalid_argument(std::string("MoE: ") + which + " has ggml type " + std::to_string(type) +
+                                        ", not computed on here; supported: " + supported_formats());
+    return f;
+}
+
+size_t row_bytes(const Format* f, int n, const char* which) {
+    if (n % f->block_elems)
+        throw std::invalid_argument(std::string("MoE: ") + which + " rows of " + std::to_string(n) + " values are not a whole number of " +
+                                    f->name + " blocks (" + std::to_string(f->block_elems) + ")");
+    return (size_t)(n / f->block_elems) * f->block_bytes;
+}
+
+void need_bytes(size_t got, size_t want, const char* which) {
+    if (got != want)
+        throw std::invalid_argument(std::string("MoE: ") + which + " holds " + std::to_string(got) + " bytes, expected " + std::to_string(want));
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
+int chunk_rows(int rows, int experts_active, int threads) {
+    const int want_tasks = std::max(1, 4 * threads / std::max(1, experts_active));
+    return std::max(8, (rows + want_tasks - 1) / want_tasks);
+}
+
+}  // namespace
+
+MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
+    if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
+        throw std::invalid_argument("MoE: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
+    if (!c.gate || !c.up || !c.down) throw std::invalid_argument("MoE: null weight pointer");
+    gate_fmt_ = need_format(c.gate_type, "gate");
+    up_fmt_ = need_format(c.up_type, "up");
+    down_fmt_ = need_format(c.down_type, "down");
+    gate_row_ = row_bytes(gate_fmt_, c.hidden, "gate");
+    up_row_ = row_bytes(up_fmt_, c.hidden, "up");
+    down_row_ = row_bytes(down_fmt_, c.intermediate, "down");
+    need_bytes(c.gate_bytes, gate_row_ * c.intermediate * c.experts, "gate");
+    need_bytes(c.up_bytes, up_row_ * c.intermediate * c.experts, "up");
+    need_bytes(c.down_bytes, down_row_ * c.hidden * c.experts, "down");
+    gate_act_ = act_row_bytes(gate_fmt_->act, c.hidden);
+    up_act_ = act_row_bytes(up_fmt_->act, c.hidden);
+    down_act_ = act_row_bytes(down_fmt_->act, c.intermediate);
+    const size_t T = c.max_tokens, P = T * c.top_k;
+    auto align = [](size_t n) { return (n + 63) / 64 * 64; };
+    separate_up_ = up_fmt_->act != gate_fmt_->act;
+    off_gate_ = align(T * c.hidden * sizeof(float));
+    off_x_up_ = off_gate_ + align(T * gate_act_);
+    off_g_ = off_x_up_ + (separate_up_ ? align(T * up_act_) : 0);
+    off_u_ = off_g_ + align(P * c.intermediate * sizeof(float));
+    off_h_ = off_u_ + align(P * c.intermediate * sizeof(float));
+    off_y_ = off_h_ + align(P * down_act_);
+    rt_->reserve_scratch(off_y_ + align(P * c.hidden * sizeof(float)));
+    pair_token_.resize(P);
+    pair_slot_.resize(P);
+    slot_pair_.resize(P);
+    expert_start_.resize(c.experts + 1);
+    fill_.resize(c.experts);
+    active_.reserve(c.experts);
+}
+
+void MoE::check(int tokens, const int64_t* ids) const {
+    if (tokens < 0) throw std::invalid_argument("MoE: negative token count");
+    for (int64_t i = 0; i < (int64_t)tokens * cfg_.top_k; i++)
+        if (ids[i] < 0 || ids[i] >= cfg_.experts)
+            throw std::invalid_argument("MoE: expert id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                                        " is outside [0, " + std::to_string(cfg_.experts) + ")");
+}
+
+void MoE::forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
+    submit(tokens, ids, weights, x, y, dtype);  // on the dispatcher, after anything queued before
+    rt_->sync();
+}
+
+void MoE::submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
+    check(tokens, ids);
+    rt_->submit([=] { run(tokens, ids, weights, x, y, dtype); });
+}
+
+MoE::Scratch MoE::bind_scratch() {
+    uint8_t* base = rt_->scratch();
+    Scratch s;
+    s.x_f32 = (float*)base;
+    s.x_gate = base + off_gate_;
+    s.x_up = separate_up_ ? base + off_x_up_ : s.x_gate;
+    s.g = (float*)(base + off_g_);
+    s.u = (float*)(base + off_u_);
+    s.h_act = base + off_h_;
+    s.y_pairs = (float*)(base + off_y_);
+    return s;
+}
+
+void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
+    s_ = bind_scratch();
+    const size_t elem = dtype == Dtype::F32 ? 4 : 2;
+    for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // longer inputs in max_tokens chunks
+        const int n = std::min(cfg_.max_tokens, tokens - start);
+        prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
+        group_by_expert(n, ids + (size_t)start * cfg_.top_k);
+        gate_up();
+        activate();
+        down();
+        combine(n, weights + (size_t)start * cfg_.top_k, (uint8_t*)y + start * cfg_.hidden * elem, dtype);
+    }
+}
+
+void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {
+    const int H = cfg_.hidden;
+    rt_->pool().parallel_for(tokens, [&](int t, int) {
+        float* row = &s_.x_f32[(size_t)t * H];
+        if (dtype == Dtype::F32) {
+            std::copy((const float*)x + (size_t)t * H, (const float*)x + (size_t)(t + 1) * H, row);
+        } else {
+            const bf16_t* src = (const bf16_t*)x + (size_t)t * H;
+            for (int i = 0; i < H; i++) row[i] = bf16_to_f32(src[i]);
+        }
+        prepare_act(gate_fmt_->act, row, &s_.x_gate[t * gate_act_], H);
+        if (separate_up_) prepare_act(up_fmt_->act, row, &s_.x_up[t * up_act_], H);
+    });
+}
+
+void MoE::group_by_expert(int tokens, const int64_t* ids) {
+    const int K = cfg_.top_k, E = cfg_.experts;
+    std::fill(expert_start_.begin(), expert_start_.end(), 0);
+    for (int s = 0; s < tokens * K; s++) expert_start_[ids[s] + 1]++;
+    active_.clear();
+    for (int e = 0; e < E; e++) {
+        if (expert_start_[e + 1]) active_.push_back(e);
+        expert_start_[e + 1] += expert_start_[e];
+    }
+    std::copy(expert_start_.begin(), expert_start_.end() - 1, fill_.begin());
+    for (int s = 0; s < tokens * K; s++) {
+        const int p = fill_[ids[s]]++;
+        pair_token_[p] = s / K;
+        pair_slot_[p] = s;
+        slot_pair_[s] = p;
+    }
+}
+
+void MoE::gate_up() {
+    const int I = cfg_.intermediate, H = cfg_.hidden;
+    const int chunk = chunk_rows(I, (int)active_.size(), rt_->pool().size());
+    const int per_expert = (I + chunk - 1) / chunk;
+    rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
+        const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(I, r0 + chunk);
+        const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
+        const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
+        for (int r = r0; r < r1; r++)
+            for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) {
+                const int t = pair_token_[p];
+                s_.g[(size_t)p * I + r] = gate_fmt_->dot(H, gw + r * gate_row_, &s_.x_gate[t * gate_act_]);
+                s_.u[(size_t)p * I + r] = up_fmt_->dot(H, uw + r * up_row_, &s_.x_up[t * up_act_]);
+            }
+    });
+}
+
+void MoE::activate() {
+    const int I = cfg_.intermediate;
+    const int pairs = expert_start_[cfg_.experts];
+    rt_->pool().parallel_for(pairs, [&](int p, int) {
+        float* g = &s_.g[(size_t)p * I];
+        const float* u = &s_.u[(size_t)p * I];
+        for (int i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
+        prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
+    });
+}
+
+void MoE::down() {
+    const int I = cfg_.intermediate, H = cfg_.hidden;
+    const int chunk = chunk_rows(H, (int)active_.size(), rt_->pool().size());
+    const int per_expert = (H + chunk - 1) / chunk;
+    rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
+        const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(H, r0 + chunk);
+        const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
+        for (int r = r0; r < r1; r++)
+            for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++)
+                s_.y_pairs[(size_t)p * H + r] = down_fmt_->dot(I, dw + r * down_row_, &s_.h_act[p * down_act_]);
+    });
+}
+
+void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
+    const int H = cfg_.hidden, K = cfg_.top_k;
+    rt_->pool().parallel_for(tokens, [&](int t, int) {
+        float* acc = &s_.x_f32[(size_t)t * H];  // the input row is no longer needed
+        std::fill(acc, acc + H, 0.f);
+        for (int k = 0; k < K; k++) {
+            const float w = weights[t * K + k];
+            const float* src = &s_.y_pairs[(size_t)slot_pair_[t * K + k] * H];
+            for (int i = 0; i < H; i++) acc[i] += w * src[i];
+        }
+        if (dtype == Dtype::F32) std::copy(acc, acc + H, (float*)y + (size_t)t * H);
+        else for (int i = 0; i < H; i++) ((bf16_t*)y)[(size_t)t * H + i] = f32_to_bf16(acc[i]);
+    });
+}
+
+}  // namespace kt

@@ -1,0 +1,70 @@
+// MoE forward on GGML-format expert weights:
+//   y[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k]
+// Shapes: x [T, H] (f32 or bf16), ids [T, K] int64, w [T, K] f32, y [T, H] (x's dtype);
+// gate/up [E, I, H] and down [E, H, I] as stored in the GGUF (rows of blocks), never copied.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "pool.h"
+#include "quants.h"
+
+namespace kt {
+
+struct MoEConfig {
+    int experts = 0, top_k = 0, hidden = 0, intermediate = 0, max_tokens = 0;
+    int gate_type = -1, up_type = -1, down_type = -1;
+    const void* gate = nullptr;  // each [E, I, H] / [E, H, I] rows of blocks
+    const void* up = nullptr;
+    const void* down = nullptr;
+    size_t gate_bytes = 0, up_bytes = 0, down_bytes = 0;  // for the bounds check
+};
+
+enum class Dtype { F32 = 0, BF16 = 1 };
+
+class MoE {
+  public:
+    MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& config);
+    // Checks everything before touching memory (throws std::invalid_argument), then runs on the
+    // calling thread with the runtime's pool. `submit` runs the same on the dispatcher.
+    void forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    void submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    const MoEConfig& config() const { return cfg_; }
+
+  private:
+    void check(int tokens, const int64_t* ids) const;
+    void run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    void prepare_inputs(int tokens, const void* x, Dtype dtype);
+    void group_by_expert(int tokens, const int64_t* ids);
+    void gate_up();
+    void activate();
+    void down();
+    void combine(int tokens, const float* weights, void* y, Dtype dtype);
+
+    std::shared_ptr<Runtime> rt_;
+    MoEConfig cfg_;
+    const Format *gate_fmt_, *up_fmt_, *down_fmt_;
+    size_t gate_row_, up_row_, down_row_;  // bytes per weight row
+    size_t gate_act_, up_act_, down_act_;  // bytes per prepared activation row
+    // Buffers for max_tokens tokens, in the runtime's scratch arena (offsets fixed at construction;
+    // pointers taken at the start of each run).
+    struct Scratch {
+        float* x_f32;              // [T, H]
+        uint8_t *x_gate, *x_up;    // [T] prepared rows for gate and up weights (x_up may alias x_gate)
+        float *g, *u;              // [P, I], P = T * K (token, expert) pairs
+        uint8_t* h_act;            // [P] prepared rows for down weights
+        float* y_pairs;            // [P, H]
+    };
+    Scratch bind_scratch();
+    Scratch s_{};
+    size_t off_x_up_ = 0, off_g_ = 0, off_u_ = 0, off_h_ = 0, off_y_ = 0, off_gate_ = 0;
+    bool separate_up_ = false;
+    std::vector<int> pair_token_, pair_slot_;  // pair -> token, pair -> t*K + k
+    std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
+    std::vector<int> slot_pair_;               // t*K + k -> pair
+    std::vector<int> fill_;                    // scratch for group_by_expert
+};
+
+}  // namespace kt

@@ -1,0 +1,166 @@
+// ThreadPool and Runtime. Workers spin for spin_us after each job (a decode step issues many
+// small parallel regions back to back), then sleep on a condition variable, so an idle pool
+// costs no CPU - which matters on a 2-core machine where Python shares the cores.
+#include "pool.h"
+
+#include <chrono>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KT_PAUSE() _mm_pause()
+#else
+#define KT_PAUSE()
+#endif
+
+namespace kt {
+namespace {
+void pin_to(int core) {
+#if defined(__linux__)
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+    const int n = CPU_COUNT(&allowed);
+    if (n <= 0) return;
+    int seen = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &allowed)) continue;
+        if (seen++ == core % n) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(c, &one);
+            pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+            return;
+        }
+    }
+#else
+    (void)core;
+#endif
+}
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
+    : n_threads_(n_threads < 1 ? 1 : n_threads), pin_(pin), spin_us_(spin_us) {
+    for (int i = 1; i < n_threads_; i++) threads_.emplace_back(&ThreadPool::worker, this, i);
+}
+
+ThreadPool::~ThreadPool() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+        generation_++;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::pin_caller() const {
+    if (pin_) pin_to(0);
+}
+
+void ThreadPool::run_tasks(int id) {
+    const auto& fn = *job_;
+    const int n = n_tasks_.load(std::memory_order_acquire);
+    for (int task = next_.fetch_add(1); task < n; task = next_.fetch_add(1)) fn(task, id);
+}
+
+void ThreadPool::parallel_for(int n_tasks, const std::function<void(int, int)>& fn) {
+    if (n_tasks <= 0) return;
+    if (n_threads_ == 1 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++) fn(t, 0);
+        return;
+    }
+    job_ = &fn;
+    next_.store(0);
+    n_tasks_.store(n_tasks, std::memory_order_release);
+    busy_.store(n_threads_ - 1);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    run_tasks(0);
+    while (busy_.load(std::memory_order_acquire) != 0) KT_PAUSE();
+    job_ = nullptr;
+}
+
+void ThreadPool::worker(int id) {
+    if (pin_) pin_to(id);
+    uint64_t seen = 0;
+    for (;;) {
+        // spin a little for the next job, then sleep until one comes
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+            for (int i = 0; i < 64; i++) KT_PAUSE();
+        if (generation_.load(std::memory_order_acquire) == seen) {
+            std::unique_lock<std::mutex> lock(mu_);
+            wake_.wait(lock, [&] { return generation_.load() != seen; });
+        }
+        seen = generation_.load(std::memory_order_acquire);
+        if (stop_) return;
+        run_tasks(id);
+        busy_.fetch_sub(1, std::memory_order_release);
+    }
+}
+
+Runtime::Runtime(int n_threads, bool pin, int spin_us) : pool_(n_threads, pin, spin_us) {
+    dispatcher_ = std::thread(&Runtime::dispatch, this);
+}
+
+Runtime::~Runtime() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    more_.notify_all();
+    dispatcher_.join();
+}
+
+void Runtime::reserve_scratch(size_t bytes) {
+    sync();  // no job may be using the arena while it moves
+    if (bytes > scratch_.size()) scratch_.resize(bytes);
+}
+
+void Runtime::submit(std::function<void()> job) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(std::move(job));
+    }
+    more_.notify_one();
+}
+
+void Runtime::sync() {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return queue_.empty() && !running_; });
+    if (error_) {
+        std::exception_ptr e = error_;
+        error_ = nullptr;
+        std::rethrow_exception(e);
+    }
+}
+
+void Runtime::dispatch() {
+    pool_.pin_caller();
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        more_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty() && stop_) return;
+        std::function<void()> job = std::move(queue_.front());
+        queue_.pop_front();
+        running_ = true;
+        lock.unlock();
+        try {
+            job();
+        } catch (...) {
+            std::lock_guard<std::mutex> relock(mu_);
+            if (!error_) error_ = std::current_exception();
+        }
+        lock.lock();
+        running_ = false;
+        if (queue_.empty()) done_.notify_all();
+    }
+}
+
+}  // namespace kt

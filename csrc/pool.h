@@ -1,0 +1,72 @@
+// The CPU runtime: a pool of pinned workers (spin, then sleep) and a dispatcher thread that runs
+// submitted jobs one after another, so Python (and the GPU) go on while the CPU computes.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+class ThreadPool {
+  public:
+    // n_threads counts the thread that calls parallel_for (it works too); pin: bind thread i to core i.
+    ThreadPool(int n_threads, bool pin, int spin_us);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    // fn(task, thread) for task in [0, n_tasks), scheduled dynamically; returns when all are done.
+    void parallel_for(int n_tasks, const std::function<void(int, int)>& fn);
+    int size() const { return n_threads_; }
+    void pin_caller() const;  // pin the calling thread to core 0 (when pinning is on)
+
+  private:
+    void worker(int id);
+    void run_tasks(int id);
+
+    const int n_threads_;
+    const bool pin_;
+    const int spin_us_;
+    std::vector<std::thread> threads_;
+    const std::function<void(int, int)>* job_ = nullptr;
+    std::atomic<int> n_tasks_{0}, next_{0}, busy_{0};
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<bool> stop_{false};
+    std::mutex mu_;
+    std::condition_variable wake_;
+};
+
+// Owns the pool; jobs submitted from Python run on its dispatcher thread, in order.
+class Runtime {
+  public:
+    Runtime(int n_threads, bool pin, int spin_us);
+    ~Runtime();
+    void submit(std::function<void()> job);
+    // Wait for every submitted job; rethrows the first error a job raised.
+    void sync();
+    ThreadPool& pool() { return pool_; }
+    // Scratch memory shared by the kernels of this runtime: jobs run one at a time on the
+    // dispatcher, so one arena serves every layer. Kernels reserve their size when constructed.
+    void reserve_scratch(size_t bytes);
+    uint8_t* scratch() { return scratch_.data(); }
+
+  private:
+    void dispatch();
+
+    ThreadPool pool_;
+    std::deque<std::function<void()>> queue_;
+    std::mutex mu_;
+    std::condition_variable more_, done_;
+    bool running_ = false, stop_ = false;
+    std::exception_ptr error_;
+    std::vector<uint8_t> scratch_;
+    std::thread dispatcher_;
+};
+
+}  // namespace kt

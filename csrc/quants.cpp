@@ -1,0 +1,382 @@
+// Row dot products of GGML weight blocks with quantized activations.
+// Each format has a scalar reference; an AVX2 path where the build has AVX2 (every ISA level
+// we build for does). Integer sums are exact; only the final scaling is in float.
+#include "quants.h"
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kt {
+namespace {
+
+const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// ---- activation preparation ---------------------------------------------------------------
+void prep_q8_0(const float* x, act_q8_0* y, int n) {
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0;
+        for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(x[i]));
+        const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        y[b].d = d;
+        for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)std::nearbyint(x[i] * id);
+    }
+}
+
+void prep_q8_k(const float* x, act_q8_k* y, int n) {
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float amax = 0;
+        for (int i = 0; i < QK_K; i++) amax = std::fmax(amax, std::fabs(x[i]));
+        const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        y[b].d = d;
+        for (int i = 0; i < QK_K; i++) y[b].qs[i] = (int8_t)std::nearbyint(x[i] * id);
+        for (int g = 0; g < QK_K / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += y[b].qs[16 * g + i];
+            y[b].bsums[g] = (int16_t)s;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+inline float hsum_f32(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+// Sum of products of signed bytes a and b, as 8 int32 lanes (maddubs needs an unsigned side).
+inline __m256i dot_s8(__m256i a, __m256i b) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#endif
+
+// ---- Q8_0 x Q8_0 -------------------------------------------------------------------------
+float dot_q8_0(int n, const void* vw, const void* va) {
+    const block_q8_0* w = (const block_q8_0*)vw;
+    const act_q8_0* a = (const act_q8_0*)va;
+    const int nb = n / QK;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i p = dot_s8(_mm256_loadu_si256((const __m256i*)w[b].qs), _mm256_loadu_si256((const __m256i*)a[b].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * a[b].d), _mm256_cvtepi32_ps(p), acc);
+    }
+    return hsum_f32(acc);
+#else
+    float sum = 0;
+    for (int b = 0; b < nb; b++) {
+        int s = 0;
+        for (int i = 0; i < QK; i++) s += w[b].qs[i] * a[b].qs[i];
+        sum += fp16_to_f32(w[b].d) * a[b].d * s;
+    }
+    return sum;
+#endif
+}
+
+// ---- Q4_0 x Q8_0 -------------------------------------------------------------------------
+float dot_q4_0(int n, const void* vw, const void* va) {
+    const block_q4_0* w = (const block_q4_0*)vw;
+    const act_q8_0* a = (const act_q8_0*)va;
+    const int nb = n / QK;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0xF), eight = _mm256_set1_epi8(8);
+    for (int b = 0; b < nb; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)w[b].qs);
+        __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // bytes 0..15 low nibbles, 16..31 high
+        q = _mm256_sub_epi8(_mm256_and_si256(q, low), eight);
+        const __m256i p = dot_s8(q, _mm256_loadu_si256((const __m256i*)a[b].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * a[b].d), _mm256_cvtepi32_ps(p), acc);
+    }
+    return hsum_f32(acc);
+#else
+    float sum = 0;
+    for (int b = 0; b < nb; b++) {
+        int s = 0;
+        for (int i = 0; i < QK / 2; i++) {
+            s += ((w[b].qs[i] & 0xF) - 8) * a[b].qs[i];
+            s += ((w[b].qs[i] >> 4) - 8) * a[b].qs[i + QK / 2];
+        }
+        sum += fp16_to_f32(w[b].d) * a[b].d * s;
+    }
+    return sum;
+#endif
+}
+
+// ---- Q4_K x Q8_K -------------------------------------------------------------------------
+// value = d * sc_j * q - dmin * m_j for sub-block j (32 values); q in 0..15.
+float dot_q4_k(int n, const void* vw, const void* va) {
+    const block_q4_k* w = (const block_q4_k*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        int sc[8], m[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(j, w[b].scales, &sc[j], &m[j]);
+        int summ = 0;
+        for (int j = 0; j < 8; j++) summ += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+        const uint8_t* q = w[b].qs;
+        const int8_t* x = a[b].qs;
+#if defined(__AVX2__)
+        const __m256i low = _mm256_set1_epi8(0xF);
+        __m256i acc = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++, q += 32, x += 64) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * c])));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        const int sumi = hsum_i32(acc);
+#else
+        int sumi = 0;
+        for (int c = 0; c < 4; c++, q += 32, x += 64) {
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                s0 += (q[l] & 0xF) * x[l];
+                s1 += (q[l] >> 4) * x[l + 32];
+            }
+            sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
+        }
+#endif
+        sum += a[b].d * (fp16_to_f32(w[b].d) * sumi - fp16_to_f32(w[b].dmin) * summ);
+    }
+    return sum;
+}
+
+// ---- Q5_K x Q8_K -------------------------------------------------------------------------
+float dot_q5_k(int n, const void* vw, const void* va) {
+    const block_q5_k* w = (const block_q5_k*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        int sc[8], m[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(j, w[b].scales, &sc[j], &m[j]);
+        int summ = 0;
+        for (int j = 0; j < 8; j++) summ += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
+        const uint8_t* q = w[b].qs;
+        const uint8_t* qh = w[b].qh;
+        const int8_t* x = a[b].qs;
+#if defined(__AVX2__)
+        const __m256i low = _mm256_set1_epi8(0xF), hbits = _mm256_loadu_si256((const __m256i*)qh);
+        __m256i acc = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++, q += 32, x += 64) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
+            const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            const __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), _mm256_set1_epi8(16));
+            const __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), _mm256_set1_epi8(16));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), h0);
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), h1);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * c])));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        const int sumi = hsum_i32(acc);
+#else
+        int sumi = 0;
+        for (int c = 0; c < 4; c++, q += 32, x += 64) {
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                s0 += ((q[l] & 0xF) + ((qh[l] >> (2 * c)) & 1) * 16) * x[l];
+                s1 += ((q[l] >> 4) + ((qh[l] >> (2 * c + 1)) & 1) * 16) * x[l + 32];
+            }
+            sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
+        }
+#endif
+        sum += a[b].d * (fp16_to_f32(w[b].d) * sumi - fp16_to_f32(w[b].dmin) * summ);
+    }
+    return sum;
+}
+
+// ---- Q6_K x Q8_K -------------------------------------------------------------------------
+// value = d * scales[g] * (q - 32), q in 0..63 from 4 low bits (ql) and 2 high bits (qh).
+float dot_q6_k(int n, const void* vw, const void* va) {
+    const block_q6_k* w = (const block_q6_k*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const uint8_t* ql = w[b].ql;
+        const uint8_t* qh = w[b].qh;
+        const int8_t* sc = w[b].scales;
+        const int8_t* x = a[b].qs;
+        int sumi = 0;
+        // the -32 offset: sum_g sc[g] * 32 * bsum[g]
+        int offset = 0;
+        for (int g = 0; g < 16; g++) offset += sc[g] * a[b].bsums[g];
+#if defined(__AVX2__)
+        const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+        __m256i acc = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, x += 128) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
+                _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
+            };
+            for (int k = 0; k < 4; k++) {
+                const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
+                // 16-bit lanes 0..7 belong to group 2k, 8..15 to group 2k+1
+                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+            }
+        }
+        sumi = hsum_i32(acc);
+#else
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, x += 128) {
+            for (int l = 0; l < 32; l++) {
+                const int g = l / 16;
+                const int q1 = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+                const int q2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                const int q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                sumi += sc[g] * q1 * x[l] + sc[g + 2] * q2 * x[l + 32] + sc[g + 4] * q3 * x[l + 64] + sc[g + 6] * q4 * x[l + 96];
+            }
+        }
+#endif
+        sum += fp16_to_f32(w[b].d) * a[b].d * (sumi - 32 * offset);
+    }
+    return sum;
+}
+
+// ---- IQ4_XS x Q8_K -----------------------------------------------------------------------
+float dot_iq4_xs(int n, const void* vw, const void* va) {
+    const block_iq4_xs* w = (const block_iq4_xs*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+#if defined(__AVX2__)
+    const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
+    const __m256i lut = _mm256_set_m128i(table, table), low = _mm256_set1_epi8(0xF);
+#endif
+    for (int b = 0; b < n / QK_K; b++) {
+        const uint8_t* q = w[b].qs;
+        const int8_t* x = a[b].qs;
+        int sumi = 0;
+        for (int ib = 0; ib < 8; ib++, q += 16, x += 32) {
+            const int ls = ((w[b].scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((w[b].scales_h >> (2 * ib)) & 3) << 4);
+#if defined(__AVX2__)
+            const __m128i raw = _mm_loadu_si128((const __m128i*)q);
+            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+            const __m256i v = _mm256_shuffle_epi8(lut, idx);
+            const int s = hsum_i32(dot_s8(v, _mm256_loadu_si256((const __m256i*)x)));
+#else
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += kIQ4NL[q[j] & 0xF] * x[j] + kIQ4NL[q[j] >> 4] * x[j + 16];
+#endif
+            sumi += (ls - 32) * s;
+        }
+        sum += fp16_to_f32(w[b].d) * a[b].d * sumi;
+    }
+    return sum;
+}
+
+// ---- 16-bit floats x F32 -----------------------------------------------------------------
+float dot_bf16(int n, const void* vw, const void* va) {
+    const bf16_t* w = (const bf16_t*)vw;
+    const float* x = (const float*)va;
+    int i = 0;
+    float sum = 0;
+#if defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256i r = _mm256_loadu_si256((const __m256i*)(w + i));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), 16));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), 16));
+        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), acc1);
+    }
+    sum = hsum_f32(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += bf16_to_f32(w[i]) * x[i];
+    return sum;
+}
+
+float dot_f16(int n, const void* vw, const void* va) {
+    const fp16_t* w = (const fp16_t*)vw;
+    const float* x = (const float*)va;
+    int i = 0;
+    float sum = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + i))), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + i + 8))), _mm256_loadu_ps(x + i + 8), acc1);
+    }
+    sum = hsum_f32(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += fp16_to_f32(w[i]) * x[i];
+    return sum;
+}
+
+float dot_f32(int n, const void* vw, const void* va) {
+    const float* w = (const float*)vw;
+    const float* x = (const float*)va;
+    float sum = 0;
+    for (int i = 0; i < n; i++) sum += w[i] * x[i];
+    return sum;
+}
+
+const Format kFormats[] = {
+    {F32, "F32", 1, 4, Act::F32, dot_f32},
+    {F16, "F16", 1, 2, Act::F32, dot_f16},
+    {BF16, "BF16", 1, 2, Act::F32, dot_bf16},
+    {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0},
+    {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0},
+    {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), Act::Q8_K, dot_q4_k},
+    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), Act::Q8_K, dot_q5_k},
+    {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k},
+    {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs},
+};
+
+}  // namespace
+
+const Format* find_format(int type) {
+    for (const Format& f : kFormats)
+        if (f.type == type) return &f;
+    return nullptr;
+}
+
+const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS"; }
+
+size_t act_row_bytes(Act act, int n) {
+    switch (act) {
+        case Act::F32: return sizeof(float) * n;
+        case Act::Q8_0: return sizeof(act_q8_0) * (n / QK);
+        case Act::Q8_K: return sizeof(act_q8_k) * (n / QK_K);
+    }
+    return 0;
+}
+
+void prepare_act(Act act, const float* x, void* out, int n) {
+    switch (act) {
+        case Act::F32: std::memcpy(out, x, sizeof(float) * n); break;
+        case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
+        case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;
+    }
+}
+
+}  // namespace kt

@@ -1,0 +1,179 @@
+"""Python face of the C++ CPU kernels: ISA dispatch, the runtime (thread pool), MoE and linear.
+
+Shapes: x [T, H] float32 or bfloat16; top_k_index [T, K] int64; top_k_weights [T, K] float32;
+gate/up weights [E, I, H] and down [E, H, I] as raw GGML blocks (uint8 arrays, zero-copy views
+of the GGUF memory map where possible). Every tensor is checked here (dtype, shape, contiguity,
+expert ids) and again in C++ (byte counts, ids) before any memory is touched.
+
+KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests use it to run every level the CPU has);
+it is read here and nowhere else.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+ISA_ORDER = ("amx", "avx512", "avx2")  # best first
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@lru_cache(maxsize=1)
+def supported_isas() -> tuple[str, ...]:
+    """ISA levels this CPU can run, best first (cpufeature, plus /proc/cpuinfo for AMX/BF16)."""
+    import cpufeature
+    f, flags = cpufeature.CPUFeature, _cpu_flags()
+    have = []
+    if f.get("AVX2") and f.get("FMA3") and f.get("OS_AVX"):
+        have.append("avx2")
+        if all(f.get(k) for k in ("AVX512f", "AVX512bw", "AVX512vl", "AVX512dq", "AVX512vnni", "OS_AVX512")):
+            have.append("avx512")
+            if {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= flags:
+                have.append("amx")
+    return tuple(isa for isa in ISA_ORDER if isa in have)
+
+
+def default_isa() -> str:
+    forced = os.environ.get("KT_CPU_ISA", "").strip().lower()
+    have = supported_isas()
+    if not have:
+        raise RuntimeError("this CPU lacks AVX2+FMA, the lowest level the CPU kernels are built for")
+    if not forced:
+        return have[0]
+    if forced not in ISA_ORDER:
+        raise ValueError(f"KT_CPU_ISA={forced!r}: valid values are {', '.join(ISA_ORDER)}")
+    if forced not in have:
+        raise ValueError(f"KT_CPU_ISA={forced!r}: this CPU supports only {', '.join(have)}")
+    return forced
+
+
+def load_extension(isa: str | None = None):
+    isa = isa or default_isa()
+    if isa not in supported_isas():
+        raise ValueError(f"ISA {isa!r} is not supported by this CPU (supported: {', '.join(supported_isas())})")
+    try:
+        return importlib.import_module(f"ktransformers.kernels._cpu_{isa}")
+    except ImportError as e:
+        raise ImportError(f"the CPU kernels for {isa} are not built ({e}); reinstall with `pip install -e .`") from None
+
+
+class CPURuntime:
+    """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
+
+    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int = 50):
+        self.ext = load_extension(isa)
+        self.isa = self.ext.isa
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self._rt = self.ext.Runtime(self.threads, pin, spin_us)
+        self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
+
+    def hold(self, *tensors) -> None:
+        self._keep.extend(tensors)
+
+    def sync(self) -> None:
+        try:
+            self._rt.sync()
+        finally:
+            self._keep.clear()
+
+
+def _address(data) -> tuple[int, int]:
+    """(address, byte count) of a contiguous uint8 numpy array or torch tensor."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("weight bytes must be a contiguous CPU tensor")
+        return data.data_ptr(), data.numel() * data.element_size()
+    array = np.asarray(data)
+    if not array.flags.c_contiguous:
+        raise ValueError("weight bytes must be contiguous")
+    return array.ctypes.data, array.nbytes
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of all experts as stored: raw bytes + ggml type id."""
+    data: object  # uint8 numpy array (memmap view) or torch tensor
+    ggml_type: int
+
+
+def _check_activations(op: str, x: torch.Tensor, width: int) -> None:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{op}: x must be a CPU tensor [T, {width}], got {tuple(x.shape)} on {x.device}")
+    if x.dtype not in _DTYPE_CODE:
+        raise ValueError(f"{op}: x must be float32 or bfloat16, got {x.dtype}")
+
+
+class MoEKernel:
+    """Routed experts on the CPU, computed on the GGML blocks directly."""
+
+    def __init__(self, runtime: CPURuntime, *, experts: int, top_k: int, hidden: int, intermediate: int,
+                 gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE"):
+        self.runtime, self.name = runtime, name
+        self.experts, self.top_k, self.hidden = experts, top_k, hidden
+        self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
+        (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
+        self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
+                                    gate.ggml_type, up.ggml_type, down.ggml_type, g, gb, u, ub, d, db)
+
+    def _args(self, x, ids, weights):
+        _check_activations(self.name, x, self.hidden)
+        if ids.shape != (x.shape[0], self.top_k) or weights.shape != ids.shape:
+            raise ValueError(f"{self.name}: top_k_index and top_k_weights must be [{x.shape[0]}, {self.top_k}], "
+                             f"got {tuple(ids.shape)} and {tuple(weights.shape)}")
+        if ids.dtype.is_floating_point:
+            raise ValueError(f"{self.name}: top_k_index must be an integer tensor, got {ids.dtype}")
+        x = x.contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.experts):
+            raise ValueError(f"{self.name}: expert ids must lie in [0, {self.experts}), "
+                             f"got min {int(ids.min())} max {int(ids.max())}")
+        y = torch.empty_like(x)
+        return x, ids, weights, y
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        x, ids, weights, y = self._args(x, ids, weights)
+        self._moe.forward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
+        return y
+
+    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Queue the job and return the output tensor, valid after runtime.sync()."""
+        x, ids, weights, y = self._args(x, ids, weights)
+        self.runtime.hold(x, ids, weights, y)
+        self._moe.submit(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
+        return y
+
+
+class LinearKernel:
+    """y [T, O] = x [T, I] @ W^T with W [O, I] as raw GGML blocks."""
+
+    def __init__(self, runtime: CPURuntime, *, in_features: int, out_features: int, weight: ExpertWeights,
+                 max_tokens: int = 512, name: str = "Linear"):
+        self.runtime, self.name = runtime, name
+        self.in_features, self.out_features = in_features, out_features
+        self._weight = weight
+        address, nbytes = _address(weight.data)
+        self._linear = runtime.ext.Linear(runtime._rt, in_features, out_features, weight.ggml_type, address, nbytes,
+                                          max_tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_activations(self.name, x, self.in_features)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        self._linear.forward(x.shape[0], x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
+        return y
