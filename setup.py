@@ -4,11 +4,12 @@ csrc/ is compiled once per ISA level into its own extension module; ktransformer
 picks the best one the CPU has at run time (KT_CPU_ISA forces a lower one). No CUDA is needed.
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-SOURCES = ["csrc/quants.cpp", "csrc/pool.cpp", "csrc/moe.cpp", "csrc/linear.cpp", "csrc/bindings.cpp"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 AMX = AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
@@ -19,8 +20,9 @@ def cpu_extension(isa: str) -> Pybind11Extension:
     name = f"_cpu_{isa}"
     return Pybind11Extension(
         f"ktransformers.kernels.{name}",
-        SOURCES,
+        [f"csrc/ext/{isa}.cpp"],  # includes every csrc/*.cpp: one object per ISA level
         include_dirs=["csrc"],
+        depends=[str(p) for p in Path("csrc").glob("*.[ch]*")],
         define_macros=[("KT_MODULE", name), ("KT_ISA", isa)],
         extra_compile_args=["-O3", "-fvisibility=hidden", "-pthread", *ISA_FLAGS[isa]],
         extra_link_args=["-pthread"],
@@ -29,11 +31,12 @@ def cpu_extension(isa: str) -> Pybind11Extension:
 
 
 class ParallelBuildExt(build_ext):
-    """Compile the ISA variants' objects in parallel (they are independent)."""
+    """Build the ISA variants side by side (each is one independent translation unit)."""
 
     def build_extensions(self):
-        self.parallel = self.parallel or os.cpu_count()
-        super().build_extensions()
+        self.check_extensions_list(self.extensions)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(self.build_extension, self.extensions))
 
 
 setup(ext_modules=[cpu_extension(isa) for isa in ISA_FLAGS], cmdclass={"build_ext": ParallelBuildExt})

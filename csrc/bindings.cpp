@@ -1,4 +1,4 @@
-// Python bindings. Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
+// Python bindings (module_local: each ISA build registers its own types in one process). Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
 
@@ -33,12 +33,12 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.attr("isa") = KT_STR(KT_ISA);
     m.def("supported_formats", &supported_formats);
 
-    py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+    py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime", py::module_local())
         .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 50)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); });
 
-    py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
+    py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
                          int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
                          size_t up_bytes, uintptr_t down, size_t down_bytes) {
@@ -59,7 +59,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              });
 
-    py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear")
+    py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int in_features, int out_features, int type, uintptr_t weight,
                          size_t weight_bytes, int max_tokens) {
                  return std::make_shared<Linear>(rt, in_features, out_features, type, cptr<void>(weight), weight_bytes, max_tokens);

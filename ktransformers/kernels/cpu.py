@@ -19,6 +19,9 @@ import numpy as np
 import torch
 
 ISA_ORDER = ("amx", "avx512", "avx2")  # best first
+# ggml type -> the block over which activations are quantized to int8 for it (None: kept float32).
+# Mirrors csrc/quants.cpp's format table; the reference below rounds activations the same way.
+ACTIVATION_BLOCK = {0: None, 1: None, 30: None, 8: 32, 2: 32, 12: 256, 13: 256, 14: 256, 23: 256}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -177,3 +180,14 @@ class LinearKernel:
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         self._linear.forward(x.shape[0], x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
         return y
+
+
+def round_activations(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
+    exactly as the kernels prepare activations; None leaves x as it is."""
+    if block is None:
+        return x
+    blocks = x.float().reshape(-1, block)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)

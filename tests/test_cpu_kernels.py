@@ -1,0 +1,152 @@
+"""The C++ CPU kernels against torch references: every format x every ISA level this CPU has x
+token counts {1, 3, 17, 128} x shapes with odd expert counts.
+
+Quantized formats take int8 activations (per 32 or per 256 values, as llama.cpp does). Two
+references: one that rounds activations the same way (checks the kernel's arithmetic, tight),
+and KExpertsTorch's float formula on the dequantized weights (checks the overall error)."""
+import os
+
+import pytest
+import torch
+
+from ktransformers.kernels.cpu import (ACTIVATION_BLOCK, CPURuntime, ExpertWeights, LinearKernel, MoEKernel,
+                                       default_isa, round_activations, supported_isas)
+from ktransformers.operators.experts import moe_reference
+from ktransformers.weights.ggml_quants import GGMLType, dequantize, quantize
+
+FORMATS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_XS,
+           GGMLType.BF16, GGMLType.F16]
+SHAPES = [(7, 3, 256, 512), (5, 2, 512, 256)]  # E, K, H, I
+
+
+@pytest.fixture(scope="module", params=supported_isas())
+def runtime(request):
+    return CPURuntime(threads=2, isa=request.param)
+
+
+def expert_weights(t: GGMLType, E: int, rows: int, cols: int, gen):
+    w = torch.randn(E, rows, cols, generator=gen) * 0.05
+    raw = quantize(w, t)
+    return ExpertWeights(raw, int(t)), dequantize(raw, t, (E, rows, cols))
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def routing(T, E, K, gen):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    return ids, torch.rand(T, K, generator=gen)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}K{}H{}I{}".format(*s))
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda t: t.name)
+def test_moe_matches_reference(runtime, fmt, shape):
+    E, K, H, I = shape
+    gen = torch.Generator().manual_seed(hash((fmt.name, shape)) % 2**31)
+    (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64)
+    block = ACTIVATION_BLOCK[int(fmt)]
+    gate_up = torch.cat([gd, ud], dim=1)
+    for T in (1, 3, 17, 128):  # 128 > max_tokens: the kernel works in chunks
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        y = kernel.forward(x, ids, w)
+        same_rounding = moe_reference(x, ids, w, gate_up, dd, lambda t: round_activations(t, block),
+                                      lambda t: round_activations(t, block))
+        # (h is rounded from g, u computed in another order: a rare one-step flip is the only difference)
+        assert rel_err(y, same_rounding) < 1e-3, (fmt.name, T, runtime.isa)
+        float_ref = moe_reference(x, ids, w, gate_up, dd)
+        assert rel_err(y, float_ref) < (3e-2 if block else 1e-5), (fmt.name, T, runtime.isa)
+
+
+def test_mixed_formats_and_bf16_activations(runtime):
+    """Q4_K_M files mix types: gate/up Q4_K, down Q6_K; activations may be bf16."""
+    E, K, H, I = 9, 4, 512, 256
+    gen = torch.Generator().manual_seed(7)
+    (g, gd), (u, ud) = expert_weights(GGMLType.Q4_K, E, I, H, gen), expert_weights(GGMLType.Q5_K, E, I, H, gen)
+    d, dd = expert_weights(GGMLType.Q6_K, E, H, I, gen)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
+    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    ids, w = routing(5, E, K, gen)
+    y = kernel.forward(x, ids, w)
+    assert y.dtype == torch.bfloat16
+    ref = moe_reference(x.float(), ids, w, torch.cat([gd, ud], dim=1), dd,
+                        lambda t: round_activations(t, 256), lambda t: round_activations(t, 256))
+    assert rel_err(y, ref) < 1e-2  # bf16 output rounding
+
+
+def test_submit_then_sync_overlaps_python(runtime):
+    E, K, H, I = 4, 2, 256, 256
+    gen = torch.Generator().manual_seed(3)
+    (g, gd), (u, ud), (d, dd) = (expert_weights(GGMLType.Q8_0, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
+    xs = [torch.randn(3, H, generator=gen) for _ in range(3)]
+    routes = [routing(3, E, K, gen) for _ in range(3)]
+    outs = [kernel.submit(x, *r) for x, r in zip(xs, routes)]  # queued, run in order
+    runtime.sync()
+    for x, (ids, w), y in zip(xs, routes, outs):
+        assert torch.equal(y, kernel.forward(x, ids, w))
+
+
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_linear_matches_reference(runtime, fmt, T):
+    gen = torch.Generator().manual_seed(T)
+    w = torch.randn(96, 512, generator=gen) * 0.05
+    raw = quantize(w, fmt)
+    wd = dequantize(raw, fmt, (96, 512))
+    lin = LinearKernel(runtime, in_features=512, out_features=96, weight=ExpertWeights(raw, int(fmt)), max_tokens=16)
+    x = torch.randn(T, 512, generator=gen)
+    block = ACTIVATION_BLOCK[int(fmt)]
+    assert rel_err(lin.forward(x), round_activations(x, block) @ wd.T) < 1e-4
+
+
+def test_bad_input_raises_before_touching_memory(runtime):
+    E, K, H, I = 4, 2, 256, 256
+    gen = torch.Generator().manual_seed(1)
+    (g, _), (u, _), (d, _) = (expert_weights(GGMLType.Q8_0, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
+    x, w = torch.randn(2, H), torch.rand(2, K)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        kernel.forward(x, torch.tensor([[0, 4], [1, 2]]), w)
+    with pytest.raises(ValueError, match=r"\[2, 2\]"):
+        kernel.forward(x, torch.tensor([[0, 1]]), w[:1])
+    with pytest.raises(ValueError, match=r"x must be a CPU tensor \[T, 256\]"):
+        kernel.forward(torch.randn(2, 128), torch.tensor([[0, 1], [1, 2]]), w)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.forward(x.half(), torch.tensor([[0, 1], [1, 2]]), w)
+    with pytest.raises(ValueError, match="integer"):
+        kernel.forward(x, torch.ones(2, 2), w)
+    with pytest.raises(ValueError, match="gate holds .* bytes, expected"):  # C++ checks sizes too
+        MoEKernel(runtime, experts=E + 1, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
+    with pytest.raises(ValueError, match="not computed on here; supported"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=ExpertWeights(g.data, 11), up=u, down=d)
+    with pytest.raises(ValueError, match="not a whole number of Q8_0 blocks"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
+
+
+def test_isa_override(monkeypatch):
+    have = supported_isas()
+    assert have and have[-1] == "avx2"
+    for isa in have:
+        monkeypatch.setenv("KT_CPU_ISA", isa)
+        assert default_isa() == isa and CPURuntime(1).isa == isa
+    monkeypatch.setenv("KT_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="valid values are amx, avx512, avx2"):
+        default_isa()
+    if "amx" not in have:
+        monkeypatch.setenv("KT_CPU_ISA", "amx")
+        with pytest.raises(ValueError, match="supports only"):
+            default_isa()
+
+
+def test_avx2_build_has_no_avx512_instructions():
+    """One build must run on any AVX2 CPU: its module may not contain a single zmm register."""
+    import shutil
+    import subprocess
+    from ktransformers.kernels import _cpu_avx2
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) not installed")
+    listing = subprocess.run(["objdump", "-d", _cpu_avx2.__file__], capture_output=True, text=True, check=True).stdout
+    assert "zmm" not in listing and "vpdpbusd" not in listing
