@@ -9,9 +9,10 @@ from ktransformers.loader import RULES_DIR, build_skeleton, load_config, load_to
 from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import converter_type, tokenizer_metadata, write_gguf
 from ktransformers.weights.source import WeightError
-from tiny import FAMILIES, RULES, reference_state_dict, tiny_model, train_tokenizer
+from tiny import FAMILIES, RULES, reference_state_dict, round_like_cpu_kernels, tiny_model, train_tokenizer
 
 TOL = 1e-4
+TOL_INT8 = 1e-2
 
 
 def q4_k_m(name: str, shape) -> GGMLType:
@@ -34,14 +35,29 @@ def logits(model, ids):
         return model(input_ids=ids, use_cache=False).logits
 
 
-def check_parity(family, path, types, model, split_kv_b=True, seq=13):
+def reference_rules(family: str, tmp_path) -> str:
+    """The shipped CPU rule file with the pure-torch ops in place of the C++ kernels."""
+    text = (RULES_DIR / RULES[family]).read_text()
+    path = tmp_path / f"{family}-reference.yaml"
+    path.write_text(text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch"))
+    return path
+
+
+def check_parity(family, path, types, model, split_kv_b=True, seq=13, rules=None):
+    """Logits of the GGUF loaded through `rules` (default: the shipped CPU file, C++ kernels) against
+    transformers on the same dequantized weights, rounding activations as the kernels do."""
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
     reference.load_state_dict(reference_state_dict(model, types, split_kv_b))
+    if rules is None:
+        round_like_cpu_kernels(reference, types)
     ours = build_skeleton(model.config, torch.float32)
-    optimize_and_load_gguf(ours, RULES_DIR / RULES[family], path, model.config)
+    optimize_and_load_gguf(ours, rules or RULES_DIR / RULES[family], path, model.config)
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
     err = rel_err(logits(ours, ids), logits(reference, ids))
-    assert err < TOL, f"{family}: relative error {err:.2e}"
+    # int8 activations: the reference rounds the same way, but values computed in another order
+    # now and then land one rounding step apart, and such flips add up over layers
+    quantized = rules is None and any(t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) for t in types.values())
+    assert err < (TOL_INT8 if quantized else TOL), f"{family}: relative error {err:.2e}"
     return ours
 
 
@@ -53,7 +69,8 @@ def test_gguf_logits_match_transformers(tmp_path, family, type_name):
     types = write_gguf(path, model.config, model.state_dict(), types=TYPES[type_name])
     if type_name not in ("F32", "F16", "BF16"):
         assert any(t not in (GGMLType.F32,) for t in types.values())
-    check_parity(family, path, types, model)
+    check_parity(family, path, types, model)  # C++ kernels
+    check_parity(family, path, types, model, rules=reference_rules(family, tmp_path))  # torch reference ops
 
 
 def test_deepseek_old_files_with_attn_kv_b(tmp_path):

@@ -109,3 +109,44 @@ def train_tokenizer(vocab: int = 320):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def round_like_cpu_kernels(reference, types: dict[str, GGMLType]) -> None:
+    """Make a transformers model round activations as the CPU kernels do for the GGUF it is
+    compared with: the input of every linear and expert projection whose weight is quantized
+    goes to int8 steps per block (ktransformers.kernels.cpu.round_activations)."""
+    from ktransformers.kernels.cpu import ACTIVATION_BLOCK, round_activations
+    from ktransformers.weights.gguf_config import arch_of
+    from ktransformers.weights.gguf_names import GGUFNameTable
+    table = GGUFNameTable(arch_of(reference.config))
+
+    def block_of(hf_name: str):
+        gguf = table.to_gguf(hf_name)
+        return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
+
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("mlp.gate"):
+            block = block_of(f"{name}.weight")
+            if block:
+                module.register_forward_pre_hook(lambda m, args, b=block: (round_activations(args[0], b),))
+        elif name.endswith("mlp.experts"):
+            blocks = [block_of(f"{name}.{p}_proj") for p in ("gate", "up", "down")]
+            module.forward = _rounding_experts(module, blocks)
+
+
+def _rounding_experts(module, blocks):
+    from ktransformers.kernels.cpu import round_activations
+    bg, bu, bd = blocks
+
+    def forward(x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        inter = module.gate_up_proj.shape[1] // 2
+        for t in range(x.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                g = round_activations(x[t:t + 1], bg) @ module.gate_up_proj[e, :inter].T
+                u = round_activations(x[t:t + 1], bu) @ module.gate_up_proj[e, inter:].T
+                h = torch.nn.functional.silu(g) * u
+                out[t] += top_k_weights[t, k] * (round_activations(h, bd) @ module.down_proj[e].T)[0]
+        return out
+    return forward

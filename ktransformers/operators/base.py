@@ -87,10 +87,26 @@ def make_options(options_cls: type, kwargs: dict, owner: str):
     return options_cls(**kwargs)
 
 
+class RunContext:
+    """What the operators of one loaded model share: the CPU runtime (thread pool), made on first
+    use with `cpu_threads` threads. Owned by the model, not by a module global."""
+
+    def __init__(self, cpu_threads: int | None = None):
+        self.cpu_threads = cpu_threads
+        self._cpu = None
+
+    def cpu_runtime(self):
+        if self._cpu is None:
+            from ..kernels.cpu import CPURuntime
+            self._cpu = CPURuntime(self.cpu_threads)
+        return self._cpu
+
+
 class BaseInjectedModule(nn.Module):
     """Base of every operator. Subclasses set `Options` (a frozen dataclass extending Placement)."""
 
     Options: ClassVar[type] = Placement
+    context: RunContext | None = None  # set by inject(); operators that need CPU kernels read it
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module | None, **kwargs):
         super().__init__()
@@ -103,6 +119,11 @@ class BaseInjectedModule(nn.Module):
     @property
     def device(self) -> torch.device:
         return torch.device(getattr(self.options, f"{self.phase}_device"))
+
+    def run_context(self) -> RunContext:
+        if self.context is None:
+            self.context = RunContext()
+        return self.context
 
     def load(self) -> None:
         """Pull this operator's own tensors from self.weights onto its devices."""

@@ -49,18 +49,30 @@ def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None) ->
     return out
 
 
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What an experts op is built for: E experts of H -> I -> H, K per token, in the model's dtype."""
+    key: str
+    experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    dtype: torch.dtype
+
+
 @EXPERT_OPS.register("KExpertsTorch")
 class KExpertsTorch:
     """Reference experts: dense [E, 2I, H] and [E, H, I] weights in the model's dtype on one device."""
 
-    def __init__(self, key: str, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype):
-        self.key, self.shapes, self.device, self.dtype = key, shapes, device, dtype
+    def __init__(self, spec: ExpertSpec, device: torch.device):
+        self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
 
-    def load(self, weights) -> None:
-        self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype, self.shapes["gate_up_proj"])
-        self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype, self.shapes["down_proj"])
+    def load(self, weights, context) -> None:
+        E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
+        self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype, (E, 2 * I, H))
+        self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype, (E, H, I))
 
     def unload(self) -> None:
         self.gate_up = self.down = None
@@ -69,6 +81,46 @@ class KExpertsTorch:
         if self.gate_up is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
         return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
+
+
+@EXPERT_OPS.register("KExpertsCPU")
+class KExpertsCPU:
+    """The C++ CPU experts on the stored GGML blocks: zero-copy views of the GGUF's stacked
+    expert tensors (per-expert files are stacked once); types the kernels do not compute on, and
+    FP8/other safetensors, are converted once to bf16."""
+
+    def __init__(self, spec: ExpertSpec, device: torch.device):
+        if device.type != "cpu":
+            raise ValueError(f"{spec.key}: KExpertsCPU runs on the CPU, not {device}")
+        self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
+        self.kernel = None
+
+    def _projection(self, weights, proj: str, shape: tuple[int, ...]):
+        from ..kernels.cpu import ACTIVATION_BLOCK, ExpertWeights
+        from .linear import dense_weights
+        name = f"{self.key}.{proj}_proj"
+        stored = weights.raw_stacked(name)
+        if stored is not None and int(stored[1].ggml_type) in ACTIVATION_BLOCK and stored[1].shape == shape:
+            return ExpertWeights(stored[0], int(stored[1].ggml_type))
+        return dense_weights(weights, name, shape, self.dtype)
+
+    def load(self, weights, context) -> None:
+        from ..kernels.cpu import MoEKernel
+        E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
+        gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
+        down = self._projection(weights, "down", (E, H, I))
+        self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
+                                gate=gate, up=up, down=down, name=self.key)
+
+    def unload(self) -> None:
+        self.kernel = None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        return self.kernel.forward(x, ids, weights).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -86,18 +138,19 @@ class KTransformersExperts(BaseInjectedModule):
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
-        self.n_experts = orig_module.gate_up_proj.shape[0]
-        dtype = orig_module.gate_up_proj.dtype
-        shapes = {n: tuple(getattr(orig_module, n).shape) for n in ("gate_up_proj", "down_proj")}
+        E, two_i, H = orig_module.gate_up_proj.shape
+        self.n_experts = E
+        top_k = getattr(config, "num_experts_per_tok", None) or E
+        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype)
         o = self.options
-        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(key, shapes, torch.device(o.prefill_device), dtype)}
+        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
-            key, shapes, torch.device(o.generate_device), dtype)
+            spec, torch.device(o.generate_device))
 
     def load(self) -> None:
         for op in {id(op): op for op in self.ops.values()}.values():
-            op.load(self.weights)
+            op.load(self.weights, self.run_context())
 
     def unload(self) -> None:
         for op in self.ops.values():

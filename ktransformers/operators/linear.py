@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,11 +26,10 @@ class KLinearTorch:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"{self.key}: weight shape {tuple(weight.shape)}, expected {(self.out_features, self.in_features)}")
-        self.weight = weight.to(self.device, self.dtype).contiguous()
-        self.bias = None if bias is None else bias.to(self.device, self.dtype)
+    def load(self, weights, has_bias: bool, context) -> None:
+        shape = (self.out_features, self.in_features)
+        self.weight = weights.load(f"{self.key}.weight", self.device, self.dtype, shape).contiguous()
+        self.bias = weights.load(f"{self.key}.bias", self.device, self.dtype, shape[:1]) if has_bias else None
 
     def unload(self) -> None:
         self.weight = self.bias = None
@@ -38,6 +38,59 @@ class KLinearTorch:
         if self.weight is None:
             raise RuntimeError(f"{self.key}: linear op used before load()")
         return F.linear(x.to(self.dtype), self.weight, self.bias)
+
+
+def dense_weights(weights, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+    """A tensor the CPU kernels cannot take as stored, dequantized once: float32 for float32
+    models, else bf16 (both computed on with float activations)."""
+    from ..kernels.cpu import ExpertWeights
+    as_f32 = dtype == torch.float32
+    data = weights.load(name, dtype=torch.float32 if as_f32 else torch.bfloat16, shape=shape).contiguous()
+    return ExpertWeights(data, 0 if as_f32 else 30)
+
+
+@LINEAR_OPS.register("KLinearCPU")
+class KLinearCPU:
+    """The C++ CPU linear on the stored GGML blocks (zero-copy); bias added in torch. Types the
+    kernels do not compute on are dequantized once to bf16 and computed on as such."""
+
+    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype):
+        if device.type != "cpu":
+            raise ValueError(f"{key}: KLinearCPU runs on the CPU, not {device}")
+        self.key, self.in_features, self.out_features, self.device, self.dtype = key, in_features, out_features, device, dtype
+        self.kernel = None
+        self.bias: torch.Tensor | None = None
+
+    def load(self, weights, has_bias: bool, context) -> None:
+        from ..kernels.cpu import ACTIVATION_BLOCK, ExpertWeights, LinearKernel
+        name, shape = f"{self.key}.weight", (self.out_features, self.in_features)
+        stored = weights.raw_stacked(name)
+        if stored is None or int(stored[1].ggml_type) not in ACTIVATION_BLOCK or stored[1].shape != shape:
+            data = dense_weights(weights, name, shape, self.dtype)
+        else:
+            raw, info = stored
+            perm = weights.stored_row_order(name)
+            if perm is not None:  # undo llama's Q/K row interleave once, on whole rows of blocks
+                raw = torch.from_numpy(np.asarray(raw).reshape(self.out_features, -1))[torch.argsort(perm)].contiguous()
+            data = ExpertWeights(raw, int(info.ggml_type))
+        self.kernel = LinearKernel(context.cpu_runtime(), in_features=self.in_features, out_features=self.out_features,
+                                   weight=data, name=self.key)
+        self.bias = weights.load(f"{self.key}.bias", dtype=torch.float32, shape=shape[:1]) if has_bias else None
+
+    def unload(self) -> None:
+        self.kernel = self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError(f"{self.key}: linear op used before load()")
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype not in (torch.float32, torch.bfloat16):
+            flat = flat.float()
+        y = self.kernel.forward(flat)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -66,10 +119,8 @@ class KTransformersLinear(BaseInjectedModule):
         return LINEAR_OPS.get(name)(self.key, self.in_features, self.out_features, torch.device(device), self.dtype)
 
     def load(self) -> None:
-        weight = self.weights.load(f"{self.key}.weight", shape=(self.out_features, self.in_features))
-        bias = self.weights.load(f"{self.key}.bias", shape=(self.out_features,)) if self.has_bias else None
         for op in {id(op): op for op in self.ops.values()}.values():
-            op.load(weight, bias)
+            op.load(self.weights, self.has_bias, self.run_context())
 
     def unload(self) -> None:
         for op in self.ops.values():

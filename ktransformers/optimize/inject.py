@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..operators.base import BaseInjectedModule
+from ..operators.base import BaseInjectedModule, RunContext
 from ..weights.gguf import GGUFSource
 from ..weights.safetensors import SafetensorsSource
 from ..weights.source import WeightError, WeightSource
@@ -83,8 +83,11 @@ def check_devices(rows: list[PlanRow]) -> None:
                                  f"{torch.cuda.device_count()} CUDA device(s); use a -cpu rule file or another device")
 
 
-def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config) -> None:
-    """Replace every module whose row names an operator (top-down, so parents go first)."""
+def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config,
+           context: RunContext | None = None) -> RunContext:
+    """Replace every module whose row names an operator (top-down, so parents go first).
+    Every operator gets the same RunContext (the model's CPU runtime); it is returned."""
+    context = context or RunContext()
     for row in rows:
         if row.cls is None:
             continue
@@ -92,7 +95,9 @@ def inject(model: nn.Module, rows: list[PlanRow], weights: WeightSource, config)
         parent = model.get_submodule(parent_name) if parent_name else model
         orig = getattr(parent, attr)
         operator = row.cls(row.name, weights, config, orig, **row.kwargs)
+        operator.context = context
         setattr(parent, attr, operator)
+    return context
 
 
 def load_weights(model: nn.Module, rows: list[PlanRow], weights: WeightSource, progress: bool = False) -> None:
@@ -156,18 +161,20 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
 
 
 def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule], gguf_path: str | os.PathLike,
-                           config, default_device: str = "cpu", progress: bool = False) -> list[PlanRow]:
+                           config, default_device: str = "cpu", progress: bool = False,
+                           cpu_infer: int | None = None) -> list[PlanRow]:
     """Rewrite `model` (built on the meta device) by the rules and load its weights in place.
 
     `gguf_path`: a .gguf file (split siblings found beside it), a directory of one model's GGUF
-    files, or a directory of safetensors. Returns the plan rows (what replaced what)."""
+    files, or a directory of safetensors. `cpu_infer`: threads of the CPU kernels (default: all
+    cores this process may use). Returns the plan rows (what replaced what)."""
     rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
     weights = open_weights(gguf_path, config.model_type)
     if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
         weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
     rows = plan(model, rules, default_device)
     check_devices(rows)
-    inject(model, rows, weights, config)
+    model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
     model.eval()

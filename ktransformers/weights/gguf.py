@@ -267,10 +267,19 @@ class GGUFSource(WeightSource):
         except NotImplementedError as e:
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
         if transform:
-            key = "attention.head_count" if transform == "unpermute_q" else "attention.head_count_kv"
-            n_head = self.files.get("{arch}." + key) or self.files.get("{arch}.attention.head_count")
-            tensor = _unpermute(tensor, int(n_head))
+            tensor = _unpermute(tensor, self._heads(transform))
         return tensor
+
+    def _heads(self, transform: str) -> int:
+        key = "attention.head_count" if transform == "unpermute_q" else "attention.head_count_kv"
+        return int(self.files.get("{arch}." + key) or self.files.get("{arch}.attention.head_count"))
+
+    def stored_row_order(self, name: str) -> torch.Tensor | None:
+        t, transform = self._tensor(name)
+        if not transform:
+            return None
+        rows, heads = t.shape[0], self._heads(transform)
+        return torch.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
 
     def unconsumed(self) -> list[str]:
         """Stored tensors nothing read, not counting parts that composed tensors make redundant."""

@@ -150,6 +150,24 @@ class WeightSource(ABC):
         out[:, half:] = self._compose(base + "up_proj", dtype)
         return out
 
+    def stored_row_order(self, name: str) -> torch.Tensor | None:
+        """For a tensor stored with its rows reordered: stored row i is HF row order[i]; else None."""
+        return None
+
+    def raw_stacked(self, name: str) -> tuple[np.ndarray, TensorInfo] | None:
+        """The stored bytes of `name` as one array with its info: zero-copy when stored whole,
+        the parts' bytes concatenated once when it is a stack of per-expert tensors of one type,
+        None when it is composed in another way (the caller then loads it dequantized)."""
+        parts = self._plan(name)
+        if parts == [name] and name not in self.aliases:
+            return self.raw(name), self.info(name)
+        infos = [self.info(p) for p in parts]
+        is_stack = _EXPERT_PART.match(name) is not None and len(parts) > 1
+        if not is_stack or len({(i.ggml_type, i.shape, i.transform) for i in infos}) != 1:
+            return None
+        data = np.concatenate([np.asarray(self.raw(p)).reshape(-1) for p in parts])
+        return data, TensorInfo(infos[0].ggml_type, (len(parts), *infos[0].shape), infos[0].transform)
+
     def unconsumed(self) -> list[str]:
         return sorted(self._key_set() - self.consumed)
 
