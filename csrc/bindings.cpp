@@ -19,6 +19,10 @@
 namespace py = pybind11;
 using namespace kt;
 
+namespace kt {
+uint64_t stream_checksum(ThreadPool& pool, const uint8_t* data, size_t bytes);
+}
+
 namespace {
 template <typename T>
 const T* cptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
@@ -36,7 +40,11 @@ PYBIND11_MODULE(KT_MODULE, m) {
     py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime", py::module_local())
         .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 50)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); });
+        .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
+        .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
+                 r.sync();  // the pool is free once queued jobs are done
+                 return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);
+             }, py::call_guard<py::gil_scoped_release>(), "XOR of a buffer read by every pool thread (a bandwidth probe)");
 
     py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,

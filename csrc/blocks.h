@@ -4,6 +4,9 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kt {
 
@@ -35,6 +38,9 @@ struct act_q8_k { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
 // ggml type ids (the subset computed on directly).
 enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30 };
 
+#if defined(__F16C__)
+inline float fp16_to_f32(fp16_t h) { return _cvtsh_ss(h); }
+#else
 inline float fp16_to_f32(fp16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
@@ -54,6 +60,7 @@ inline float fp16_to_f32(fp16_t h) {
     std::memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 inline float bf16_to_f32(bf16_t h) {
     uint32_t bits = (uint32_t)h << 16;

@@ -24,8 +24,8 @@ Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_featur
 }
 
 void Linear::forward(int tokens, const void* x, void* y, Dtype dtype) {
-    submit(tokens, x, y, dtype);
-    rt_->sync();
+    if (tokens < 0) throw std::invalid_argument("Linear: negative token count");
+    rt_->run_inline([&] { run(tokens, x, y, dtype); });
 }
 
 void Linear::submit(int tokens, const void* x, void* y, Dtype dtype) {

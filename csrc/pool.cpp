@@ -131,6 +131,27 @@ void Runtime::submit(std::function<void()> job) {
     more_.notify_one();
 }
 
+void Runtime::run_inline(const std::function<void()>& job) {
+    {
+        std::unique_lock<std::mutex> lock(mu_);
+        done_.wait(lock, [&] { return queue_.empty() && !running_; });
+        running_ = true;  // the dispatcher stays out while this thread drives the pool
+    }
+    std::exception_ptr error;
+    try {
+        job();
+    } catch (...) {
+        error = std::current_exception();
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_ = false;
+    }
+    done_.notify_all();
+    more_.notify_all();
+    if (error) std::rethrow_exception(error);
+}
+
 void Runtime::sync() {
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [&] { return queue_.empty() && !running_; });
@@ -145,7 +166,7 @@ void Runtime::dispatch() {
     pool_.pin_caller();
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-        more_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        more_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_); });
         if (queue_.empty() && stop_) return;
         std::function<void()> job = std::move(queue_.front());
         queue_.pop_front();

@@ -48,6 +48,9 @@ class Runtime {
     Runtime(int n_threads, bool pin, int spin_us);
     ~Runtime();
     void submit(std::function<void()> job);
+    // Run `job` on the calling thread (as the pool's thread 0) once queued jobs are done: a
+    // synchronous call pays no hand-off to the dispatcher and back.
+    void run_inline(const std::function<void()>& job);
     // Wait for every submitted job; rethrows the first error a job raised.
     void sync();
     ThreadPool& pool() { return pool_; }

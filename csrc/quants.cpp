@@ -15,6 +15,20 @@ namespace {
 
 const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block, unpacked in 32-bit steps:
+// bytes 0..7 of the result are the scales, 8..15 the mins.
+inline void unpack_k4_scales(const uint8_t* q, uint8_t out[16]) {
+    uint32_t u[4];
+    std::memcpy(u, q, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
+    const uint32_t mins_lo = u[1] & m6;                      // mins 0..3
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);          // scales 4..7
+    u[2] = mins_lo;
+    u[0] &= m6;                                              // scales 0..3
+    std::memcpy(out, u, 16);
+}
+
 // 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
 inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
     if (j < 4) {
@@ -130,6 +144,39 @@ float dot_q4_0(int n, const void* vw, const void* va) {
 float dot_q4_k(int n, const void* vw, const void* va) {
     const block_q4_k* w = (const block_q4_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
+#if defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        uint8_t sm[16];
+        unpack_k4_scales(w[b].scales, sm);
+        // sum_j m_j * (bsum[2j] + bsum[2j+1]) in one madd
+        const __m128i bs = _mm_loadu_si128((const __m128i*)a[b].bsums), bs2 = _mm_loadu_si128((const __m128i*)(a[b].bsums + 8));
+        const __m128i pairs = _mm_hadd_epi16(bs, bs2);
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+        __m128i prod = _mm_madd_epi16(pairs, m16);
+        prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
+        prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0xb1));
+        mins += a[b].d * fp16_to_f32(w[b].dmin) * _mm_cvtsi128_si32(prod);
+        // scales as 16-bit lanes, broadcast per sub-block pair via shuffles
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm)));
+        const uint8_t* q = w[b].qs;
+        const int8_t* x = a[b].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++, q += 32, x += 64) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
+            const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 1) << 8) | (4 * c))));
+            const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 3) << 8) | (4 * c + 2))));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_f32(acc) - mins;
+#else
     float sum = 0;
     for (int b = 0; b < n / QK_K; b++) {
         int sc[8], m[8];
@@ -138,19 +185,6 @@ float dot_q4_k(int n, const void* vw, const void* va) {
         for (int j = 0; j < 8; j++) summ += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
         const uint8_t* q = w[b].qs;
         const int8_t* x = a[b].qs;
-#if defined(__AVX2__)
-        const __m256i low = _mm256_set1_epi8(0xF);
-        __m256i acc = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++, q += 32, x += 64) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
-            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
-            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * c])));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * c + 1])));
-        }
-        const int sumi = hsum_i32(acc);
-#else
         int sumi = 0;
         for (int c = 0; c < 4; c++, q += 32, x += 64) {
             int s0 = 0, s1 = 0;
@@ -160,10 +194,10 @@ float dot_q4_k(int n, const void* vw, const void* va) {
             }
             sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
         }
-#endif
         sum += a[b].d * (fp16_to_f32(w[b].d) * sumi - fp16_to_f32(w[b].dmin) * summ);
     }
     return sum;
+#endif
 }
 
 // ---- Q5_K x Q8_K -------------------------------------------------------------------------
@@ -216,20 +250,28 @@ float dot_q5_k(int n, const void* vw, const void* va) {
 float dot_q6_k(int n, const void* vw, const void* va) {
     const block_q6_k* w = (const block_q6_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
-    float sum = 0;
+#if defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    // for quarter k of a half: 16-bit scale index 2k in the low 128 bits, 2k+1 in the high ones
+    const __m256i pick[4] = {
+        _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0b0a), _mm_set1_epi16(0x0908)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0f0e), _mm_set1_epi16(0x0d0c)),
+    };
+    __m256 acc = _mm256_setzero_ps();
+    float offsets = 0;
     for (int b = 0; b < n / QK_K; b++) {
+        const float d = fp16_to_f32(w[b].d) * a[b].d;
+        // the -32 offset of every value: 32 * sum_g scales[g] * bsum[g]
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
+        offsets += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[b].bsums)));
         const uint8_t* ql = w[b].ql;
         const uint8_t* qh = w[b].qh;
-        const int8_t* sc = w[b].scales;
         const int8_t* x = a[b].qs;
-        int sumi = 0;
-        // the -32 offset: sum_g sc[g] * 32 * bsum[g]
-        int offset = 0;
-        for (int g = 0; g < 16; g++) offset += sc[g] * a[b].bsums[g];
-#if defined(__AVX2__)
-        const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-        __m256i acc = _mm256_setzero_si256();
-        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, x += 128) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, x += 128) {
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half))));
             const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
             const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
             const __m256i q[4] = {
@@ -240,13 +282,21 @@ float dot_q6_k(int n, const void* vw, const void* va) {
             };
             for (int k = 0; k < 4; k++) {
                 const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
-                // 16-bit lanes 0..7 belong to group 2k, 8..15 to group 2k+1
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sc, pick[k])));
             }
         }
-        sumi = hsum_i32(acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_f32(acc) - offsets;
 #else
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const uint8_t* ql = w[b].ql;
+        const uint8_t* qh = w[b].qh;
+        const int8_t* sc = w[b].scales;
+        const int8_t* x = a[b].qs;
+        int sumi = 0, offset = 0;
+        for (int g = 0; g < 16; g++) offset += sc[g] * a[b].bsums[g];
         for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, x += 128) {
             for (int l = 0; l < 32; l++) {
                 const int g = l / 16;
@@ -257,10 +307,10 @@ float dot_q6_k(int n, const void* vw, const void* va) {
                 sumi += sc[g] * q1 * x[l] + sc[g + 2] * q2 * x[l + 32] + sc[g + 4] * q3 * x[l + 64] + sc[g + 6] * q4 * x[l + 96];
             }
         }
-#endif
         sum += fp16_to_f32(w[b].d) * a[b].d * (sumi - 32 * offset);
     }
     return sum;
+#endif
 }
 
 // ---- IQ4_XS x Q8_K -----------------------------------------------------------------------

@@ -4,4 +4,5 @@
 #include "../pool.cpp"
 #include "../moe.cpp"
 #include "../linear.cpp"
+#include "../stream.cpp"
 #include "../bindings.cpp"

@@ -1,0 +1,146 @@
+"""One MoE layer on the CPU kernels: time per call against the memory-bandwidth floor.
+
+    python -m ktransformers.bench.moe [--shapes qwen3 deepseek] [--formats Q4_K_M Q8_0 BF16]
+                                      [--tokens 1 4 32 128 512] [--threads N] [--json]
+
+For each shape, format and token count T: median microseconds per call, the bytes of expert
+weights the call must read (the experts its random routing touches), the effective GB/s and
+TFLOP/s, the streaming read bandwidth of this machine measured in the same run, and the ratio
+of the two (1.0 = at the bandwidth floor). Weights are random valid GGML blocks; several copies
+of the layer are cycled so that calls do not find their experts in the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from ..kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
+from ..weights.ggml_quants import FORMATS, GGMLType, random_blocks
+
+SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
+          "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8)}
+# format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors
+FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
+                ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "BF16", "F16")}}
+
+
+@dataclass
+class Layer:
+    kernel: MoEKernel
+    expert_bytes: int  # bytes of one expert's three matrices
+
+
+def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertWeights:
+    blocks = experts * rows * cols // FORMATS[t].block_elems
+    return ExpertWeights(random_blocks(t, blocks, gen).reshape(-1), int(t))
+
+
+def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen) -> list[Layer]:
+    H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
+    g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
+    layers = []
+    for _ in range(copies):
+        gate, up, down = _projection(g, experts, I, H, gen), _projection(u, experts, I, H, gen), _projection(d, experts, H, I, gen)
+        per_expert = sum(w.data.numel() for w in (gate, up, down)) // experts
+        layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
+                                      down=down, max_tokens=512), per_expert))
+    return layers
+
+
+def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
+    """Best-of-N streaming read bandwidth over a buffer much larger than the caches."""
+    buf = np.random.default_rng(0).integers(0, 255, size=int(gib * 2**30), dtype=np.uint8)
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runtime._rt.stream_checksum(buf.ctypes.data, buf.nbytes)
+        best = max(best, buf.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def time_layer(layers: list[Layer], T: int, experts: int, top_k: int, hidden: int, iters: int, gen) -> tuple[float, int]:
+    """(median seconds, mean bytes of weights touched) over `iters` calls cycling the layers."""
+    times, touched = [], []
+    for i in range(iters + 2):
+        layer = layers[i % len(layers)]
+        x = torch.randn(T, hidden, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)])
+        w = torch.rand(T, top_k, generator=gen)
+        start = time.perf_counter()
+        layer.kernel.forward(x, ids, w)
+        if i >= 2:  # two warm-up calls
+            times.append(time.perf_counter() - start)
+            touched.append(len(torch.unique(ids)) * layer.expert_bytes)
+    return statistics.median(times), int(statistics.mean(touched))
+
+
+def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5) -> int:
+    """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
+    H, I = shape["hidden"], shape["intermediate"]
+    per_expert = sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
+                     for n in FORMAT_TYPES[fmt])
+    fit = int(psutil.virtual_memory().available * ram_fraction / (per_expert * copies))
+    return max(shape["top_k"], min(shape["experts"], fit))
+
+
+def run(args) -> list[dict]:
+    runtime = CPURuntime(args.threads)
+    stream = stream_gbps(runtime)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for fmt in args.formats:
+            experts = expert_budget(shape, fmt, args.copies)
+            layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
+            note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
+            for T in args.tokens:
+                iters = args.iters if T <= 32 else max(3, args.iters // 4)
+                seconds, nbytes = time_layer(layers, T, experts, shape["top_k"], shape["hidden"], iters, gen)
+                flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
+                rows.append(dict(shape=shape_name + note, format=fmt, tokens=T, threads=runtime.threads,
+                                 isa=runtime.isa, median_us=seconds * 1e6, weight_bytes=nbytes,
+                                 gbps=nbytes / seconds / 1e9, stream_gbps=stream, tflops=flops / seconds / 1e12,
+                                 peer=None))
+                print_row(rows[-1], args.json)
+            del layers
+    return rows
+
+
+HEADER = f"{'shape':<10} {'format':<7} {'T':>4} {'thr':>3} {'isa':<6} {'median us':>10} {'weight MB':>9} " \
+         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7}"
+
+
+def print_row(row: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    print(f"{row['shape']:<10} {row['format']:<7} {row['tokens']:>4} {row['threads']:>3} {row['isa']:<6} "
+          f"{row['median_us']:>10.1f} {row['weight_bytes'] / 1e6:>9.1f} {row['gbps']:>6.1f} {row['stream_gbps']:>6.1f} "
+          f"{row['gbps'] / row['stream_gbps']:>5.2f} {row['tflops']:>7.3f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen3", "deepseek"], choices=SHAPES)
+    p.add_argument("--formats", nargs="+", default=["Q4_K_M", "Q8_0", "IQ4_XS", "BF16"], choices=FORMAT_TYPES)
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 32, 128, 512])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
+    p.add_argument("--copies", type=int, default=3, help="copies of the layer cycled to defeat the cache")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    args = p.parse_args(argv)
+    if not args.json:
+        print(HEADER)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
