@@ -38,7 +38,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("supported_formats", &supported_formats);
 
     py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime", py::module_local())
-        .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 50)
+        .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 300)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {

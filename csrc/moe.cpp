@@ -30,18 +30,21 @@ void need_bytes(size_t got, size_t want, const char* which) {
         throw std::invalid_argument(std::string("MoE: ") + which + " holds " + std::to_string(got) + " bytes, expected " + std::to_string(want));
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 // Ask for a weight row a few rows ahead: one core's demand misses alone cannot fill the memory
 // bus (too few outstanding lines), the prefetches keep more in flight.
 constexpr int kPrefetchRows = 4;
+// Tokens of one expert computed together against each weight row (their activations stay in
+// L1/L2 while the row streams once per group).
+constexpr int kMaxGroup = 16;
 inline void prefetch_row(const uint8_t* row, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 0);
 }
 
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
 int chunk_rows(int rows, int experts_active, int threads) {
-    const int want_tasks = std::max(1, 4 * threads / std::max(1, experts_active));
+    const int active = std::max(1, experts_active);
+    const int want_tasks = std::max(1, (8 * threads + active - 1) / active);  // >= 8 tasks a thread: balance
     return std::max(8, (rows + want_tasks - 1) / want_tasks);
 }
 
@@ -167,15 +170,26 @@ void MoE::gate_up() {
         const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(I, r0 + chunk);
         const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
         const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
-        for (int r = r0; r < r1; r++) {
-            if (r + kPrefetchRows < r1) {
-                prefetch_row(gw + (r + kPrefetchRows) * gate_row_, gate_row_);
-                prefetch_row(uw + (r + kPrefetchRows) * up_row_, up_row_);
+        const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+        const void* xg[kMaxGroup];
+        const void* xu[kMaxGroup];
+        float out[kMaxGroup];
+        for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
+            const int m = std::min(kMaxGroup, count - g0);
+            for (int i = 0; i < m; i++) {
+                const int t = pair_token_[p0 + g0 + i];
+                xg[i] = &s_.x_gate[t * gate_act_];
+                xu[i] = &s_.x_up[t * up_act_];
             }
-            for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) {
-                const int t = pair_token_[p];
-                s_.g[(size_t)p * I + r] = gate_fmt_->dot(H, gw + r * gate_row_, &s_.x_gate[t * gate_act_]);
-                s_.u[(size_t)p * I + r] = up_fmt_->dot(H, uw + r * up_row_, &s_.x_up[t * up_act_]);
+            for (int r = r0; r < r1; r++) {
+                if (r + kPrefetchRows < r1) {
+                    prefetch_row(gw + (r + kPrefetchRows) * gate_row_, gate_row_);
+                    prefetch_row(uw + (r + kPrefetchRows) * up_row_, up_row_);
+                }
+                dot_rows(gate_fmt_, H, gw + r * gate_row_, xg, m, out);
+                for (int i = 0; i < m; i++) s_.g[(size_t)(p0 + g0 + i) * I + r] = out[i];
+                dot_rows(up_fmt_, H, uw + r * up_row_, xu, m, out);
+                for (int i = 0; i < m; i++) s_.u[(size_t)(p0 + g0 + i) * I + r] = out[i];
             }
         }
     });
@@ -187,7 +201,7 @@ void MoE::activate() {
     rt_->pool().parallel_for(pairs, [&](int p, int) {
         float* g = &s_.g[(size_t)p * I];
         const float* u = &s_.u[(size_t)p * I];
-        for (int i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
+        silu_mul(g, u, I);
         prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
     });
 }
@@ -199,10 +213,17 @@ void MoE::down() {
     rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
         const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(H, r0 + chunk);
         const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
-        for (int r = r0; r < r1; r++) {
-            if (r + kPrefetchRows < r1) prefetch_row(dw + (r + kPrefetchRows) * down_row_, down_row_);
-            for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++)
-                s_.y_pairs[(size_t)p * H + r] = down_fmt_->dot(I, dw + r * down_row_, &s_.h_act[p * down_act_]);
+        const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+        const void* hs[kMaxGroup];
+        float out[kMaxGroup];
+        for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
+            const int m = std::min(kMaxGroup, count - g0);
+            for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];
+            for (int r = r0; r < r1; r++) {
+                if (r + kPrefetchRows < r1) prefetch_row(dw + (r + kPrefetchRows) * down_row_, down_row_);
+                dot_rows(down_fmt_, I, dw + r * down_row_, hs, m, out);
+                for (int i = 0; i < m; i++) s_.y_pairs[(size_t)(p0 + g0 + i) * H + r] = out[i];
+            }
         }
     });
 }

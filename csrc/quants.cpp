@@ -15,19 +15,25 @@ namespace {
 
 const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block, unpacked in 32-bit steps:
-// bytes 0..7 of the result are the scales, 8..15 the mins.
-inline void unpack_k4_scales(const uint8_t* q, uint8_t out[16]) {
-    uint32_t u[4];
-    std::memcpy(u, q, 12);
+#if defined(__AVX2__)
+// The 8 six-bit scales (bytes 0..7) and 8 mins (bytes 8..15) of a Q4_K / Q5_K super-block,
+// unpacked in 32-bit steps straight into a register (no store-to-load round trip).
+inline __m128i k4_scales_vec(const uint8_t* q) {
+    uint32_t u0, u1, u2;
+    std::memcpy(&u0, q, 4), std::memcpy(&u1, q + 4, 4), std::memcpy(&u2, q + 8, 4);
     const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
-    const uint32_t mins_lo = u[1] & m6;                      // mins 0..3
-    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);          // scales 4..7
-    u[2] = mins_lo;
-    u[0] &= m6;                                              // scales 0..3
-    std::memcpy(out, u, 16);
+    return _mm_set_epi32((int)(((u2 >> 4) & m4) | (((u1 >> 6) & m2) << 4)), (int)(u1 & m6),
+                         (int)((u2 & m4) | (((u0 >> 6) & m2) << 4)), (int)(u0 & m6));
 }
+// sum_j mins_j * (bsums[2j] + bsums[2j+1]) for the 8 mins in bytes 8..15 of `sm`
+inline int k4_mins_dot(__m128i sm, const int16_t* bsums) {
+    const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)bsums), _mm_loadu_si128((const __m128i*)(bsums + 8)));
+    __m128i prod = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+    prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
+    prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0xb1));
+    return _mm_cvtsi128_si32(prod);
+}
+#endif
 
 // 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
 inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
@@ -41,23 +47,53 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 }
 
 // ---- activation preparation ---------------------------------------------------------------
+#if defined(__AVX2__)
+inline float hmax_f32(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+// amax of n floats (n % 8 == 0)
+inline float absmax(const float* x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    return hmax_f32(m);
+}
+// round(x * id) to int8 (round to nearest even, as nearbyint), n % 8 == 0
+inline void round_to_i8(const float* x, float id, int8_t* q, int n) {
+    const __m256 s = _mm256_set1_ps(id);
+    for (int i = 0; i < n; i += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i*)(q + i), _mm_packs_epi16(w, w));
+    }
+}
+#else
+inline float absmax(const float* x, int n) {
+    float amax = 0;
+    for (int i = 0; i < n; i++) amax = std::fmax(amax, std::fabs(x[i]));
+    return amax;
+}
+inline void round_to_i8(const float* x, float id, int8_t* q, int n) {
+    for (int i = 0; i < n; i++) q[i] = (int8_t)std::nearbyint(x[i] * id);
+}
+#endif
+
 void prep_q8_0(const float* x, act_q8_0* y, int n) {
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(x[i]));
-        const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        const float d = absmax(x, QK) / 127.f, id = d ? 1.f / d : 0.f;
         y[b].d = d;
-        for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)std::nearbyint(x[i] * id);
+        round_to_i8(x, id, y[b].qs, QK);
     }
 }
 
 void prep_q8_k(const float* x, act_q8_k* y, int n) {
     for (int b = 0; b < n / QK_K; b++, x += QK_K) {
-        float amax = 0;
-        for (int i = 0; i < QK_K; i++) amax = std::fmax(amax, std::fabs(x[i]));
-        const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        const float d = absmax(x, QK_K) / 127.f, id = d ? 1.f / d : 0.f;
         y[b].d = d;
-        for (int i = 0; i < QK_K; i++) y[b].qs[i] = (int8_t)std::nearbyint(x[i] * id);
+        round_to_i8(x, id, y[b].qs, QK_K);
         for (int g = 0; g < QK_K / 16; g++) {
             int s = 0;
             for (int i = 0; i < 16; i++) s += y[b].qs[16 * g + i];
@@ -139,28 +175,159 @@ float dot_q4_0(int n, const void* vw, const void* va) {
 #endif
 }
 
+#if defined(__AVX512BW__)
+inline float hsum512_f32(__m512 v) { return _mm512_reduce_add_ps(v); }
+// two 32-byte activation runs (at x and x + gap) as one 64-byte vector
+inline __m512i load2x32(const int8_t* x, int gap) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x)),
+                              _mm256_loadu_si256((const __m256i*)(x + gap)), 1);
+}
+// 16-bit lanes of every 128-bit lane i take the 16-bit value at index idx[i] of a 128-bit table
+inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
+    const __m512i t = _mm512_broadcast_i32x4(table8x16);
+    auto pair = [](int i) { return (long long)(((2 * i + 1) << 8) | (2 * i)) * 0x0001000100010001LL; };
+    return _mm512_shuffle_epi8(t, _mm512_set_epi64(pair(i3), pair(i3), pair(i2), pair(i2), pair(i1), pair(i1), pair(i0), pair(i0)));
+}
+
+float dot_q4_k_avx512(int n, const block_q4_k* w, const act_q8_k* a) {
+    const __m512i low = _mm512_set1_epi8(0xF);
+    __m512 acc = _mm512_setzero_ps();
+    float mins = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const __m128i sm = k4_scales_vec(w[b].scales);
+        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
+        const __m128i sc = _mm_cvtepu8_epi16(sm);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {  // 64 bytes of quants = sub-blocks 4c (lo), 4c+1 (hi), 4c+2 (lo), 4c+3 (hi)
+            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
+            const int8_t* x = a[b].qs + 128 * c;
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            const __m512i p0 = _mm512_maddubs_epi16(lo, load2x32(x, 64));       // x[0..31], x[64..95]
+            const __m512i p1 = _mm512_maddubs_epi16(hi, load2x32(x + 32, 64));  // x[32..63], x[96..127]
+            const int j = 4 * c;
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return hsum512_f32(acc) - mins;
+}
+
+void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    const block_q4_k* w = (const block_q4_k*)vw;
+    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
+    const __m512i low = _mm512_set1_epi8(0xF);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    float mins[4] = {0, 0, 0, 0};
+    for (int b = 0; b < n / QK_K; b++) {
+        const __m128i sm = k4_scales_vec(w[b].scales);
+        const __m128i sc = _mm_cvtepu8_epi16(sm);
+        const float d = fp16_to_f32(w[b].d), dmin = fp16_to_f32(w[b].dmin);
+        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int c = 0; c < 2; c++) {
+            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            const int j = 4 * c;
+            const __m512i s0 = pick16(sc, j, j, j + 2, j + 2), s1 = pick16(sc, j + 1, j + 1, j + 3, j + 3);
+            for (int t = 0; t < 4; t++) {
+                const int8_t* x = a[t][b].qs + 128 * c;
+                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, load2x32(x, 64)), s0);
+                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, load2x32(x + 32, 64)), s1);
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(p0, p1));
+            }
+        }
+        for (int t = 0; t < 4; t++) {
+            mins[t] += a[t][b].d * dmin * k4_mins_dot(sm, a[t][b].bsums);
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(a[t][b].d * d), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - mins[t];
+}
+
+void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    const block_q6_k* w = (const block_q6_k*)vw;
+    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
+    const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
+    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    float offsets[4] = {0, 0, 0, 0};
+    for (int b = 0; b < n / QK_K; b++) {
+        const float dw = fp16_to_f32(w[b].d);
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
+        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int half = 0; half < 2; half++) {
+            const __m512i l = _mm512_loadu_si512((const void*)(w[b].ql + 64 * half));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w[b].qh + 32 * half)));
+            const __m512i qA = _mm512_or_si512(_mm512_and_si512(l, low),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_a), three), 4));
+            const __m512i qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), three), 4));
+            const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
+            const __m512i sA = pick16(sc, 0, 1, 2, 3), sB = pick16(sc, 4, 5, 6, 7);
+            for (int t = 0; t < 4; t++) {
+                const int8_t* x = a[t][b].qs + 128 * half;
+                const __m512i pA = _mm512_madd_epi16(_mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x)), sA);
+                const __m512i pB = _mm512_madd_epi16(_mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64))), sB);
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(pA, pB));
+            }
+        }
+        for (int t = 0; t < 4; t++) {
+            const float d = dw * a[t][b].d;
+            offsets[t] += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[t][b].bsums)));
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - offsets[t];
+}
+
+float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
+    const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
+    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // h, h>>2
+    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);  // h>>4, h>>6
+    __m512 acc = _mm512_setzero_ps();
+    float offsets = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const float d = fp16_to_f32(w[b].d) * a[b].d;
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
+        offsets += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[b].bsums)));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            const __m512i l = _mm512_loadu_si512((const void*)(w[b].ql + 64 * half));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w[b].qh + 32 * half)));
+            const __m512i hA = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_a), three), 4);
+            const __m512i hB = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), three), 4);
+            const __m512i qA = _mm512_or_si512(_mm512_and_si512(l, low), hA);                          // values 0..63
+            const __m512i qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), hB);   // values 64..127
+            const int8_t* x = a[b].qs + 128 * half;
+            const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
+            const __m512i pA = _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x));
+            const __m512i pB = _mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(pA, pick16(sc, 0, 1, 2, 3)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(pB, pick16(sc, 4, 5, 6, 7)));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return hsum512_f32(acc) - offsets;
+}
+#endif
+
 // ---- Q4_K x Q8_K -------------------------------------------------------------------------
 // value = d * sc_j * q - dmin * m_j for sub-block j (32 values); q in 0..15.
 float dot_q4_k(int n, const void* vw, const void* va) {
     const block_q4_k* w = (const block_q4_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
-#if defined(__AVX2__)
+#if defined(__AVX512BW__)
+    return dot_q4_k_avx512(n, w, a);
+#elif defined(__AVX2__)
     const __m256i low = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
     float mins = 0;
     for (int b = 0; b < n / QK_K; b++) {
-        uint8_t sm[16];
-        unpack_k4_scales(w[b].scales, sm);
-        // sum_j m_j * (bsum[2j] + bsum[2j+1]) in one madd
-        const __m128i bs = _mm_loadu_si128((const __m128i*)a[b].bsums), bs2 = _mm_loadu_si128((const __m128i*)(a[b].bsums + 8));
-        const __m128i pairs = _mm_hadd_epi16(bs, bs2);
-        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
-        __m128i prod = _mm_madd_epi16(pairs, m16);
-        prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
-        prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0xb1));
-        mins += a[b].d * fp16_to_f32(w[b].dmin) * _mm_cvtsi128_si32(prod);
+        const __m128i sm = k4_scales_vec(w[b].scales);
+        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
         // scales as 16-bit lanes, broadcast per sub-block pair via shuffles
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm)));
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const uint8_t* q = w[b].qs;
         const int8_t* x = a[b].qs;
         __m256i sumi = _mm256_setzero_si256();
@@ -250,7 +417,9 @@ float dot_q5_k(int n, const void* vw, const void* va) {
 float dot_q6_k(int n, const void* vw, const void* va) {
     const block_q6_k* w = (const block_q6_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
-#if defined(__AVX2__)
+#if defined(__AVX512BW__)
+    return dot_q6_k_avx512(n, w, a);
+#elif defined(__AVX2__)
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
     // for quarter k of a half: 16-bit scale index 2k in the low 128 bits, 2k+1 in the high ones
     const __m256i pick[4] = {
@@ -390,19 +559,32 @@ float dot_f32(int n, const void* vw, const void* va) {
     return sum;
 }
 
+#if defined(__AVX512BW__)
+constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q6K = dot4_q6_k;
+#else
+constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q6K = nullptr;
+#endif
+
 const Format kFormats[] = {
-    {F32, "F32", 1, 4, Act::F32, dot_f32},
-    {F16, "F16", 1, 2, Act::F32, dot_f16},
-    {BF16, "BF16", 1, 2, Act::F32, dot_bf16},
-    {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0},
-    {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0},
-    {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), Act::Q8_K, dot_q4_k},
-    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), Act::Q8_K, dot_q5_k},
-    {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k},
-    {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs},
+    {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
+    {F16, "F16", 1, 2, Act::F32, dot_f16, nullptr},
+    {BF16, "BF16", 1, 2, Act::F32, dot_bf16, nullptr},
+    {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, nullptr},
+    {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, nullptr},
+    {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), Act::Q8_K, dot_q4_k, kDot4Q4K},
+    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), Act::Q8_K, dot_q5_k, nullptr},
+    {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
+    {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, nullptr},
 };
 
 }  // namespace
+
+void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out) {
+    int i = 0;
+    if (f->dot4)
+        for (; i + 4 <= count; i += 4) f->dot4(n, w, a + i, out + i);
+    for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
+}
 
 const Format* find_format(int type) {
     for (const Format& f : kFormats)
@@ -411,6 +593,42 @@ const Format* find_format(int type) {
 }
 
 const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS"; }
+
+#if defined(__AVX2__)
+namespace {
+// e^x for x in float range, ~1 ulp: 2^(x log2 e) split into an integer power and a degree-6
+// polynomial of the fraction (the classic range reduction).
+inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_fmsub_ps(k, _mm256_set1_ps(0.693359375f), x);             // k ln2 (hi) - x
+    const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), _mm256_sub_ps(_mm256_setzero_ps(), f));  // x - k ln2
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+}  // namespace
+#endif
+
+void silu_mul(float* g, const float* u, int n) {
+    int i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        const __m256 s = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
 
 size_t act_row_bytes(Act act, int n) {
     switch (act) {

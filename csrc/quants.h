@@ -11,6 +11,8 @@ enum class Act { F32, Q8_0, Q8_K };  // how activations are prepared for a weigh
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);
+// The same weight row against 4 activation rows at once (weights decoded once): out[0..3].
+using Dot4Fn = void (*)(int n, const void* w, const void* const a[4], float out[4]);
 
 struct Format {
     GGMLType type;
@@ -19,7 +21,11 @@ struct Format {
     int block_bytes;
     Act act;
     DotFn dot;
+    Dot4Fn dot4;  // nullptr: call dot per row
 };
+
+// out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
+void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);
 
 // nullptr when `type` is not computed on directly.
 const Format* find_format(int type);
@@ -29,5 +35,7 @@ const char* supported_formats();
 size_t act_row_bytes(Act act, int n);
 // Prepare an activation row (n floats) for dot products with weights that take `act`.
 void prepare_act(Act act, const float* x, void* out, int n);
+// g[i] = silu(g[i]) * u[i]
+void silu_mul(float* g, const float* u, int n);
 
 }  // namespace kt

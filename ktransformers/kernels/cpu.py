@@ -78,7 +78,7 @@ def load_extension(isa: str | None = None):
 class CPURuntime:
     """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
 
-    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int = 50):
+    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int = 300):
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
         self.threads = threads or len(os.sched_getaffinity(0))
