@@ -102,6 +102,21 @@ void prep_q8_k(const float* x, act_q8_k* y, int n) {
     }
 }
 
+// Q8_K, then the bytes of each 128 reordered for 512-bit Q4_K (bsums stay in natural order).
+void prep_q8_kx(const float* x, act_q8_k* y, int n) {
+    prep_q8_k(x, y, n);
+    for (int b = 0; b < n / QK_K; b++)
+        for (int c = 0; c < QK_K; c += 128) {
+            int8_t tmp[128];
+            int8_t* q = y[b].qs + c;
+            std::memcpy(tmp, q, 32);
+            std::memcpy(tmp + 32, q + 64, 32);
+            std::memcpy(tmp + 64, q + 32, 32);
+            std::memcpy(tmp + 96, q + 96, 32);
+            std::memcpy(q, tmp, 128);
+        }
+}
+
 #if defined(__AVX2__)
 inline int hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -177,11 +192,6 @@ float dot_q4_0(int n, const void* vw, const void* va) {
 
 #if defined(__AVX512BW__)
 inline float hsum512_f32(__m512 v) { return _mm512_reduce_add_ps(v); }
-// two 32-byte activation runs (at x and x + gap) as one 64-byte vector
-inline __m512i load2x32(const int8_t* x, int gap) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x)),
-                              _mm256_loadu_si256((const __m256i*)(x + gap)), 1);
-}
 // 16-bit lanes of every 128-bit lane i take the 16-bit value at index idx[i] of a 128-bit table
 inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
     const __m512i t = _mm512_broadcast_i32x4(table8x16);
@@ -202,8 +212,8 @@ float dot_q4_k_avx512(int n, const block_q4_k* w, const act_q8_k* a) {
             const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
             const int8_t* x = a[b].qs + 128 * c;
             const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            const __m512i p0 = _mm512_maddubs_epi16(lo, load2x32(x, 64));       // x[0..31], x[64..95]
-            const __m512i p1 = _mm512_maddubs_epi16(hi, load2x32(x + 32, 64));  // x[32..63], x[96..127]
+            const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));         // x[0..31], x[64..95]
+            const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));  // x[32..63], x[96..127]
             const int j = 4 * c;
             sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
             sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
@@ -231,8 +241,8 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
             const __m512i s0 = pick16(sc, j, j, j + 2, j + 2), s1 = pick16(sc, j + 1, j + 1, j + 3, j + 3);
             for (int t = 0; t < 4; t++) {
                 const int8_t* x = a[t][b].qs + 128 * c;
-                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, load2x32(x, 64)), s0);
-                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, load2x32(x + 32, 64)), s1);
+                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x)), s0);
+                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64))), s1);
                 sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(p0, p1));
             }
         }
@@ -561,8 +571,10 @@ float dot_f32(int n, const void* vw, const void* va) {
 
 #if defined(__AVX512BW__)
 constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q6K = dot4_q6_k;
+constexpr Act kActQ4K = Act::Q8_KX;
 #else
 constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q6K = nullptr;
+constexpr Act kActQ4K = Act::Q8_K;
 #endif
 
 const Format kFormats[] = {
@@ -571,7 +583,7 @@ const Format kFormats[] = {
     {BF16, "BF16", 1, 2, Act::F32, dot_bf16, nullptr},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, nullptr},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, nullptr},
-    {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), Act::Q8_K, dot_q4_k, kDot4Q4K},
+    {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
     {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), Act::Q8_K, dot_q5_k, nullptr},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, nullptr},
@@ -634,7 +646,8 @@ size_t act_row_bytes(Act act, int n) {
     switch (act) {
         case Act::F32: return sizeof(float) * n;
         case Act::Q8_0: return sizeof(act_q8_0) * (n / QK);
-        case Act::Q8_K: return sizeof(act_q8_k) * (n / QK_K);
+        case Act::Q8_K:
+        case Act::Q8_KX: return sizeof(act_q8_k) * (n / QK_K);
     }
     return 0;
 }
@@ -644,6 +657,7 @@ void prepare_act(Act act, const float* x, void* out, int n) {
         case Act::F32: std::memcpy(out, x, sizeof(float) * n); break;
         case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
         case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;
+        case Act::Q8_KX: prep_q8_kx(x, (act_q8_k*)out, n); break;
     }
 }
 

@@ -7,7 +7,9 @@
 
 namespace kt {
 
-enum class Act { F32, Q8_0, Q8_K };  // how activations are prepared for a weight format
+// How activations are prepared for a weight format. Q8_KX: Q8_K with each 128 values stored as
+// [0..31, 64..95, 32..63, 96..127], the order 512-bit Q4_K code consumes them in.
+enum class Act { F32, Q8_0, Q8_K, Q8_KX };
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);

@@ -7,7 +7,9 @@ For each shape, format and token count T: median microseconds per call, the byte
 weights the call must read (the experts its random routing touches), the effective GB/s and
 TFLOP/s, the streaming read bandwidth of this machine measured in the same run, and the ratio
 of the two (1.0 = at the bandwidth floor). Weights are random valid GGML blocks; several copies
-of the layer are cycled so that calls do not find their experts in the cache.
+of the layer are cycled so that calls do not find their experts in the cache. When kt-kernel is
+installed, the same layer, bytes and inputs run through it too (best of 1 and N threads), and
+its median and our speedup over it are printed (`peer` in --json rows).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from ..kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, random_blocks
+from .peers import build_peers, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8)}
@@ -35,6 +38,7 @@ FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
 class Layer:
     kernel: MoEKernel
     expert_bytes: int  # bytes of one expert's three matrices
+    weights: tuple  # the (gate, up, down) ExpertWeights, for the peer to read the same bytes
 
 
 def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertWeights:
@@ -50,7 +54,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen)
         gate, up, down = _projection(g, experts, I, H, gen), _projection(u, experts, I, H, gen), _projection(d, experts, H, I, gen)
         per_expert = sum(w.data.numel() for w in (gate, up, down)) // experts
         layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
-                                      down=down, max_tokens=512), per_expert))
+                                      down=down, max_tokens=512), per_expert, (gate, up, down)))
     return layers
 
 
@@ -65,17 +69,21 @@ def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     return best
 
 
-def time_layer(layers: list[Layer], T: int, experts: int, top_k: int, hidden: int, iters: int, gen) -> tuple[float, int]:
-    """(median seconds, mean bytes of weights touched) over `iters` calls cycling the layers."""
+def make_calls(n: int, T: int, experts: int, top_k: int, hidden: int, gen) -> list[tuple]:
+    """n inputs with uniform random routing: (x bf16 [T, H], ids [T, K], weights [T, K])."""
+    return [(torch.randn(T, hidden, generator=gen).to(torch.bfloat16),
+             torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]),
+             torch.rand(T, top_k, generator=gen)) for _ in range(n)]
+
+
+def time_layer(layers: list[Layer], calls: list[tuple]) -> tuple[float, int]:
+    """(median seconds, mean bytes of weights touched) over the calls (two warm-up) cycling the layers."""
     times, touched = [], []
-    for i in range(iters + 2):
+    for i, (x, ids, w) in enumerate(calls):
         layer = layers[i % len(layers)]
-        x = torch.randn(T, hidden, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)])
-        w = torch.rand(T, top_k, generator=gen)
         start = time.perf_counter()
         layer.kernel.forward(x, ids, w)
-        if i >= 2:  # two warm-up calls
+        if i >= 2:
             times.append(time.perf_counter() - start)
             touched.append(len(torch.unique(ids)) * layer.expert_bytes)
     return statistics.median(times), int(statistics.mean(touched))
@@ -101,21 +109,27 @@ def run(args) -> list[dict]:
             experts = expert_budget(shape, fmt, args.copies)
             layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
             note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
+            peers = {} if args.no_peer else build_peers(
+                args.peer_threads or sorted({1, runtime.threads}), experts=experts, top_k=shape["top_k"],
+                hidden=shape["hidden"], intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt],
+                gate=layers[0].weights[0].data, up=layers[0].weights[1].data, down=layers[0].weights[2].data)
             for T in args.tokens:
                 iters = args.iters if T <= 32 else max(3, args.iters // 4)
-                seconds, nbytes = time_layer(layers, T, experts, shape["top_k"], shape["hidden"], iters, gen)
+                calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
+                seconds, nbytes = time_layer(layers, calls)
+                peer = time_peers(peers, calls)
                 flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
                 rows.append(dict(shape=shape_name + note, format=fmt, tokens=T, threads=runtime.threads,
                                  isa=runtime.isa, median_us=seconds * 1e6, weight_bytes=nbytes,
                                  gbps=nbytes / seconds / 1e9, stream_gbps=stream, tflops=flops / seconds / 1e12,
-                                 peer=None))
+                                 peer=peer))
                 print_row(rows[-1], args.json)
-            del layers
+            del layers, peers
     return rows
 
 
 HEADER = f"{'shape':<10} {'format':<7} {'T':>4} {'thr':>3} {'isa':<6} {'median us':>10} {'weight MB':>9} " \
-         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7}"
+         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7} {'kt-kernel us':>12} {'speedup':>7}"
 
 
 def print_row(row: dict, as_json: bool) -> None:
@@ -124,7 +138,14 @@ def print_row(row: dict, as_json: bool) -> None:
         return
     print(f"{row['shape']:<10} {row['format']:<7} {row['tokens']:>4} {row['threads']:>3} {row['isa']:<6} "
           f"{row['median_us']:>10.1f} {row['weight_bytes'] / 1e6:>9.1f} {row['gbps']:>6.1f} {row['stream_gbps']:>6.1f} "
-          f"{row['gbps'] / row['stream_gbps']:>5.2f} {row['tflops']:>7.3f}", flush=True)
+          f"{row['gbps'] / row['stream_gbps']:>5.2f} {row['tflops']:>7.3f}" + _peer_columns(row["peer"], row["median_us"]),
+          flush=True)
+
+
+def _peer_columns(peer: dict | None, ours_us: float) -> str:
+    if peer is None:
+        return f" {'-':>12} {'-':>7}"
+    return f" {peer['median_us']:>9.1f}/{peer['threads']:<2} {peer['median_us'] / ours_us:>7.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copies", type=int, default=3, help="copies of the layer cycled to defeat the cache")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
+    p.add_argument("--peer-threads", type=int, nargs="+", help="kt-kernel thread counts to try (best is kept)")
     args = p.parse_args(argv)
     if not args.json:
         print(HEADER)
