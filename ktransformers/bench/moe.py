@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, random_blocks
-from .peers import build_peers, time_peers
+from .peers import build_peers, quiet_stdout, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8)}
@@ -124,7 +124,8 @@ def run(args) -> list[dict]:
                                  gbps=nbytes / seconds / 1e9, stream_gbps=stream, tflops=flops / seconds / 1e12,
                                  peer=peer))
                 print_row(rows[-1], args.json)
-            del layers, peers
+            with quiet_stdout():  # kt-kernel says goodbye on stdout
+                del layers, peers
     return rows
 
 

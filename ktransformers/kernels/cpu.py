@@ -36,17 +36,36 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _features() -> set[str]:
+    """CPU features the OS lets us use, as lower-case /proc/cpuinfo names. cpufeature (CPUID plus
+    the OS's XSAVE state) where it is installed; /proc/cpuinfo (which Linux already filters) always,
+    since cpufeature does not report AMX or AVX512-BF16."""
+    flags = _cpu_flags()
+    try:
+        import cpufeature
+    except ImportError:
+        return flags
+    f = cpufeature.CPUFeature
+    names = {"AVX2": "avx2", "FMA3": "fma", "AVX512f": "avx512f", "AVX512bw": "avx512bw", "AVX512vl": "avx512vl",
+             "AVX512dq": "avx512dq", "AVX512vnni": "avx512_vnni"}
+    from_cpuid = {flag for key, flag in names.items() if f.get(key)}
+    if not f.get("OS_AVX"):
+        return set()
+    if not f.get("OS_AVX512"):
+        from_cpuid = {n for n in from_cpuid if not n.startswith("avx512")}
+    return from_cpuid | {n for n in flags if n.startswith("amx") or n == "avx512_bf16"}
+
+
 @lru_cache(maxsize=1)
 def supported_isas() -> tuple[str, ...]:
-    """ISA levels this CPU can run, best first (cpufeature, plus /proc/cpuinfo for AMX/BF16)."""
-    import cpufeature
-    f, flags = cpufeature.CPUFeature, _cpu_flags()
+    """ISA levels this CPU can run, best first."""
+    f = _features()
     have = []
-    if f.get("AVX2") and f.get("FMA3") and f.get("OS_AVX"):
+    if {"avx2", "fma"} <= f:
         have.append("avx2")
-        if all(f.get(k) for k in ("AVX512f", "AVX512bw", "AVX512vl", "AVX512dq", "AVX512vnni", "OS_AVX512")):
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= f:
             have.append("avx512")
-            if {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= flags:
+            if {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= f:
                 have.append("amx")
     return tuple(isa for isa in ISA_ORDER if isa in have)
 
