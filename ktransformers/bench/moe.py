@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, random_blocks
-from .peers import build_peers, quiet_stdout, time_peers
+from .peers import build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8)}
@@ -106,11 +106,12 @@ def run(args) -> list[dict]:
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         for fmt in args.formats:
-            experts = expert_budget(shape, fmt, args.copies)
+            peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
+            experts = expert_budget(shape, fmt, args.copies + len(peer_threads))  # kt-kernel keeps a copy each
             layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
             note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
-            peers = {} if args.no_peer else build_peers(
-                args.peer_threads or sorted({1, runtime.threads}), experts=experts, top_k=shape["top_k"],
+            peers = build_peers(
+                peer_threads, experts=experts, top_k=shape["top_k"],
                 hidden=shape["hidden"], intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt],
                 gate=layers[0].weights[0].data, up=layers[0].weights[1].data, down=layers[0].weights[2].data)
             for T in args.tokens:
