@@ -143,12 +143,14 @@ void Runtime::run_inline(const std::function<void()>& job) {
     } catch (...) {
         error = std::current_exception();
     }
+    bool queued;
     {
         std::lock_guard<std::mutex> lock(mu_);
         running_ = false;
+        queued = !queue_.empty();
     }
-    done_.notify_all();
-    more_.notify_all();
+    if (queued) more_.notify_one();  // jobs submitted meanwhile: the dispatcher's turn (else let it sleep)
+    else done_.notify_all();
     if (error) std::rethrow_exception(error);
 }
 

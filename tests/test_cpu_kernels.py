@@ -108,8 +108,10 @@ def test_bad_input_raises_before_touching_memory(runtime):
     (g, _), (u, _), (d, _) = (expert_weights(GGMLType.Q8_0, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
     x, w = torch.randn(2, H), torch.rand(2, K)
-    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"expert id 4 at position 1 is outside \[0, 4\)"):
         kernel.forward(x, torch.tensor([[0, 4], [1, 2]]), w)
+    with pytest.raises(ValueError, match=r"expert id -1 at position 3"):
+        kernel.submit(x, torch.tensor([[0, 1], [2, -1]]), w)  # checked before the job is queued
     with pytest.raises(ValueError, match=r"\[2, 2\]"):
         kernel.forward(x, torch.tensor([[0, 1]]), w[:1])
     with pytest.raises(ValueError, match=r"x must be a CPU tensor \[T, 256\]"):

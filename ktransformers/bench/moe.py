@@ -104,29 +104,36 @@ def run(args) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for shape_name in args.shapes:
-        shape = SHAPES[shape_name]
         for fmt in args.formats:
-            peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
-            experts = expert_budget(shape, fmt, args.copies + len(peer_threads))  # kt-kernel keeps a copy each
-            layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
-            note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
-            peers = build_peers(
-                peer_threads, experts=experts, top_k=shape["top_k"],
-                hidden=shape["hidden"], intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt],
-                gate=layers[0].weights[0].data, up=layers[0].weights[1].data, down=layers[0].weights[2].data)
-            for T in args.tokens:
-                iters = args.iters if T <= 32 else max(3, args.iters // 4)
-                calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
-                seconds, nbytes = time_layer(layers, calls)
-                peer = time_peers(peers, calls)
-                flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
-                rows.append(dict(shape=shape_name + note, format=fmt, tokens=T, threads=runtime.threads,
-                                 isa=runtime.isa, median_us=seconds * 1e6, weight_bytes=nbytes,
-                                 gbps=nbytes / seconds / 1e9, stream_gbps=stream, tflops=flops / seconds / 1e12,
-                                 peer=peer))
-                print_row(rows[-1], args.json)
-            with quiet_stdout():  # kt-kernel says goodbye on stdout
-                del layers, peers
+            rows += run_format(args, runtime, stream, SHAPES[shape_name], shape_name, fmt, gen)
+    return rows
+
+
+def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: str, gen) -> list[dict]:
+    """Ours for every T first, then kt-kernel on the same calls: its threads spin while it
+    exists, so it must not live while ours is timed."""
+    peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
+    experts = expert_budget(shape, fmt, args.copies + len(peer_threads))  # kt-kernel keeps a copy each
+    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
+    note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
+    rows, all_calls = [], []
+    for T in args.tokens:
+        iters = args.iters if T <= 32 else max(3, args.iters // 4)
+        calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
+        seconds, nbytes = time_layer(layers, calls)
+        flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
+        rows.append(dict(shape=shape_name + note, format=fmt, tokens=T, threads=runtime.threads, isa=runtime.isa,
+                         median_us=seconds * 1e6, weight_bytes=nbytes, gbps=nbytes / seconds / 1e9,
+                         stream_gbps=stream, tflops=flops / seconds / 1e12, peer=None))
+        all_calls.append(calls)
+    peers = build_peers(peer_threads, experts=experts, top_k=shape["top_k"], hidden=shape["hidden"],
+                        intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt], gate=layers[0].weights[0].data,
+                        up=layers[0].weights[1].data, down=layers[0].weights[2].data)
+    for row, calls in zip(rows, all_calls):
+        row["peer"] = time_peers(peers, calls)
+        print_row(row, args.json)
+    with quiet_stdout():  # kt-kernel says goodbye on stdout
+        del layers, peers
     return rows
 
 
