@@ -37,6 +37,7 @@ constexpr int kPrefetchRows = 4;
 // Tokens of one expert computed together against each weight row (their activations stay in
 // L1/L2 while the row streams once per group).
 constexpr int kMaxGroup = 16;
+constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay in L2 per weight row block
 inline void prefetch_row(const uint8_t* row, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 0);
 }
@@ -75,9 +76,20 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     off_u_ = off_g_ + align(P * c.intermediate * sizeof(float));
     off_h_ = off_u_ + align(P * c.intermediate * sizeof(float));
     off_y_ = off_h_ + align(P * down_act_);
-    rt_->reserve_scratch(off_y_ + align(P * c.hidden * sizeof(float)));
+    off_xu8_ = off_y_ + align(P * c.hidden * sizeof(float));
+    off_hu8_ = off_xu8_ + (c.int8_min_tokens ? align(T * c.hidden) : 0);
+    off_xs_ = off_hu8_ + (c.int8_min_tokens ? align(P * c.intermediate) : 0);
+    off_hs_ = off_xs_ + align(T * sizeof(float));
+    rt_->reserve_scratch(off_hs_ + align(P * sizeof(float)));
+    if (c.int8_min_tokens > 0) {
+        if (!c.gate8.w || !c.up8.w || !c.down8.w || !c.gate8.scale || !c.gate8.row_sum)
+            throw std::invalid_argument("MoE: int8 prefill asked for without int8 weights");
+        if (c.hidden % 64 || c.intermediate % 64)
+            throw std::invalid_argument("MoE: int8 prefill needs hidden and intermediate sizes divisible by 64");
+    }
     pair_token_.resize(P);
     pair_slot_.resize(P);
+    pair_expert_.resize(P);
     slot_pair_.resize(P);
     expert_start_.resize(c.experts + 1);
     fill_.resize(c.experts);
@@ -112,6 +124,10 @@ MoE::Scratch MoE::bind_scratch() {
     s.u = (float*)(base + off_u_);
     s.h_act = base + off_h_;
     s.y_pairs = (float*)(base + off_y_);
+    s.x_u8 = base + off_xu8_;
+    s.h_u8 = base + off_hu8_;
+    s.x_s = (float*)(base + off_xs_);
+    s.h_s = (float*)(base + off_hs_);
     return s;
 }
 
@@ -140,6 +156,7 @@ void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {
             for (int i = 0; i < H; i++) row[i] = bf16_to_f32(src[i]);
         }
         prepare_act(gate_fmt_->act, row, &s_.x_gate[t * gate_act_], H);
+        if (cfg_.int8_min_tokens) s_.x_s[t] = quantize_row_u8(row, &s_.x_u8[(size_t)t * H], H);
         if (separate_up_) prepare_act(up_fmt_->act, row, &s_.x_up[t * up_act_], H);
     });
 }
@@ -158,6 +175,7 @@ void MoE::group_by_expert(int tokens, const int64_t* ids) {
         const int p = fill_[ids[s]]++;
         pair_token_[p] = s / K;
         pair_slot_[p] = s;
+        pair_expert_[p] = (int)ids[s];
         slot_pair_[s] = p;
     }
 }
@@ -171,6 +189,10 @@ void MoE::gate_up() {
         const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
         const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
         const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+        if (use_int8(e)) {
+            gate_up_int8(e, r0, r1);
+            return;
+        }
         const void* xg[kMaxGroup];
         const void* xu[kMaxGroup];
         float out[kMaxGroup];
@@ -195,6 +217,32 @@ void MoE::gate_up() {
     });
 }
 
+Int8Weights MoE::expert_int8(const Int8Weights& all, int e, int rows, int cols) const {
+    Int8Weights w;
+    w.w = all.w + (size_t)e * rows * cols;
+    w.scale = all.scale + (size_t)e * rows;
+    w.row_sum = all.row_sum + (size_t)e * rows;
+    return w;
+}
+
+void MoE::gate_up_int8(int e, int r0, int r1) {
+    const int I = cfg_.intermediate, H = cfg_.hidden;
+    const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+    const uint8_t* xs[kMaxInt8Group];
+    float sx[kMaxInt8Group];
+    for (int g0 = 0; g0 < count; g0 += kMaxInt8Group) {
+        const int m = std::min(kMaxInt8Group, count - g0);
+        for (int i = 0; i < m; i++) {
+            const int t = pair_token_[p0 + g0 + i];
+            xs[i] = &s_.x_u8[(size_t)t * H];
+            sx[i] = s_.x_s[t];
+        }
+        const size_t at = (size_t)(p0 + g0) * I;
+        int8_rows(expert_int8(cfg_.gate8, e, I, H), H, r0, r1, xs, sx, m, &s_.g[at], I);
+        int8_rows(expert_int8(cfg_.up8, e, I, H), H, r0, r1, xs, sx, m, &s_.u[at], I);
+    }
+}
+
 void MoE::activate() {
     const int I = cfg_.intermediate;
     const int pairs = expert_start_[cfg_.experts];
@@ -202,7 +250,8 @@ void MoE::activate() {
         float* g = &s_.g[(size_t)p * I];
         const float* u = &s_.u[(size_t)p * I];
         silu_mul(g, u, I);
-        prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
+        if (use_int8(pair_expert_[p])) s_.h_s[p] = quantize_row_u8(g, &s_.h_u8[(size_t)p * I], I);
+        else prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
     });
 }
 
@@ -214,6 +263,10 @@ void MoE::down() {
         const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(H, r0 + chunk);
         const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
         const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+        if (use_int8(e)) {
+            down_int8(e, r0, r1);
+            return;
+        }
         const void* hs[kMaxGroup];
         float out[kMaxGroup];
         for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
@@ -226,6 +279,21 @@ void MoE::down() {
             }
         }
     });
+}
+
+void MoE::down_int8(int e, int r0, int r1) {
+    const int I = cfg_.intermediate, H = cfg_.hidden;
+    const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+    const uint8_t* hs[kMaxInt8Group];
+    float sh[kMaxInt8Group];
+    for (int g0 = 0; g0 < count; g0 += kMaxInt8Group) {
+        const int m = std::min(kMaxInt8Group, count - g0);
+        for (int i = 0; i < m; i++) {
+            hs[i] = &s_.h_u8[(size_t)(p0 + g0 + i) * I];
+            sh[i] = s_.h_s[p0 + g0 + i];
+        }
+        int8_rows(expert_int8(cfg_.down8, e, H, I), I, r0, r1, hs, sh, m, &s_.y_pairs[(size_t)(p0 + g0) * H], H);
+    }
 }
 
 void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {

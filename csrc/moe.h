@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "int8.h"
 #include "pool.h"
 #include "quants.h"
 
@@ -20,6 +21,10 @@ struct MoEConfig {
     const void* up = nullptr;
     const void* down = nullptr;
     size_t gate_bytes = 0, up_bytes = 0, down_bytes = 0;  // for the bounds check
+    // Optional int8 copies for prefill: experts with at least int8_min_tokens tokens in a call use
+    // them (the int8 GEMM); the others, and every decode step, use the GGML blocks.
+    Int8Weights gate8, up8, down8;
+    int int8_min_tokens = 0;  // 0: no int8 copies
 };
 
 enum class Dtype { F32 = 0, BF16 = 1 };
@@ -39,6 +44,9 @@ class MoE {
     void prepare_inputs(int tokens, const void* x, Dtype dtype);
     void group_by_expert(int tokens, const int64_t* ids);
     void gate_up();
+    void gate_up_int8(int e, int r0, int r1);
+    void down_int8(int e, int r0, int r1);
+    Int8Weights expert_int8(const Int8Weights& all, int e, int rows, int cols) const;
     void activate();
     void down();
     void combine(int tokens, const float* weights, void* y, Dtype dtype);
@@ -56,12 +64,18 @@ class MoE {
         float *g, *u;              // [P, I], P = T * K (token, expert) pairs
         uint8_t* h_act;            // [P] prepared rows for down weights
         float* y_pairs;            // [P, H]
+        uint8_t *x_u8, *h_u8;      // int8 path: [T, H] and [P, I] activations + 128
+        float *x_s, *h_s;          // their per-row scales
     };
+    bool use_int8(int e) const {
+        return cfg_.int8_min_tokens > 0 && expert_start_[e + 1] - expert_start_[e] >= cfg_.int8_min_tokens;
+    }
     Scratch bind_scratch();
     Scratch s_{};
     size_t off_x_up_ = 0, off_g_ = 0, off_u_ = 0, off_h_ = 0, off_y_ = 0, off_gate_ = 0;
+    size_t off_xu8_ = 0, off_hu8_ = 0, off_xs_ = 0, off_hs_ = 0;
     bool separate_up_ = false;
-    std::vector<int> pair_token_, pair_slot_;  // pair -> token, pair -> t*K + k
+    std::vector<int> pair_token_, pair_slot_, pair_expert_;  // pair -> token, t*K + k, expert
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert

@@ -20,4 +20,4 @@ python3 -c "from ktransformers.kernels.cpu import supported_isas, default_isa; p
 python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | tail -15
 THREADS=${THREADS:-14}
 python3 -m ktransformers.bench.moe --threads "$THREADS" --peer-threads "$THREADS" --copies 2 \
-    --formats ${FORMATS:-Q4_K_M Q8_0 BF16} --shapes ${SHAPES:-qwen3 deepseek} 2>"$OUT/bench_moe.err" | tee "$OUT/bench_moe.txt"
+    --formats ${FORMATS:-Q4_K_M Q8_0 BF16} --shapes ${SHAPES:-qwen3 deepseek} ${BENCH_ARGS:-} 2>"$OUT/bench_moe.err" | tee "$OUT/bench_moe.txt"

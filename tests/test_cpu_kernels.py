@@ -152,3 +152,32 @@ def test_avx2_build_has_no_avx512_instructions():
         pytest.skip("objdump (binutils) not installed")
     listing = subprocess.run(["objdump", "-d", _cpu_avx2.__file__], capture_output=True, text=True, check=True).stdout
     assert "zmm" not in listing and "vpdpbusd" not in listing
+
+
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_int8_prefill_path(runtime, fmt):
+    """Experts with enough tokens use the int8 copies (per-row weight and activation scales);
+    the others, the GGML blocks. With min tokens 1 every expert takes the int8 path."""
+    if not runtime.ext.int8_gemm:
+        pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
+    from ktransformers.kernels.cpu import Int8Rows, round_activations_rows
+    E, K, H, I = 6, 2, 512, 256
+    gen = torch.Generator().manual_seed(11)
+    (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    int8 = tuple(Int8Rows.from_dense(w) for w in (gd, ud, dd))
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                       int8=int8, int8_min_tokens=1, max_tokens=64)
+    assert kernel.int8_min_tokens == 1
+    for T in (1, 5, 70):
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        y = kernel.forward(x, ids, w)
+        gate_up8 = torch.cat([int8[0].dequantized(), int8[1].dequantized()], dim=1)
+        same = moe_reference(x, ids, w, gate_up8, int8[2].dequantized(), round_activations_rows, round_activations_rows)
+        assert rel_err(y, same) < 1e-3, T
+        assert rel_err(y, moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 5e-2, T
+    mixed = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                      int8=int8, int8_min_tokens=8)
+    x = torch.randn(40, H, generator=gen)
+    ids, w = routing(40, E, K, gen)
+    assert rel_err(mixed.forward(x, ids, w), moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 5e-2

@@ -167,3 +167,23 @@ def test_cuda_rule_without_cuda_names_the_rule(tmp_path):
     rules.write_text("- match: {name: '^lm_head$'}\n  replace: {class: KTransformersLinear, kwargs: {generate_device: cuda}}\n")
     with pytest.raises(ValueError, match=r"rule 0 puts 'lm_head' on cuda \(generate_device\).*-cpu rule file"):
         optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, tmp_path / "m.gguf", model.config)
+
+
+def test_int8_prefill_option(tmp_path):
+    """KExpertsCPU with int8_prefill keeps int8 copies; a long prompt goes through them."""
+    from ktransformers.kernels.cpu import load_extension
+    if not load_extension().int8_gemm:
+        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI)")
+    model = tiny_model("qwen3_moe")
+    path = tmp_path / "m.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q4_K)
+    rules = tmp_path / "int8.yaml"
+    rules.write_text((RULES_DIR / RULES["qwen3_moe"]).read_text().replace("out_device: cpu", "out_device: cpu\n      int8_prefill: true"))
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, rules, path, model.config)
+    experts = ours.model.layers[0].mlp.experts.ops["prefill"]
+    assert experts.kernel.int8_min_tokens > 0
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    reference.load_state_dict(reference_state_dict(model, types))
+    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(1))
+    assert rel_err(logits(ours, ids), logits(reference, ids)) < 5e-2

@@ -1,6 +1,7 @@
 // The avx512 build of the CPU kernels: one translation unit per ISA level (setup.py compiles each
 // with its own -m flags), so no object file is shared between levels.
 #include "../quants.cpp"
+#include "../int8.cpp"
 #include "../pool.cpp"
 #include "../moe.cpp"
 #include "../linear.cpp"

@@ -23,8 +23,8 @@ import numpy as np
 import psutil
 import torch
 
-from ..kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
-from ..weights.ggml_quants import FORMATS, GGMLType, random_blocks
+from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel
+from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
 from .peers import build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
@@ -46,15 +46,19 @@ def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertW
     return ExpertWeights(random_blocks(t, blocks, gen).reshape(-1), int(t))
 
 
-def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen) -> list[Layer]:
+def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen, int8: bool = False) -> list[Layer]:
     H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
     g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
     layers = []
     for _ in range(copies):
         gate, up, down = _projection(g, experts, I, H, gen), _projection(u, experts, I, H, gen), _projection(d, experts, H, I, gen)
         per_expert = sum(w.data.numel() for w in (gate, up, down)) // experts
+        rows8 = None
+        if int8:  # the prefill copies, as KExpertsCPU(int8_prefill=True) makes them at load
+            shapes = ((experts, I, H), (experts, I, H), (experts, H, I))
+            rows8 = tuple(Int8Rows.from_dense(dequantize(w.data, w.ggml_type, s)) for w, s in zip((gate, up, down), shapes))
         layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
-                                      down=down, max_tokens=512), per_expert, (gate, up, down)))
+                                      down=down, max_tokens=512, int8=rows8), per_expert, (gate, up, down)))
     return layers
 
 
@@ -89,11 +93,11 @@ def time_layer(layers: list[Layer], calls: list[tuple]) -> tuple[float, int]:
     return statistics.median(times), int(statistics.mean(touched))
 
 
-def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5) -> int:
+def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5, int8: bool = False) -> int:
     """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
     H, I = shape["hidden"], shape["intermediate"]
     per_expert = sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
-                     for n in FORMAT_TYPES[fmt])
+                     for n in FORMAT_TYPES[fmt]) + (3 * I * H if int8 else 0)
     fit = int(psutil.virtual_memory().available * ram_fraction / (per_expert * copies))
     return max(shape["top_k"], min(shape["experts"], fit))
 
@@ -113,8 +117,8 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
     """Ours for every T first, then kt-kernel on the same calls: its threads spin while it
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
-    experts = expert_budget(shape, fmt, args.copies + len(peer_threads))  # kt-kernel keeps a copy each
-    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen)
+    experts = expert_budget(shape, fmt, args.copies + len(peer_threads), int8=args.int8)  # kt-kernel keeps a copy each
+    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen, args.int8)
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
     for T in args.tokens:
@@ -122,7 +126,7 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
         calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
         seconds, nbytes = time_layer(layers, calls)
         flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
-        rows.append(dict(shape=shape_name + note, format=fmt, tokens=T, threads=runtime.threads, isa=runtime.isa,
+        rows.append(dict(shape=shape_name + note, format=fmt + ("+int8" if layers[0].kernel.int8_min_tokens else ""), tokens=T, threads=runtime.threads, isa=runtime.isa,
                          median_us=seconds * 1e6, weight_bytes=nbytes, gbps=nbytes / seconds / 1e9,
                          stream_gbps=stream, tflops=flops / seconds / 1e12, peer=None))
         all_calls.append(calls)
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copies", type=int, default=3, help="copies of the layer cycled to defeat the cache")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--int8", action="store_true",
+                   help="also give our layers the int8 copies of the prefill path (experts with >= 4 tokens use them)")
     p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
     p.add_argument("--peer-threads", type=int, nargs="+", help="kt-kernel thread counts to try (best is kept)")
     args = p.parse_args(argv)

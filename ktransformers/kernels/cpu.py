@@ -133,6 +133,46 @@ class ExpertWeights:
     ggml_type: int
 
 
+@dataclass(frozen=True)
+class Int8Rows:
+    """A projection of all experts re-quantized for the int8 prefill GEMM: w [E, rows, cols]
+    int8, one float scale per row, and each row's sum of int8 values."""
+    w: torch.Tensor
+    scale: torch.Tensor
+    row_sum: torch.Tensor
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor) -> "Int8Rows":
+        """Symmetric per-row int8 of float weights [E, rows, cols], one expert at a time."""
+        E, rows, cols = dense.shape
+        w = torch.empty(E, rows, cols, dtype=torch.int8)
+        scale = torch.empty(E, rows, dtype=torch.float32)
+        for e in range(E):
+            d = dense[e].float()
+            s = d.abs().amax(dim=1) / 127.0
+            w[e] = torch.round(d / torch.where(s > 0, s, torch.ones_like(s))[:, None]).to(torch.int8)
+            scale[e] = s
+        return Int8Rows(w, scale, w.sum(dim=2, dtype=torch.int32))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.w.float() * self.scale[..., None]
+
+    def addresses(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        if tuple(self.w.shape) != shape or self.w.dtype != torch.int8 or not self.w.is_contiguous():
+            raise ValueError(f"int8 weights must be a contiguous int8 tensor {shape}, got {tuple(self.w.shape)} {self.w.dtype}")
+        if tuple(self.scale.shape) != shape[:2] or tuple(self.row_sum.shape) != shape[:2]:
+            raise ValueError(f"int8 scales and row sums must be {shape[:2]}")
+        scale, row_sum = self.scale.float().contiguous(), self.row_sum.to(torch.int32).contiguous()
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "row_sum", row_sum)
+        return self.w.data_ptr(), scale.data_ptr(), row_sum.data_ptr()
+
+
+def round_activations_rows(x: torch.Tensor) -> torch.Tensor:
+    """How the int8 prefill path rounds activations: int8 steps of amax/127 per whole row."""
+    return round_activations(x, x.shape[-1])
+
+
 def _check_activations(op: str, x: torch.Tensor, width: int) -> None:
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"{op}: x must be a CPU tensor [T, {width}], got {tuple(x.shape)} on {x.device}")
@@ -144,13 +184,23 @@ class MoEKernel:
     """Routed experts on the CPU, computed on the GGML blocks directly."""
 
     def __init__(self, runtime: CPURuntime, *, experts: int, top_k: int, hidden: int, intermediate: int,
-                 gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE"):
+                 gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE",
+                 int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4):
+        """`int8`: re-quantized copies of gate, up, down for the int8 prefill GEMM (AVX512-VNNI
+        builds); experts with at least `int8_min_tokens` tokens in a call use them."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
+        addresses, min_tokens = (), 0
+        if int8 is not None and runtime.ext.int8_gemm:
+            shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
+            addresses = tuple(a for rows, shape in zip(int8, shapes) for a in rows.addresses(shape))
+            self._int8, min_tokens = int8, max(1, int8_min_tokens)
+        self.int8_min_tokens = min_tokens
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
-                                    gate.ggml_type, up.ggml_type, down.ggml_type, g, gb, u, ub, d, db)
+                                    gate.ggml_type, up.ggml_type, down.ggml_type, g, gb, u, ub, d, db,
+                                    addresses, min_tokens)
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)

@@ -58,6 +58,7 @@ class ExpertSpec:
     intermediate: int
     top_k: int
     dtype: torch.dtype
+    int8_prefill: bool = False  # KExpertsCPU: keep int8 copies for the prefill GEMM (more RAM, faster prefill)
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -109,8 +110,14 @@ class KExpertsCPU:
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
+        int8 = None
+        if self.spec.int8_prefill:
+            from ..kernels.cpu import Int8Rows
+            shapes = ((E, I, H), (E, I, H), (E, H, I))
+            int8 = tuple(Int8Rows.from_dense(weights.load(f"{self.key}.{p}_proj", shape=s))
+                         for p, s in zip(("gate", "up", "down"), shapes))
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
-                                gate=gate, up=up, down=down, name=self.key)
+                                gate=gate, up=up, down=down, name=self.key, int8=int8)
 
     def unload(self) -> None:
         self.kernel = None
@@ -128,6 +135,7 @@ class ExpertsOptions(Placement):
     prefill_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
+    int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
 
 
 @register_operator("KTransformersExperts")
@@ -141,7 +149,7 @@ class KTransformersExperts(BaseInjectedModule):
         E, two_i, H = orig_module.gate_up_proj.shape
         self.n_experts = E
         top_k = getattr(config, "num_experts_per_tok", None) or E
-        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype)
+        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, self.options.int8_prefill)
         o = self.options
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
