@@ -137,57 +137,61 @@ inline __m256i dot_s8(__m256i a, __m256i b) {
 }
 #endif
 
-// ---- Q8_0 x Q8_0 -------------------------------------------------------------------------
-float dot_q8_0(int n, const void* vw, const void* va) {
-    const block_q8_0* w = (const block_q8_0*)vw;
-    const act_q8_0* a = (const act_q8_0*)va;
+// ---- 32-value blocks (Q8_0, Q4_0) x Q8_0 ---------------------------------------------------
+// sum over blocks of d_w * d_x * (q_w . q_x); `vec(b)` gives block b's 32 signed weights as bytes,
+// `at(b, i)` the i-th one (scalar build).
+template <typename Block, typename Vec, typename At>
+inline float dot_blocks32(int n, const Block* w, const act_q8_0* a, Vec vec, At at) {
     const int nb = n / QK;
 #if defined(__AVX2__)
+    (void)at;
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const __m256i p = dot_s8(_mm256_loadu_si256((const __m256i*)w[b].qs), _mm256_loadu_si256((const __m256i*)a[b].qs));
+        const __m256i p = dot_s8(vec(b), _mm256_loadu_si256((const __m256i*)a[b].qs));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * a[b].d), _mm256_cvtepi32_ps(p), acc);
     }
     return hsum_f32(acc);
 #else
+    (void)vec;
     float sum = 0;
     for (int b = 0; b < nb; b++) {
         int s = 0;
-        for (int i = 0; i < QK; i++) s += w[b].qs[i] * a[b].qs[i];
+        for (int i = 0; i < QK; i++) s += at(b, i) * a[b].qs[i];
         sum += fp16_to_f32(w[b].d) * a[b].d * s;
     }
     return sum;
 #endif
 }
 
-// ---- Q4_0 x Q8_0 -------------------------------------------------------------------------
+float dot_q8_0(int n, const void* vw, const void* va) {
+    const block_q8_0* w = (const block_q8_0*)vw;
+    return dot_blocks32(
+        n, w, (const act_q8_0*)va,
+        [&](int b) {
+#if defined(__AVX2__)
+            return _mm256_loadu_si256((const __m256i*)w[b].qs);
+#else
+            return b;
+#endif
+        },
+        [&](int b, int i) { return (int)w[b].qs[i]; });
+}
+
+// Q4_0: value = (nibble - 8) * d; bytes 0..15 of a block hold values 0..15 (low) and 16..31 (high).
 float dot_q4_0(int n, const void* vw, const void* va) {
     const block_q4_0* w = (const block_q4_0*)vw;
-    const act_q8_0* a = (const act_q8_0*)va;
-    const int nb = n / QK;
+    return dot_blocks32(
+        n, w, (const act_q8_0*)va,
+        [&](int b) {
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0xF), eight = _mm256_set1_epi8(8);
-    for (int b = 0; b < nb; b++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)w[b].qs);
-        __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // bytes 0..15 low nibbles, 16..31 high
-        q = _mm256_sub_epi8(_mm256_and_si256(q, low), eight);
-        const __m256i p = dot_s8(q, _mm256_loadu_si256((const __m256i*)a[b].qs));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * a[b].d), _mm256_cvtepi32_ps(p), acc);
-    }
-    return hsum_f32(acc);
+            const __m128i raw = _mm_loadu_si128((const __m128i*)w[b].qs);
+            const __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+            return _mm256_sub_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0xF)), _mm256_set1_epi8(8));
 #else
-    float sum = 0;
-    for (int b = 0; b < nb; b++) {
-        int s = 0;
-        for (int i = 0; i < QK / 2; i++) {
-            s += ((w[b].qs[i] & 0xF) - 8) * a[b].qs[i];
-            s += ((w[b].qs[i] >> 4) - 8) * a[b].qs[i + QK / 2];
-        }
-        sum += fp16_to_f32(w[b].d) * a[b].d * s;
-    }
-    return sum;
+            return b;
 #endif
+        },
+        [&](int b, int i) { return (i < 16 ? (w[b].qs[i] & 0xF) : (w[b].qs[i - 16] >> 4)) - 8; });
 }
 
 #if defined(__AVX512BW__)
@@ -524,42 +528,43 @@ float dot_iq4_xs(int n, const void* vw, const void* va) {
 }
 
 // ---- 16-bit floats x F32 -----------------------------------------------------------------
-float dot_bf16(int n, const void* vw, const void* va) {
-    const bf16_t* w = (const bf16_t*)vw;
-    const float* x = (const float*)va;
+#if defined(__AVX2__)
+inline __m256 load8_bf16(const bf16_t* w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
+}
+inline __m256 load8_f16(const fp16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
+#endif
+
+// sum w[i] * x[i] for 16-bit float weights: two accumulators of 8, then the tail in scalar
+template <typename Load8, typename ToF32>
+inline float dot_16bit(int n, const uint16_t* w, const float* x, Load8 load8, ToF32 to_f32) {
     int i = 0;
     float sum = 0;
 #if defined(__AVX2__)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-        const __m256i r = _mm256_loadu_si256((const __m256i*)(w + i));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), 16));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), 16));
-        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), acc1);
+        acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
     }
     sum = hsum_f32(_mm256_add_ps(acc0, acc1));
+#else
+    (void)load8;
 #endif
-    for (; i < n; i++) sum += bf16_to_f32(w[i]) * x[i];
+    for (; i < n; i++) sum += to_f32(w[i]) * x[i];
     return sum;
 }
 
-float dot_f16(int n, const void* vw, const void* va) {
-    const fp16_t* w = (const fp16_t*)vw;
-    const float* x = (const float*)va;
-    int i = 0;
-    float sum = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + i))), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + i + 8))), _mm256_loadu_ps(x + i + 8), acc1);
-    }
-    sum = hsum_f32(_mm256_add_ps(acc0, acc1));
-#endif
-    for (; i < n; i++) sum += fp16_to_f32(w[i]) * x[i];
-    return sum;
+#if defined(__AVX2__)
+float dot_bf16(int n, const void* w, const void* x) {
+    return dot_16bit(n, (const bf16_t*)w, (const float*)x, load8_bf16, bf16_to_f32);
 }
+float dot_f16(int n, const void* w, const void* x) {
+    return dot_16bit(n, (const fp16_t*)w, (const float*)x, load8_f16, fp16_to_f32);
+}
+#else
+float dot_bf16(int n, const void* w, const void* x) { return dot_16bit(n, (const bf16_t*)w, (const float*)x, 0, bf16_to_f32); }
+float dot_f16(int n, const void* w, const void* x) { return dot_16bit(n, (const fp16_t*)w, (const float*)x, 0, fp16_to_f32); }
+#endif
 
 float dot_f32(int n, const void* vw, const void* va) {
     const float* w = (const float*)vw;
