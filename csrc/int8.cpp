@@ -1,4 +1,4 @@
-// The int8 prefill GEMM: 2 weight rows x 4 token rows per step, int32 accumulators over the
+// The int8 prefill GEMM: 4 weight rows x 4 token rows per step (16 accumulators), int32 accumulators over the
 // whole row (|sum| <= k * 127 * 255 fits in int32 for k < 66,000), scales applied once at the end.
 #include "int8.h"
 
@@ -72,6 +72,11 @@ void int8_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const
                float* out, size_t out_stride) {
 #if defined(KT_INT8_GEMM)
     int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        int t = 0;
+        for (; t + 4 <= count; t += 4) step<4, 4>(w, k, r, t, xs, sx, out, out_stride);
+        for (; t < count; t++) step<4, 1>(w, k, r, t, xs, sx, out, out_stride);
+    }
     for (; r + 2 <= r1; r += 2) {
         int t = 0;
         for (; t + 4 <= count; t += 4) step<2, 4>(w, k, r, t, xs, sx, out, out_stride);

@@ -154,14 +154,16 @@ def test_avx2_build_has_no_avx512_instructions():
     assert "zmm" not in listing and "vpdpbusd" not in listing
 
 
-@pytest.mark.parametrize("fmt", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
-def test_int8_prefill_path(runtime, fmt):
+@pytest.mark.parametrize("fmt, H, I", [(GGMLType.Q4_K, 512, 256), (GGMLType.Q8_0, 576, 320)],
+                         ids=["Q4_K", "Q8_0-odd-row-chunks"])
+def test_int8_prefill_path(runtime, fmt, H, I):
     """Experts with enough tokens use the int8 copies (per-row weight and activation scales);
-    the others, the GGML blocks. With min tokens 1 every expert takes the int8 path."""
+    the others, the GGML blocks. With min tokens 1 every expert takes the int8 path. (320 rows
+    split over tasks leave chunks of 4k+3 rows: the GEMM's 2- and 1-row tails run.)"""
     if not runtime.ext.int8_gemm:
         pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
     from ktransformers.kernels.cpu import Int8Rows, round_activations_rows
-    E, K, H, I = 6, 2, 512, 256
+    E, K = 6, 2
     gen = torch.Generator().manual_seed(11)
     (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     int8 = tuple(Int8Rows.from_dense(w) for w in (gd, ud, dd))
