@@ -37,6 +37,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.attr("isa") = KT_STR(KT_ISA);
     m.def("supported_formats", &supported_formats);
     m.attr("int8_gemm") = int8_gemm_available();
+    m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 
     py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime", py::module_local())
         .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 300)
@@ -57,13 +58,14 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  c.gate = cptr<void>(gate), c.up = cptr<void>(up), c.down = cptr<void>(down);
                  c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
                  c.int8_min_tokens = int8_min_tokens;
-                 if (int8_min_tokens > 0) {  // (w, scale, row_sum) addresses for gate, up, down; sizes checked in Python
-                     if (int8.size() != 9) throw std::invalid_argument("MoE: int8 needs 9 addresses");
+                 if (int8_min_tokens > 0) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
+                     if (int8.size() != 12) throw std::invalid_argument("MoE: int8 needs 12 addresses");
                      Int8Weights* dst[3] = {&c.gate8, &c.up8, &c.down8};
                      for (int i = 0; i < 3; i++) {
-                         dst[i]->w = cptr<int8_t>(int8[3 * i].cast<uintptr_t>());
-                         dst[i]->scale = cptr<float>(int8[3 * i + 1].cast<uintptr_t>());
-                         dst[i]->row_sum = cptr<int32_t>(int8[3 * i + 2].cast<uintptr_t>());
+                         dst[i]->w = cptr<int8_t>(int8[4 * i].cast<uintptr_t>());
+                         dst[i]->scale = cptr<float>(int8[4 * i + 1].cast<uintptr_t>());
+                         dst[i]->row_sum = cptr<int32_t>(int8[4 * i + 2].cast<uintptr_t>());
+                         dst[i]->amx = cptr<int8_t>(int8[4 * i + 3].cast<uintptr_t>());  // 0: none
                      }
                  }
                  return std::make_shared<MoE>(rt, c);

@@ -9,8 +9,26 @@
 #include <immintrin.h>
 #define KT_INT8_GEMM 1
 #endif
+#if defined(KT_INT8_GEMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+#define KT_AMX 1
+#endif
 
 namespace kt {
+
+bool amx_available() {
+#if defined(KT_AMX)
+    // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA = 18).
+    static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+#else
+    return false;
+#endif
+}
 
 bool int8_gemm_available() {
 #if defined(KT_INT8_GEMM)
@@ -68,8 +86,85 @@ inline void step(const Int8Weights& w, int k, int r, int t, const uint8_t* const
 }  // namespace
 #endif
 
+#if defined(KT_AMX)
+namespace {
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+void configure_tiles() {  // tiles 0..4: 16 rows x 64 bytes (C is 16 x 16 int32, A and B 16 x 64 bytes)
+    thread_local bool configured = false;
+    if (configured) return;
+    TileConfig c;
+    for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+    configured = true;
+}
+
+// Rows [r, r + 16) of w against `tiles` (1 or 2) groups of 16 activation rows in `a` (row stride k):
+// C tiles 0, 1; B tile 2; A tiles 3, 4.
+template <int TILES>
+void amx_block(const int8_t* packed, const uint8_t* a, int k, int32_t c[TILES][16][16]) {
+    _tile_zero(0);
+    if (TILES > 1) _tile_zero(1);
+    for (int kb = 0; kb < k / 64; kb++) {
+        _tile_loadd(2, packed + (size_t)kb * 1024, 64);
+        _tile_loadd(3, a + kb * 64, k);
+        _tile_dpbusd(0, 3, 2);
+        if (TILES > 1) {
+            _tile_loadd(4, a + (size_t)16 * k + kb * 64, k);
+            _tile_dpbusd(1, 4, 2);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (TILES > 1) _tile_stored(1, c[TILES - 1], 64);
+}
+
+// Every 16-row block of [r0, r1) that starts at a multiple of 16; returns the first row not done.
+int amx_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
+             float* out, size_t stride) {
+    int first = (r0 + 15) / 16 * 16;
+    if (first + 16 > r1 || !amx_available()) return r0;
+    configure_tiles();
+    thread_local std::vector<uint8_t> a;  // the activation rows, 32 at a time, zero rows as padding
+    a.assign((size_t)32 * k, 128);        // u8 128 = activation 0
+    int32_t c[2][16][16];
+    for (int t0 = 0; t0 < count; t0 += 32) {
+        const int m = std::min(32, count - t0);
+        for (int i = 0; i < 32; i++)
+            if (i < m) std::memcpy(&a[(size_t)i * k], xs[t0 + i], k);
+            else std::memset(&a[(size_t)i * k], 128, k);
+        for (int r = first; r + 16 <= r1; r += 16) {
+            const int8_t* packed = w.amx + (size_t)(r / 16) * (k / 64) * 1024;
+            if (m > 16) amx_block<2>(packed, a.data(), k, c);
+            else amx_block<1>(packed, a.data(), k, c);
+            for (int i = 0; i < m; i++)
+                for (int n = 0; n < 16; n++)
+                    out[(size_t)(t0 + i) * stride + r + n] =
+                        (float)(c[i / 16][i % 16][n] - 128 * w.row_sum[r + n]) * w.scale[r + n] * sx[t0 + i];
+        }
+    }
+    // rows before `first` and after the last whole block: the caller's AVX-512 loop
+    return r1 - (r1 - first) % 16;
+}
+}  // namespace
+#endif
+
 void int8_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
                float* out, size_t out_stride) {
+#if defined(KT_AMX)
+    if (w.amx) {
+        const int first = (r0 + 15) / 16 * 16;
+        const int done_to = amx_rows(w, k, r0, r1, xs, sx, count, out, out_stride);
+        if (done_to != r0) {  // AMX did [first, done_to): the AVX-512 loop takes the edges
+            if (first > r0) int8_rows(Int8Weights{w.w, w.scale, w.row_sum, nullptr}, k, r0, first, xs, sx, count, out, out_stride);
+            if (done_to < r1) int8_rows(Int8Weights{w.w, w.scale, w.row_sum, nullptr}, k, done_to, r1, xs, sx, count, out, out_stride);
+            return;
+        }
+    }
+#endif
 #if defined(KT_INT8_GEMM)
     int r = r0;
     for (; r + 4 <= r1; r += 4) {

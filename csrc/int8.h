@@ -12,9 +12,13 @@ struct Int8Weights {
     const int8_t* w = nullptr;
     const float* scale = nullptr;
     const int32_t* row_sum = nullptr;  // sum of the row's int8 values (for the u8 activation offset)
+    // The same values packed for AMX (AMX builds): [E, rows/16, cols/64] tiles of 16 x 64 bytes,
+    // tile row kk holding w[n][4kk..4kk+3] for n = 0..15 (the VNNI layout TDPBUSD reads).
+    const int8_t* amx = nullptr;
 };
 
 bool int8_gemm_available();  // built with AVX512-VNNI
+bool amx_available();        // built with AMX-INT8 and the OS lets this process use the tiles
 
 // x row (n floats) -> n unsigned bytes q + 128 with q = round(x / s), s = amax / 127; returns s.
 float quantize_row_u8(const float* x, uint8_t* out, int n);

@@ -46,7 +46,8 @@ inline void prefetch_row(const uint8_t* row, size_t bytes) {
 int chunk_rows(int rows, int experts_active, int threads) {
     const int active = std::max(1, experts_active);
     const int want_tasks = std::max(1, (8 * threads + active - 1) / active);  // >= 8 tasks a thread: balance
-    return std::max(8, (rows + want_tasks - 1) / want_tasks);
+    const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
+    return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)
 }
 
 }  // namespace
@@ -222,6 +223,7 @@ Int8Weights MoE::expert_int8(const Int8Weights& all, int e, int rows, int cols) 
     w.w = all.w + (size_t)e * rows * cols;
     w.scale = all.scale + (size_t)e * rows;
     w.row_sum = all.row_sum + (size_t)e * rows;
+    w.amx = all.amx ? all.amx + (size_t)e * rows * cols : nullptr;
     return w;
 }
 

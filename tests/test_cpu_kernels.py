@@ -170,6 +170,8 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
                        int8=int8, int8_min_tokens=1, max_tokens=64)
     assert kernel.int8_min_tokens == 1
+    if runtime.isa == "amx":  # the AMX tiles take the whole 16-row blocks, AVX-512 the edges
+        assert runtime.ext.amx_available() and kernel._int8[0].amx is not None
     for T in (1, 5, 70):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)

@@ -140,6 +140,15 @@ class Int8Rows:
     w: torch.Tensor
     scale: torch.Tensor
     row_sum: torch.Tensor
+    amx: torch.Tensor | None = None  # w packed in AMX tiles (pack_amx), for AMX builds
+
+    def pack_amx(self) -> "Int8Rows":
+        """The AMX copy: [E, rows/16, cols/64, 16, 64], tile row kk = w[n, 4kk:4kk+4] for n = 0..15."""
+        E, rows, cols = self.w.shape
+        if rows % 16 or cols % 64:
+            return self
+        tiles = self.w.reshape(E, rows // 16, 16, cols // 64, 16, 4).permute(0, 1, 3, 4, 2, 5).contiguous()
+        return Int8Rows(self.w, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
 
     @staticmethod
     def from_dense(dense: torch.Tensor) -> "Int8Rows":
@@ -157,7 +166,7 @@ class Int8Rows:
     def dequantized(self) -> torch.Tensor:
         return self.w.float() * self.scale[..., None]
 
-    def addresses(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    def addresses(self, shape: tuple[int, int, int]) -> tuple[int, int, int, int]:
         if tuple(self.w.shape) != shape or self.w.dtype != torch.int8 or not self.w.is_contiguous():
             raise ValueError(f"int8 weights must be a contiguous int8 tensor {shape}, got {tuple(self.w.shape)} {self.w.dtype}")
         if tuple(self.scale.shape) != shape[:2] or tuple(self.row_sum.shape) != shape[:2]:
@@ -165,7 +174,8 @@ class Int8Rows:
         scale, row_sum = self.scale.float().contiguous(), self.row_sum.to(torch.int32).contiguous()
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "row_sum", row_sum)
-        return self.w.data_ptr(), scale.data_ptr(), row_sum.data_ptr()
+        amx = 0 if self.amx is None else self.amx.data_ptr()
+        return self.w.data_ptr(), scale.data_ptr(), row_sum.data_ptr(), amx
 
 
 def round_activations_rows(x: torch.Tensor) -> torch.Tensor:
@@ -195,8 +205,10 @@ class MoEKernel:
         addresses, min_tokens = (), 0
         if int8 is not None and runtime.ext.int8_gemm:
             shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
+            if runtime.ext.amx_available():
+                int8 = tuple(rows.pack_amx() for rows in int8)
             addresses = tuple(a for rows, shape in zip(int8, shapes) for a in rows.addresses(shape))
-            self._int8, min_tokens = int8, max(1, int8_min_tokens)
+            self._int8, min_tokens = int8, max(1, int8_min_tokens)  # (keeps the int8 and AMX copies alive)
         self.int8_min_tokens = min_tokens
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     gate.ggml_type, up.ggml_type, down.ggml_type, g, gb, u, ub, d, db,
