@@ -5,6 +5,7 @@ Quantized formats take int8 activations (per 32 or per 256 values, as llama.cpp 
 references: one that rounds activations the same way (checks the kernel's arithmetic, tight),
 and KExpertsTorch's float formula on the dequantized weights (checks the overall error)."""
 import os
+import zlib
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def routing(T, E, K, gen):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda t: t.name)
 def test_moe_matches_reference(runtime, fmt, shape):
     E, K, H, I = shape
-    gen = torch.Generator().manual_seed(hash((fmt.name, shape)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt.name}{shape}".encode()))  # same inputs every run
     (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64)
     block = ACTIVATION_BLOCK[int(fmt)]
@@ -54,8 +55,10 @@ def test_moe_matches_reference(runtime, fmt, shape):
         y = kernel.forward(x, ids, w)
         same_rounding = moe_reference(x, ids, w, gate_up, dd, lambda t: round_activations(t, block),
                                       lambda t: round_activations(t, block))
-        # (h is rounded from g, u computed in another order: a rare one-step flip is the only difference)
-        assert rel_err(y, same_rounding) < 1e-3, (fmt.name, T, runtime.isa)
+        # h is rounded from g, u computed in another order, so a rare one-step flip differs, and the
+        # k-quants' min terms cancel in float32 (worst seen over 12 seeds: 2.7e-3, Q5_K); the
+        # activation rounding itself is 1-2.5e-2, so a real arithmetic error would not hide here
+        assert rel_err(y, same_rounding) < 5e-3, (fmt.name, T, runtime.isa)
         float_ref = moe_reference(x, ids, w, gate_up, dd)
         assert rel_err(y, float_ref) < (3e-2 if block else 1e-5), (fmt.name, T, runtime.isa)
 
