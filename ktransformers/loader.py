@@ -74,9 +74,12 @@ def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
                optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16,
-               default_device: str = "cpu", progress: bool = True) -> LoadedModel:
+               default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None) -> LoadedModel:
+    """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
+    the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels."""
     config = load_config(model_path, gguf_path)
     model = build_skeleton(config, dtype)
     rules = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
-    plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress)
+    plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress,
+                                  cpu_infer=cpu_infer)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path), plan)

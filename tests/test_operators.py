@@ -133,3 +133,20 @@ def test_operator_kwargs_are_checked_at_construction():
     lin = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"KTransformersLinear at 'l': generate_op: 'KLinearNope' is not one of"):
         KTransformersLinear("l", None, None, lin, generate_op="KLinearNope")
+
+
+def test_cpu_experts_op_checks_ids_itself():
+    from ktransformers.operators.base import RunContext
+    config = tiny_config("deepseek_v3")
+    config.n_routed_experts, config.hidden_size, config.moe_intermediate_size = 5, 256, 256
+    hf = DeepseekV3Experts(config)
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(0, 0.1), hf.down_proj.normal_(0, 0.1)
+    op = KTransformersExperts("m.experts", prefixed("m.experts", hf), config, hf,
+                              prefill_op="KExpertsCPU", generate_op="KExpertsCPU")
+    op.context = RunContext(cpu_threads=2)
+    op.load()
+    x, w = torch.randn(2, 256), torch.rand(2, 3)
+    assert rel_err(op(x, torch.tensor([[0, 1, 4], [2, 3, 1]]), w), hf(x, torch.tensor([[0, 1, 4], [2, 3, 1]]), w)) < 1e-5
+    with pytest.raises(ValueError, match=r"expert id 5 .* outside \[0, 5\)"):
+        op(x, torch.tensor([[0, 1, 5], [2, 3, 1]]), w)

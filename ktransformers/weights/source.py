@@ -4,6 +4,7 @@ Sources store tensors under their own names and layouts; each translates HF name
 back `load(name) -> Tensor` (dequantized, in HF layout) or `raw(name)` (the stored bytes). HF
 tensors that files keep in pieces are composed here, once for every format:
   experts.gate_up_proj    [E, 2I, H] = cat(experts.gate_proj [E, I, H], experts.up_proj [E, I, H])
+                                       (and gate_proj / up_proj as halves of a stored gate_up_proj)
   experts.<p>_proj        [E, ...]   = stack of experts.<e>.<p>_proj.weight over e (per-expert files)
   self_attn.kv_b_proj     [N*(D+V), R] from k_b_proj [N, R, D] and v_b_proj [N, V, R] (newer GGUF)
 """
@@ -91,6 +92,8 @@ class WeightSource(ABC):
             base = name[: -len("gate_up_proj")]
             return self._plan(base + "gate_proj") + self._plan(base + "up_proj")
         m = _EXPERT_PART.match(name)
+        if m and m["proj"] in ("gate", "up") and self.stored(f"{m['prefix']}.gate_up_proj"):
+            return [f"{m['prefix']}.gate_up_proj"]  # half of a fused tensor
         if m and self.expert_count(m["prefix"]):
             return [f"{m['prefix']}.{e}.{m['proj']}_proj.weight" for e in range(self.expert_count(m["prefix"]))]
         if name.endswith(".self_attn.kv_b_proj.weight"):
@@ -134,6 +137,10 @@ class WeightSource(ABC):
             return self._compose(self.aliases[name], dtype)
         if parts == [name]:
             return self._load_stored(name, dtype)
+        if len(parts) == 1 and parts[0].endswith(".gate_up_proj"):  # gate or up half of a fused tensor
+            fused = self._load_stored(parts[0], dtype)
+            half = fused.shape[1] // 2
+            return (fused[:, :half] if name.endswith(".gate_proj") else fused[:, half:]).contiguous()
         if name.endswith(".experts.gate_up_proj"):
             return self._gate_up(name[: -len("gate_up_proj")], dtype)
         if name.endswith(".self_attn.kv_b_proj.weight"):
