@@ -25,10 +25,11 @@ import torch
 
 from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
-from .peers import build_peers, kt_kernel_ext, quiet_stdout, time_peers
+from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
-          "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8)}
+          "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
+          "tiny": dict(hidden=256, intermediate=256, experts=8, top_k=2)}  # a smoke test of the benchmark itself
 # format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors
 FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
                 ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "BF16", "F16")}}
@@ -64,7 +65,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
 
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches."""
-    buf = np.random.default_rng(0).integers(0, 255, size=int(gib * 2**30), dtype=np.uint8)
+    buf = np.full(int(gib * 2**30), 7, dtype=np.uint8)  # written once, so every page is real
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
@@ -104,7 +105,7 @@ def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5,
 
 def run(args) -> list[dict]:
     runtime = CPURuntime(args.threads)
-    stream = stream_gbps(runtime)
+    stream = stream_gbps(runtime, args.stream_gib)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for shape_name in args.shapes:
@@ -137,12 +138,38 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
         row["peer"] = time_peers(peers, calls)
         print_row(row, args.json)
     with quiet_stdout():  # kt-kernel says goodbye on stdout
-        del layers, peers
+        del peers
+    rows += amx_peer_rows(args, rows, all_calls, layers, peer_threads, experts, shape)
+    with quiet_stdout():
+        del layers
     return rows
 
 
+def amx_peer_rows(args, rows: list[dict], all_calls: list, layers: list[Layer], peer_threads, experts: int,
+                  shape: dict) -> list[dict]:
+    """With --peer-amx: kt-kernel's AMX classes (which quantize bf16 weights themselves) on the
+    same layer, dequantized, and the same calls; our figures repeated beside each, one row each."""
+    if not args.peer_amx or not peer_threads:
+        return []
+    H, I, E = shape["hidden"], shape["intermediate"], experts
+    dense = [dequantize(w.data, w.ggml_type, s).to(torch.bfloat16).contiguous()
+             for w, s in zip(layers[0].weights, ((E, I, H), (E, I, H), (E, H, I)))]
+    extra = []
+    for klass in AMX_CLASSES:
+        peers = build_peers(peer_threads, experts=E, top_k=shape["top_k"], hidden=H, intermediate=I,
+                            types=("BF16",) * 3, gate=dense[0], up=dense[1], down=dense[2], klass=klass)
+        for threads in peers:
+            peers[threads].extra = True
+        for row, calls in zip(rows, all_calls):
+            extra.append(dict(row, peer=time_peers(peers, calls)))
+            print_row(extra[-1], args.json)
+        with quiet_stdout():  # its destructor greets on stdout too
+            del peers
+    return extra
+
+
 HEADER = f"{'shape':<10} {'format':<7} {'T':>4} {'thr':>3} {'isa':<6} {'median us':>10} {'weight MB':>9} " \
-         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7} {'kt-kernel us':>12} {'speedup':>7}"
+         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7} {'kt-kernel us/thr':>12} {'speedup':>7}"
 
 
 def print_row(row: dict, as_json: bool) -> None:
@@ -158,7 +185,9 @@ def print_row(row: dict, as_json: bool) -> None:
 def _peer_columns(peer: dict | None, ours_us: float) -> str:
     if peer is None:
         return f" {'-':>12} {'-':>7}"
-    return f" {peer['median_us']:>9.1f}/{peer['threads']:<2} {peer['median_us'] / ours_us:>7.2f}"
+    name, _, threads = peer["name"].rpartition(", ")  # "kt-kernel 0.7.2[ CLASS], N threads"
+    label = name.split(" ", 2)[2] if name.count(" ") >= 2 else ""
+    return f" {peer['median_us']:>9.1f}/{threads.split()[0]:<2} {peer['median_us'] / ours_us:>7.2f} {label}".rstrip()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,10 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--copies", type=int, default=3, help="copies of the layer cycled to defeat the cache")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--stream-gib", type=float, default=2.0, help="size of the bandwidth probe's buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--int8", action="store_true",
                    help="also give our layers the int8 copies of the prefill path (experts with >= 4 tokens use them)")
     p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
+    p.add_argument("--peer-amx", action="store_true",
+                   help="also time kt-kernel's AMX classes (int8, int4, bf16) on the layer's dequantized weights")
     p.add_argument("--peer-threads", type=int, nargs="+", help="kt-kernel thread counts to try (best is kept)")
     args = p.parse_args(argv)
     if not args.json:

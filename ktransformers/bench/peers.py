@@ -28,7 +28,9 @@ class KTKernelMoE:
     """One MoE layer in kt-kernel, on the same weight bytes as ours."""
 
     def __init__(self, threads: int, *, experts: int, top_k: int, hidden: int, intermediate: int,
-                 types: tuple[str, str, str], gate, up, down, max_tokens: int = 512):
+                 types: tuple[str, str, str], gate, up, down, max_tokens: int = 512, klass: str = "MOE"):
+        """klass "MOE": GGML blocks of `types`; an AMX class (AMXBF16_MOE, AMXInt8_MOE, AMXInt4_MOE,
+        AMXInt4_KGroup_MOE): bf16 weights, which it quantizes itself when loading."""
         ext = kt_kernel_ext()
         wc = ext.WorkerPoolConfig()
         wc.subpool_count, wc.subpool_numa_map, wc.subpool_thread_count = 1, [0], [threads]
@@ -37,7 +39,9 @@ class KTKernelMoE:
         cfg.pool, cfg.max_len = self.cpu.backend_, max_tokens
         self._keep = (gate, up, down)
         cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self._keep)
-        if types == ("BF16",) * 3:
+        if klass != "MOE":
+            self.moe = getattr(ext.moe, klass)(cfg)
+        elif types == ("BF16",) * 3:
             self.moe = ext.moe.AMXBF16_MOE(cfg)
         else:
             cfg.gate_type, cfg.up_type, cfg.down_type = (_GGML_IDS[t] for t in types)
@@ -93,9 +97,12 @@ def build_peers(threads_options, **layer) -> dict[int, KTKernelMoE]:
     return peers
 
 
+AMX_CLASSES = ("AMXInt8_MOE", "AMXInt4_MOE", "AMXBF16_MOE")
+
+
 def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None:
     """The best median over thread counts (its spinning task thread can make 2 threads slower
-    than 1 on a 2-core machine): {name, median_us, threads}, or None without peers."""
+    than 1 on a 2-core machine): {name (with class and thread count), median_us}, or None."""
     best = None
     with quiet_stdout():
         for threads, peer in peers.items():
@@ -110,4 +117,7 @@ def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None
                 best = (threads, median)
     if best is None:
         return None
-    return {"name": kt_kernel_version(), "median_us": best[1] * 1e6, "threads": best[0]}
+    peer = next(iter(peers.values()))
+    klass = type(peer.moe).__name__
+    name = kt_kernel_version() + ("" if klass in ("MOE", "AMXBF16_MOE") and not getattr(peer, "extra", False) else f" {klass}")
+    return {"name": f"{name}, {best[0]} threads", "median_us": best[1] * 1e6}
