@@ -2,6 +2,8 @@
 // whole row (|sum| <= k * 127 * 255 fits in int32 for k < 66,000), scales applied once at the end.
 #include "int8.h"
 
+#include "quants.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -38,11 +40,10 @@ bool int8_gemm_available() {
 #endif
 }
 
-float quantize_row_u8(const float* x, uint8_t* out, int n) {
-    float amax = 0;
-    for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
-    const float s = amax / 127.f, inv = s ? 1.f / s : 0.f;
-    for (int i = 0; i < n; i++) out[i] = (uint8_t)((int)std::nearbyint(x[i] * inv) + 128);
+float quantize_row_u8(const float* x, uint8_t* out, int n) {  // n % 64 == 0 (checked by MoE)
+    const float s = row_absmax(x, n) / 127.f, inv = s ? 1.f / s : 0.f;
+    row_round_i8(x, inv, (int8_t*)out, n);
+    for (int i = 0; i < n; i++) out[i] ^= 0x80;  // int8 q -> uint8 q + 128
     return s;
 }
 

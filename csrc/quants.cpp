@@ -634,6 +634,9 @@ inline __m256 exp_ps(__m256 x) {
 }  // namespace
 #endif
 
+float row_absmax(const float* x, int n) { return absmax(x, n); }
+void row_round_i8(const float* x, float inv, int8_t* q, int n) { round_to_i8(x, inv, q, n); }
+
 void silu_mul(float* g, const float* u, int n) {
     int i = 0;
 #if defined(__AVX2__)

@@ -37,6 +37,9 @@ const char* supported_formats();
 size_t act_row_bytes(Act act, int n);
 // Prepare an activation row (n floats) for dot products with weights that take `act`.
 void prepare_act(Act act, const float* x, void* out, int n);
+// amax of n floats, and round(x * inv) to int8 (nearest even), for n % 8 == 0
+float row_absmax(const float* x, int n);
+void row_round_i8(const float* x, float inv, int8_t* q, int n);
 // g[i] = silu(g[i]) * u[i]
 void silu_mul(float* g, const float* u, int n);
 
