@@ -295,6 +295,38 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
     for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - offsets[t];
 }
 
+// Q5_K: Q4_K's layout plus a fifth bit per value in qh (bit j of qh[l] for value l of sub-block j);
+// activations in the Q8_KX order, as for Q4_K.
+float dot_q5_k_avx512(int n, const block_q5_k* w, const act_q8_k* a) {
+    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    __m512 acc = _mm512_setzero_ps();
+    float mins = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const __m128i sm = k4_scales_vec(w[b].scales);
+        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
+        const __m128i sc = _mm_cvtepu8_epi16(sm);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)w[b].qh));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {
+            const int j = 4 * c;  // lo half: sub-blocks j, j + 2; hi half: j + 1, j + 3
+            const __m512i shift_lo = _mm512_inserti64x4(_mm512_set1_epi16((short)j), _mm256_set1_epi16((short)(j + 2)), 1);
+            const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16((short)(j + 1)), _mm256_set1_epi16((short)(j + 3)), 1);
+            const __m512i h_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), one), 4);
+            const __m512i h_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), one), 4);
+            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, low), h_lo);
+            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), h_hi);
+            const int8_t* x = a[b].qs + 128 * c;
+            const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));
+            const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return hsum512_f32(acc) - mins;
+}
+
 float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
     const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
     const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // h, h>>2
@@ -385,6 +417,9 @@ float dot_q4_k(int n, const void* vw, const void* va) {
 float dot_q5_k(int n, const void* vw, const void* va) {
     const block_q5_k* w = (const block_q5_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
+#if defined(__AVX512BW__)
+    return dot_q5_k_avx512(n, w, a);
+#endif
     float sum = 0;
     for (int b = 0; b < n / QK_K; b++) {
         int sc[8], m[8];
@@ -589,7 +624,7 @@ const Format kFormats[] = {
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, nullptr},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, nullptr},
     {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
-    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), Act::Q8_K, dot_q5_k, nullptr},
+    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, nullptr},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, nullptr},
 };
