@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -203,22 +204,34 @@ inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
     return _mm512_shuffle_epi8(t, _mm512_set_epi64(pair(i3), pair(i3), pair(i2), pair(i2), pair(i1), pair(i1), pair(i0), pair(i0)));
 }
 
-float dot_q4_k_avx512(int n, const block_q4_k* w, const act_q8_k* a) {
-    const __m512i low = _mm512_set1_epi8(0xF);
+// Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
+// sub-block j). Activations in the Q8_KX order.
+template <typename Block>
+float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
+    constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
+    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
     __m512 acc = _mm512_setzero_ps();
     float mins = 0;
     for (int b = 0; b < n / QK_K; b++) {
         const __m128i sm = k4_scales_vec(w[b].scales);
         mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
         const __m128i sc = _mm_cvtepu8_epi16(sm);
+        __m512i qh = _mm512_setzero_si512();
+        if constexpr (five_bits) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)w[b].qh));
         __m512i sumi = _mm512_setzero_si512();
         for (int c = 0; c < 2; c++) {  // 64 bytes of quants = sub-blocks 4c (lo), 4c+1 (hi), 4c+2 (lo), 4c+3 (hi)
+            const int j = 4 * c;
             const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
+            __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            if constexpr (five_bits) {
+                const __m512i at_lo = _mm512_inserti64x4(_mm512_set1_epi16((short)j), _mm256_set1_epi16((short)(j + 2)), 1);
+                const __m512i at_hi = _mm512_inserti64x4(_mm512_set1_epi16((short)(j + 1)), _mm256_set1_epi16((short)(j + 3)), 1);
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, at_lo), one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, at_hi), one), 4));
+            }
             const int8_t* x = a[b].qs + 128 * c;
-            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));         // x[0..31], x[64..95]
             const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));  // x[32..63], x[96..127]
-            const int j = 4 * c;
             sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
             sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
         }
@@ -295,37 +308,6 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
     for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - offsets[t];
 }
 
-// Q5_K: Q4_K's layout plus a fifth bit per value in qh (bit j of qh[l] for value l of sub-block j);
-// activations in the Q8_KX order, as for Q4_K.
-float dot_q5_k_avx512(int n, const block_q5_k* w, const act_q8_k* a) {
-    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
-    __m512 acc = _mm512_setzero_ps();
-    float mins = 0;
-    for (int b = 0; b < n / QK_K; b++) {
-        const __m128i sm = k4_scales_vec(w[b].scales);
-        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
-        const __m128i sc = _mm_cvtepu8_epi16(sm);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)w[b].qh));
-        __m512i sumi = _mm512_setzero_si512();
-        for (int c = 0; c < 2; c++) {
-            const int j = 4 * c;  // lo half: sub-blocks j, j + 2; hi half: j + 1, j + 3
-            const __m512i shift_lo = _mm512_inserti64x4(_mm512_set1_epi16((short)j), _mm256_set1_epi16((short)(j + 2)), 1);
-            const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16((short)(j + 1)), _mm256_set1_epi16((short)(j + 3)), 1);
-            const __m512i h_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), one), 4);
-            const __m512i h_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), one), 4);
-            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
-            const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, low), h_lo);
-            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), h_hi);
-            const int8_t* x = a[b].qs + 128 * c;
-            const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));
-            const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm512_cvtepi32_ps(sumi), acc);
-    }
-    return hsum512_f32(acc) - mins;
-}
 
 float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
     const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
@@ -364,7 +346,7 @@ float dot_q4_k(int n, const void* vw, const void* va) {
     const block_q4_k* w = (const block_q4_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
 #if defined(__AVX512BW__)
-    return dot_q4_k_avx512(n, w, a);
+    return dot_k4_avx512(n, w, a);
 #elif defined(__AVX2__)
     const __m256i low = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
@@ -418,7 +400,7 @@ float dot_q5_k(int n, const void* vw, const void* va) {
     const block_q5_k* w = (const block_q5_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
 #if defined(__AVX512BW__)
-    return dot_q5_k_avx512(n, w, a);
+    return dot_k4_avx512(n, w, a);
 #endif
     float sum = 0;
     for (int b = 0; b < n / QK_K; b++) {
