@@ -340,15 +340,16 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
 }
 #endif
 
-// ---- Q4_K x Q8_K -------------------------------------------------------------------------
-// value = d * sc_j * q - dmin * m_j for sub-block j (32 values); q in 0..15.
-float dot_q4_k(int n, const void* vw, const void* va) {
-    const block_q4_k* w = (const block_q4_k*)vw;
-    const act_q8_k* a = (const act_q8_k*)va;
+// ---- Q4_K, Q5_K x Q8_K --------------------------------------------------------------------
+// value = d * sc_j * q - dmin * m_j for sub-block j (32 values); q in 0..15 (Q4_K), or 0..31 with
+// the fifth bit from qh (Q5_K: bit j of qh[l] for value l of sub-block j).
+template <typename Block>
+float dot_k4(int n, const Block* w, const act_q8_k* a) {
+    constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
 #if defined(__AVX512BW__)
     return dot_k4_avx512(n, w, a);
 #elif defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi8(0xF);
+    const __m256i low = _mm256_set1_epi8(0xF), sixteen = _mm256_set1_epi8(16);
     __m256 acc = _mm256_setzero_ps();
     float mins = 0;
     for (int b = 0; b < n / QK_K; b++) {
@@ -356,12 +357,19 @@ float dot_q4_k(int n, const void* vw, const void* va) {
         mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
         // scales as 16-bit lanes, broadcast per sub-block pair via shuffles
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m256i hbits = _mm256_setzero_si256();
+        if constexpr (five_bits) hbits = _mm256_loadu_si256((const __m256i*)w[b].qh);
         const uint8_t* q = w[b].qs;
         const int8_t* x = a[b].qs;
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++, q += 32, x += 64) {
             const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
-            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if constexpr (five_bits) {
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), sixteen));
+            }
             const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
             const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
             const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 1) << 8) | (4 * c))));
@@ -384,8 +392,10 @@ float dot_q4_k(int n, const void* vw, const void* va) {
         for (int c = 0; c < 4; c++, q += 32, x += 64) {
             int s0 = 0, s1 = 0;
             for (int l = 0; l < 32; l++) {
-                s0 += (q[l] & 0xF) * x[l];
-                s1 += (q[l] >> 4) * x[l + 32];
+                int h0 = 0, h1 = 0;
+                if constexpr (five_bits) h0 = ((w[b].qh[l] >> (2 * c)) & 1) * 16, h1 = ((w[b].qh[l] >> (2 * c + 1)) & 1) * 16;
+                s0 += ((q[l] & 0xF) + h0) * x[l];
+                s1 += ((q[l] >> 4) + h1) * x[l + 32];
             }
             sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
         }
@@ -395,53 +405,8 @@ float dot_q4_k(int n, const void* vw, const void* va) {
 #endif
 }
 
-// ---- Q5_K x Q8_K -------------------------------------------------------------------------
-float dot_q5_k(int n, const void* vw, const void* va) {
-    const block_q5_k* w = (const block_q5_k*)vw;
-    const act_q8_k* a = (const act_q8_k*)va;
-#if defined(__AVX512BW__)
-    return dot_k4_avx512(n, w, a);
-#endif
-    float sum = 0;
-    for (int b = 0; b < n / QK_K; b++) {
-        int sc[8], m[8];
-        for (int j = 0; j < 8; j++) scale_min_k4(j, w[b].scales, &sc[j], &m[j]);
-        int summ = 0;
-        for (int j = 0; j < 8; j++) summ += m[j] * (a[b].bsums[2 * j] + a[b].bsums[2 * j + 1]);
-        const uint8_t* q = w[b].qs;
-        const uint8_t* qh = w[b].qh;
-        const int8_t* x = a[b].qs;
-#if defined(__AVX2__)
-        const __m256i low = _mm256_set1_epi8(0xF), hbits = _mm256_loadu_si256((const __m256i*)qh);
-        __m256i acc = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++, q += 32, x += 64) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
-            const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-            const __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), _mm256_set1_epi8(16));
-            const __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), _mm256_set1_epi8(16));
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), h0);
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), h1);
-            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
-            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * c])));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * c + 1])));
-        }
-        const int sumi = hsum_i32(acc);
-#else
-        int sumi = 0;
-        for (int c = 0; c < 4; c++, q += 32, x += 64) {
-            int s0 = 0, s1 = 0;
-            for (int l = 0; l < 32; l++) {
-                s0 += ((q[l] & 0xF) + ((qh[l] >> (2 * c)) & 1) * 16) * x[l];
-                s1 += ((q[l] >> 4) + ((qh[l] >> (2 * c + 1)) & 1) * 16) * x[l + 32];
-            }
-            sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
-        }
-#endif
-        sum += a[b].d * (fp16_to_f32(w[b].d) * sumi - fp16_to_f32(w[b].dmin) * summ);
-    }
-    return sum;
-}
+float dot_q4_k(int n, const void* w, const void* a) { return dot_k4(n, (const block_q4_k*)w, (const act_q8_k*)a); }
+float dot_q5_k(int n, const void* w, const void* a) { return dot_k4(n, (const block_q5_k*)w, (const act_q8_k*)a); }
 
 // ---- Q6_K x Q8_K -------------------------------------------------------------------------
 // value = d * scales[g] * (q - 32), q in 0..63 from 4 low bits (ql) and 2 high bits (qh).
