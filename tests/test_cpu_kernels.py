@@ -170,6 +170,8 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     gen = torch.Generator().manual_seed(11)
     (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     int8 = tuple(Int8Rows.from_dense(w) for w in (gd, ud, dd))
+    from_bytes = Int8Rows.from_blocks(g, (E, I, H))  # what KExpertsCPU builds from the mapped blocks
+    assert torch.equal(from_bytes.w, int8[0].w) and torch.equal(from_bytes.scale, int8[0].scale)
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
                        int8=int8, int8_min_tokens=1, max_tokens=64)
     assert kernel.int8_min_tokens == 1

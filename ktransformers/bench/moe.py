@@ -57,7 +57,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
         rows8 = None
         if int8:  # the prefill copies, as KExpertsCPU(int8_prefill=True) makes them at load
             shapes = ((experts, I, H), (experts, I, H), (experts, H, I))
-            rows8 = tuple(Int8Rows.from_dense(dequantize(w.data, w.ggml_type, s)) for w, s in zip((gate, up, down), shapes))
+            rows8 = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((gate, up, down), shapes))
         layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
                                       down=down, max_tokens=512, int8=rows8), per_expert, (gate, up, down)))
     return layers

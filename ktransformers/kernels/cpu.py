@@ -142,6 +142,10 @@ class Int8Rows:
     row_sum: torch.Tensor
     amx: torch.Tensor | None = None  # w packed in AMX tiles (pack_amx), for AMX builds
 
+    def __post_init__(self):  # the kernel reads float32 scales and int32 sums
+        object.__setattr__(self, "scale", self.scale.to(torch.float32).contiguous())
+        object.__setattr__(self, "row_sum", self.row_sum.to(torch.int32).contiguous())
+
     def pack_amx(self) -> "Int8Rows":
         """The AMX copy: [E, rows/16, cols/64, 16, 64], tile row kk = w[n, 4kk:4kk+4] for n = 0..15."""
         E, rows, cols = self.w.shape
@@ -151,17 +155,32 @@ class Int8Rows:
         return Int8Rows(self.w, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
 
     @staticmethod
-    def from_dense(dense: torch.Tensor) -> "Int8Rows":
-        """Symmetric per-row int8 of float weights [E, rows, cols], one expert at a time."""
-        E, rows, cols = dense.shape
+    def from_experts(shape: tuple[int, int, int], expert) -> "Int8Rows":
+        """Symmetric per-row int8 of E experts' float weights, `expert(e)` -> [rows, cols], one
+        expert at a time (no float copy of the whole stack)."""
+        E, rows, cols = shape
         w = torch.empty(E, rows, cols, dtype=torch.int8)
         scale = torch.empty(E, rows, dtype=torch.float32)
         for e in range(E):
-            d = dense[e].float()
+            d = expert(e).float()
             s = d.abs().amax(dim=1) / 127.0
             w[e] = torch.round(d / torch.where(s > 0, s, torch.ones_like(s))[:, None]).to(torch.int8)
             scale[e] = s
         return Int8Rows(w, scale, w.sum(dim=2, dtype=torch.int32))
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor) -> "Int8Rows":
+        return Int8Rows.from_experts(tuple(dense.shape), lambda e: dense[e])
+
+    @staticmethod
+    def from_blocks(weights: "ExpertWeights", shape: tuple[int, int, int]) -> "Int8Rows":
+        """From the bytes a MoEKernel computes on (GGML blocks, or bf16/f32), dequantized per expert."""
+        from ..weights.ggml_quants import dequantize
+        data = weights.data
+        flat = data.reshape(-1).view(torch.uint8) if isinstance(data, torch.Tensor) else np.asarray(data).reshape(-1)
+        per_expert = flat.shape[0] // shape[0]
+        return Int8Rows.from_experts(shape, lambda e: dequantize(flat[e * per_expert:(e + 1) * per_expert],
+                                                                 weights.ggml_type, shape[1:]))
 
     def dequantized(self) -> torch.Tensor:
         return self.w.float() * self.scale[..., None]
@@ -171,11 +190,8 @@ class Int8Rows:
             raise ValueError(f"int8 weights must be a contiguous int8 tensor {shape}, got {tuple(self.w.shape)} {self.w.dtype}")
         if tuple(self.scale.shape) != shape[:2] or tuple(self.row_sum.shape) != shape[:2]:
             raise ValueError(f"int8 scales and row sums must be {shape[:2]}")
-        scale, row_sum = self.scale.float().contiguous(), self.row_sum.to(torch.int32).contiguous()
-        object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "row_sum", row_sum)
         amx = 0 if self.amx is None else self.amx.data_ptr()
-        return self.w.data_ptr(), scale.data_ptr(), row_sum.data_ptr(), amx
+        return self.w.data_ptr(), self.scale.data_ptr(), self.row_sum.data_ptr(), amx
 
 
 def round_activations_rows(x: torch.Tensor) -> torch.Tensor:

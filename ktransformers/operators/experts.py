@@ -113,11 +113,10 @@ class KExpertsCPU:
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
         int8 = None
-        if self.spec.int8_prefill:
+        if self.spec.int8_prefill:  # from the bytes just mapped, one expert at a time
             from ..kernels.cpu import Int8Rows
             shapes = ((E, I, H), (E, I, H), (E, H, I))
-            int8 = tuple(Int8Rows.from_dense(weights.load(f"{self.key}.{p}_proj", shape=s))
-                         for p, s in zip(("gate", "up", "down"), shapes))
+            int8 = tuple(Int8Rows.from_blocks(p, s) for p, s in zip((gate, up, down), shapes))
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8)
 
