@@ -256,15 +256,9 @@ class GGUFSource(WeightSource):
 
     def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t, transform = self._tensor(name)
-        try:
-            expected = tensor_nbytes(t.ggml_type, int(np.prod(t.shape)))
-        except ValueError as e:
-            raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
-        if expected != t.data.nbytes:
-            raise WeightError(f"{t.file}: tensor {t.name!r} holds {t.data.nbytes} bytes, expected {expected}")
-        try:
+        try:  # dequantize checks the byte count and the block size against the shape
             tensor = dequantize(t.data, t.ggml_type, t.shape, dtype or torch.float32)
-        except NotImplementedError as e:
+        except (ValueError, NotImplementedError) as e:
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
         if transform:
             tensor = _unpermute(tensor, self._heads(transform))
