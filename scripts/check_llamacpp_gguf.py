@@ -16,7 +16,6 @@ convert_hf_to_gguf.py (--outtype f32 and bf16), quantize the f32 file with llama
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile

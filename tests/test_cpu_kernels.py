@@ -4,7 +4,6 @@ token counts {1, 3, 17, 128} x shapes with odd expert counts.
 Quantized formats take int8 activations (per 32 or per 256 values, as llama.cpp does). Two
 references: one that rounds activations the same way (checks the kernel's arithmetic, tight),
 and KExpertsTorch's float formula on the dequantized weights (checks the overall error)."""
-import os
 import zlib
 
 import pytest

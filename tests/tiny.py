@@ -136,17 +136,11 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType]) -> None:
 
 def _rounding_experts(module, blocks):
     from ktransformers.kernels.cpu import round_activations
+    from ktransformers.operators.experts import moe_reference
     bg, bu, bd = blocks
 
     def forward(x, top_k_index, top_k_weights):
-        out = torch.zeros_like(x)
-        inter = module.gate_up_proj.shape[1] // 2
-        for t in range(x.shape[0]):
-            for k in range(top_k_index.shape[1]):
-                e = int(top_k_index[t, k])
-                g = round_activations(x[t:t + 1], bg) @ module.gate_up_proj[e, :inter].T
-                u = round_activations(x[t:t + 1], bu) @ module.gate_up_proj[e, inter:].T
-                h = torch.nn.functional.silu(g) * u
-                out[t] += top_k_weights[t, k] * (round_activations(h, bd) @ module.down_proj[e].T)[0]
-        return out
+        return moe_reference(x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                             lambda t: round_activations(t, bg), lambda t: round_activations(t, bd),
+                             lambda t: round_activations(t, bu))
     return forward

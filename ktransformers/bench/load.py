@@ -14,7 +14,6 @@ import json
 import os
 import resource
 import time
-from pathlib import Path
 
 import torch
 

@@ -27,11 +27,13 @@ def check_routing(key: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         raise ValueError(f"{key}: expert ids must lie in [0, {n_experts}), got min {int(ids.min())} max {int(ids.max())}")
 
 
-def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None) -> torch.Tensor:
+def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None, round_up=None) -> torch.Tensor:
     """The MoE formula, token-grouped per expert, in x's dtype. round_x / round_h, when given,
-    transform the inputs of gate/up and of down (to model a kernel's activation rounding)."""
-    round_x = round_x or (lambda t: t)
-    round_h = round_h or (lambda t: t)
+    transform the inputs of gate/up and of down (to model a kernel's activation rounding);
+    round_up, when up's input is rounded otherwise than gate's (weights of another type)."""
+    identity = lambda t: t  # noqa: E731
+    round_x, round_h = round_x or identity, round_h or identity
+    round_up = round_up or round_x
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -43,7 +45,8 @@ def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None) ->
         slots = order[k:k + n]
         k += n
         tokens = slots // token_of
-        gate, up = F.linear(round_x(x[tokens]), gate_up[e]).chunk(2, dim=-1)
+        gate_w, up_w = gate_up[e].chunk(2, dim=0)
+        gate, up = F.linear(round_x(x[tokens]), gate_w), F.linear(round_up(x[tokens]), up_w)
         y = F.linear(round_h(F.silu(gate) * up), down[e])
         out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None].to(y.dtype))
     return out
