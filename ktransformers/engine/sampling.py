@@ -1,0 +1,121 @@
+"""Next-token choice from logits: repetition penalty, then greedy argmax or temperature / top-k /
+top-p sampling from the sampler's own seeded generator (reproducible, never the global RNG).
+
+Shapes: B rows (sequences), V vocabulary. logits [B, V] any float dtype -> tokens [B] int64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. top_k=0 and top_p=1 switch those filters off; temperature 0 or
+    do_sample=False mean greedy. seed=None draws a fresh random seed per Sampler."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    do_sample: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is a plain argmax."""
+        return not self.do_sample or self.temperature == 0
+
+    @classmethod
+    def from_generation_config(cls, gen_config: Any | None, **overrides: Any) -> SamplingParams:
+        """Params from a transformers GenerationConfig (the model's defaults), then `overrides` whose
+        value is not None, so CLI flags left unset keep the model's choice. Fields the config leaves
+        unset (None, as transformers 5 does) keep our defaults rather than transformers' generate-time
+        ones (e.g. its top_k=50)."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"overrides: unknown sampling parameter(s) {sorted(unknown)}; valid: {sorted(names)}")
+        params = cls()
+        if gen_config is not None:
+            keys = ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample")
+            params = replace(params, **{k: v for k in keys if (v := getattr(gen_config, k, None)) is not None})
+        return replace(params, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def apply_repetition_penalty(logits: torch.Tensor, prev_tokens: list[list[int]], penalty: float) -> torch.Tensor:
+    """HF semantics, in place on fp32 logits [B, V]: each token already in row b's history has its
+    logit multiplied by `penalty` when negative, divided when not — both make it less likely."""
+    for row, prev in zip(logits, prev_tokens):
+        if prev:
+            idx = torch.tensor(sorted(set(prev)), dtype=torch.long, device=logits.device)
+            seen = row[idx]
+            row[idx] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [B, V] with all but each row's k largest set to -inf (ties at the k-th value kept)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[:, -1:]  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus: per row keep the smallest set of most likely tokens whose probability sums to >= p
+    (always at least the top one); the rest -> -inf."""
+    if p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]; 0 for the top token, so it always stays
+    drop = (mass_before >= p).scatter(-1, order, mass_before >= p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class Sampler:
+    """Picks next tokens for a batch under fixed SamplingParams, with a private torch.Generator on
+    `device` so a fixed seed reproduces the same tokens and other code's RNG use cannot disturb it.
+    Logits must live on `device`."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, prev_tokens: list[list[int]] | None = None) -> torch.Tensor:
+        """Next token per row: logits [B, V], prev_tokens[b] = row b's tokens so far (prompt and
+        generated, for the repetition penalty) -> [B] int64. The caller's logits are not modified."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        p = self.params
+        logits = logits.to(torch.float32, copy=True)
+        if p.repetition_penalty != 1 and prev_tokens is not None:
+            if len(prev_tokens) != logits.shape[0]:
+                raise ValueError(f"prev_tokens has {len(prev_tokens)} rows, logits has {logits.shape[0]}")
+            apply_repetition_penalty(logits, prev_tokens, p.repetition_penalty)
+        if p.greedy:
+            return logits.argmax(dim=-1)
+        row_max = logits.amax(dim=-1, keepdim=True)  # [B, 1]
+        if not bool((row_max > float("-inf")).all()):
+            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
+        # Shift by the max first so a tiny temperature cannot overflow to inf.
+        logits = filter_top_p(filter_top_k((logits - row_max) / p.temperature, p.top_k), p.top_p)
+        probs = logits.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
