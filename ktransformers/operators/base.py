@@ -89,11 +89,16 @@ def make_options(options_cls: type, kwargs: dict, owner: str):
 
 class RunContext:
     """What the operators of one loaded model share: the CPU runtime (thread pool), made on first
-    use with `cpu_threads` threads. Owned by the model, not by a module global."""
+    use with `cpu_threads` threads, and — set by the engine around each forward — the KV cache
+    and the step's `ForwardBatch` that attention operators read and write. Owned by the model,
+    not by a module global. With no batch set, attention runs cache-free over its input (plain
+    HF-style `model(input_ids)` calls)."""
 
     def __init__(self, cpu_threads: int | None = None):
         self.cpu_threads = cpu_threads
         self._cpu = None
+        self.cache = None  # a cache.PagedCache
+        self.batch = None  # the cache.ForwardBatch of the forward in flight
 
     def cpu_runtime(self):
         if self._cpu is None:

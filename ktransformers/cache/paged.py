@@ -1,0 +1,174 @@
+"""Paged KV caches: fixed pages of `page_size` token slots, preallocated once, handed to sequences
+as they grow (no per-step allocation, no copy when a sequence grows).
+
+One cache serves every layer of a model. Each layer stores one or more *entries* per token: the
+DeepSeek-V3 cache keeps the compressed latent (`kv_lora_rank + qk_rope_head_dim` values per
+token, one entry), the GQA cache keeps keys and values (two entries of `[kv_heads, head_dim]`).
+
+The engine (or server) describes each forward as a `ForwardBatch`: which sequences take part and
+how many new tokens each brings. `PagedCache.prepare` reserves the pages those tokens need and
+computes, once per step, the flat slot of every new token and the slots every sequence reads;
+attention operators then `write` their new entries and `read` a sequence's whole history.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """The cache has no room for the tokens a step needs (raised before anything is written)."""
+
+
+@dataclass
+class Sequence:
+    """One sequence's view of the cache: its pages in order and how many tokens it holds."""
+
+    seq_id: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward computes: `q_lens[i]` new tokens of `seqs[i]`, packed in that order.
+
+    `starts[i]` is how many tokens seqs[i] held before the step (the position of its first new
+    token); `positions` [N] and `slots` [N] give each packed token's position and cache slot;
+    `read_slots[i]` lists the slots of seqs[i]'s whole history after the step, in order."""
+
+    seqs: list[Sequence]
+    q_lens: list[int]
+    starts: list[int]
+    positions: torch.Tensor
+    slots: torch.Tensor
+    read_slots: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    def spans(self):
+        """(index, first packed token, q_len, start) for every sequence."""
+        offset = 0
+        for i, (q, s) in enumerate(zip(self.q_lens, self.starts)):
+            yield i, offset, q, s
+            offset += q
+
+
+class PagedCache:
+    """Pages shared by all sequences; per layer one buffer per entry of shape
+    `[num_pages * page_size, *entry_shape]` (a flat slot index addresses one token)."""
+
+    def __init__(self, num_layers: int, entry_shapes: list[tuple[int, ...]], cache_lens: int, page_size: int = 256,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+        if cache_lens < 1 or page_size < 1:
+            raise ValueError(f"cache_lens ({cache_lens}) and page_size ({page_size}) must be positive")
+        self.page_size = page_size
+        self.num_pages = math.ceil(cache_lens / page_size)
+        self.capacity = self.num_pages * page_size
+        self.device, self.dtype = torch.device(device), dtype
+        slots = self.num_pages * page_size
+        self.layers = [[torch.zeros(slots, *shape, device=self.device, dtype=dtype) for shape in entry_shapes]
+                       for _ in range(num_layers)]
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._next_id = 0
+
+    # -- sequences -------------------------------------------------------------------------
+    def new_sequence(self) -> Sequence:
+        self._next_id += 1
+        return Sequence(self._next_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's pages (it may be reused, empty, afterwards)."""
+        self._free.extend(reversed(seq.pages))
+        seq.pages, seq.length = [], 0
+
+    def truncate(self, seq: Sequence, length: int) -> None:
+        """Forget the tokens of `seq` from `length` on (keeping a shared prefix), freeing whole pages."""
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot truncate a sequence of {seq.length} tokens to {length}")
+        keep = math.ceil(length / self.page_size)
+        self._free.extend(reversed(seq.pages[keep:]))
+        del seq.pages[keep:]
+        seq.length = length
+
+    def pages_needed(self, seq: Sequence, n: int) -> int:
+        """How many more pages `seq` needs to hold `n` more tokens."""
+        return max(0, math.ceil((seq.length + n) / self.page_size) - len(seq.pages))
+
+    def can_grow(self, seq: Sequence, n: int) -> bool:
+        return self.pages_needed(seq, n) <= len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+    # -- one step ---------------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence], q_lens: list[int]) -> ForwardBatch:
+        """Reserve room for `q_lens[i]` more tokens of each sequence and describe the step.
+        Raises CacheFullError (changing nothing) when the pages do not suffice."""
+        if len(seqs) != len(q_lens) or any(q < 1 for q in q_lens):
+            raise ValueError(f"need one positive token count per sequence, got {q_lens} for {len(seqs)} sequences")
+        need = [self.pages_needed(s, q) for s, q in zip(seqs, q_lens)]
+        if sum(need) > len(self._free):
+            longest = max(s.length + q for s, q in zip(seqs, q_lens))
+            raise CacheFullError(
+                f"the KV cache is full: this step needs {sum(need)} more pages of {self.page_size} tokens, "
+                f"{len(self._free)} are free (capacity {self.capacity} tokens, the longest sequence would hold "
+                f"{longest}); raise --cache_lens or shorten the prompt / --max_new_tokens")
+        for s, n in zip(seqs, need):
+            s.pages.extend(self._free.pop() for _ in range(n))
+        starts = [s.length for s in seqs]
+        positions, slots, read_slots = [], [], []
+        for s, q, start in zip(seqs, q_lens, starts):
+            pos = torch.arange(start + q)
+            table = torch.tensor(s.pages, dtype=torch.long)
+            seq_slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            positions.append(pos[start:])
+            slots.append(seq_slots[start:])
+            read_slots.append(seq_slots.to(self.device))
+            s.length = start + q
+        return ForwardBatch(list(seqs), list(q_lens), starts, torch.cat(positions), torch.cat(slots).to(self.device),
+                            read_slots)
+
+    def write(self, layer: int, batch: ForwardBatch, *entries: torch.Tensor) -> None:
+        """Store the step's new entries ([N, *entry_shape] each, packed like the batch)."""
+        for buffer, value in zip(self.layers[layer], entries, strict=True):
+            buffer.index_copy_(0, batch.slots, value.to(buffer.dtype).reshape(-1, *buffer.shape[1:]))
+
+    def read(self, layer: int, batch: ForwardBatch, i: int) -> list[torch.Tensor]:
+        """Every entry of sequence i's history (this step's tokens included), [L, *entry_shape]."""
+        return [buffer.index_select(0, batch.read_slots[i]) for buffer in self.layers[layer]]
+
+
+class KDeepSeekV3Cache(PagedCache):
+    """MLA latent cache: per token the normalised compressed KV (`kv_lora_rank`) followed by the
+    rotated shared key (`qk_rope_head_dim`) — 576 values a token for DeepSeek-V3, 1/57 of the
+    full keys and values of its 128 heads."""
+
+    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16):
+        self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+        super().__init__(config.num_hidden_layers, [(self.kv_lora_rank + self.rope_dim,)], cache_lens, page_size,
+                         device, dtype)
+
+
+class KGQACache(PagedCache):
+    """Keys and values of grouped-query attention (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+
+    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (config.num_key_value_heads, head_dim)
+        super().__init__(config.num_hidden_layers, [shape, shape], cache_lens, page_size, device, dtype)
+
+
+def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16) -> PagedCache:
+    """The cache an architecture's attention reads: latent for MLA models, K/V for the rest."""
+    if getattr(config, "kv_lora_rank", None):
+        return KDeepSeekV3Cache(config, cache_lens, page_size, device, dtype)
+    return KGQACache(config, cache_lens, page_size, device, dtype)

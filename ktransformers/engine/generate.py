@@ -1,0 +1,232 @@
+"""The generation engine: chunked prefill and decode over a preallocated paged cache.
+
+One step, top-down (`Engine.step`): the cache reserves room for each sequence's new tokens and
+describes the step (`ForwardBatch`); the model's own decoder runs on the packed tokens with
+their absolute positions while the attention operators read/write the cache through the model's
+run context; the lm_head runs only on each sequence's last token. Prefill feeds a prompt in
+chunks of `chunk_size` tokens; decode feeds one token per sequence per step.
+
+`Engine.generate` wraps that in one answer: sampling, stop on EOS ids / stop strings / length,
+streamed text that never splits a UTF-8 character, and the timing stats upstream prints.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from ..cache import CacheFullError, PagedCache, Sequence, make_cache
+from ..operators.base import RunContext, set_phase
+from .sampling import Sampler, SamplingParams
+from .streaming import StopMatcher, StreamDecoder
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    eval_tokens: int = 0
+    eval_seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        """Upstream's wording, one stat per line."""
+        def rate(n, s):
+            return n / s if s > 0 else 0.0
+        return [f"prompt eval count: {self.prompt_tokens} token(s)",
+                f"prompt eval duration: {self.prompt_seconds}s",
+                f"prompt eval rate: {rate(self.prompt_tokens, self.prompt_seconds)} tokens/s",
+                f"eval count: {self.eval_tokens} token(s)",
+                f"eval duration: {self.eval_seconds}s",
+                f"eval rate: {rate(self.eval_tokens, self.eval_seconds)} tokens/s"]
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the model's generation_config and config, and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@dataclass
+class Generation:
+    """One answer in progress: iterate it for text pieces; `tokens`, `finish_reason` ("stop",
+    "length" or "cache_full") and `stats` are complete once iteration ends."""
+
+    engine: "Engine"
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop: Seq[str] = ()
+    eos_ids: set[int] = field(default_factory=set)
+    seq: Sequence | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[str]:
+        engine, sampler = self.engine, Sampler(self.params)
+        decoder = StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None
+        stopper = StopMatcher(self.stop) if self.stop else None
+        seq = self.seq or engine.cache.new_sequence()
+        history = list(self.prompt_ids)
+
+        t0 = time.perf_counter()
+        logits = engine.prefill(seq, self.prompt_ids)
+        self.stats.prompt_tokens = engine.last_prefill_tokens
+        self.stats.prompt_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            while True:
+                token = int(sampler(logits, [history])[0])
+                self.tokens.append(token)
+                history.append(token)
+                if token in self.eos_ids:
+                    self.finish_reason = "stop"
+                    break
+                if decoder is not None:
+                    text = decoder.push(token)
+                    if stopper is not None:
+                        text, stopped = stopper.push(text)
+                        if text:
+                            yield text
+                        if stopped:
+                            self.finish_reason = "stop"
+                            return
+                    elif text:
+                        yield text
+                if len(self.tokens) >= self.max_new_tokens:
+                    self.finish_reason = "length"
+                    break
+                if not engine.cache.can_grow(seq, 1):
+                    self.finish_reason = "cache_full"
+                    break
+                logits = engine.decode(seq, token)
+            if decoder is not None:
+                tail = decoder.flush()
+                if stopper is not None:
+                    text, stopped = stopper.push(tail)
+                    tail = text if stopped else text + stopper.flush()
+                if tail:
+                    yield tail
+        finally:
+            self.stats.eval_tokens = len(self.tokens)
+            self.stats.eval_seconds = time.perf_counter() - t0
+            if self.seq is None:
+                engine.release(seq)
+
+
+class Engine:
+    """Runs a loaded model (transformers' class with operators injected) over a paged cache.
+
+    `cache_lens` token slots are preallocated (`page_size` per page); `chunk_size` bounds the
+    tokens of one prefill forward. The engine owns the cache and hands it to the model's
+    RunContext, which the attention operators read."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, cache_lens: int = 4096, page_size: int = 256,
+                 chunk_size: int = 512, cache: PagedCache | None = None):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.model, self.tokenizer, self.chunk_size = model, tokenizer, chunk_size
+        self.config = model.config
+        self.context: RunContext = getattr(model, "kt_context", None) or RunContext()
+        model.kt_context = self.context
+        self._check_attention()
+        self.embed = model.get_input_embeddings()
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.cache = cache or make_cache(self.config, cache_lens, page_size, self._attention_device(), dtype)
+        self.context.cache = self.cache
+        self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
+        self._phase = None
+        self.last_prefill_tokens = 0
+
+    def _check_attention(self) -> None:
+        from ..operators.attention import _CachedAttention
+        layers = [m for m in self.model.modules() if isinstance(m, _CachedAttention)]
+        if len(layers) != self.config.num_hidden_layers:
+            raise ValueError(f"the engine needs every layer's self_attn replaced by a cached attention operator "
+                             f"(KDeepseekV2Attention / KGQAAttention); found {len(layers)} of "
+                             f"{self.config.num_hidden_layers}: add a `self_attn` rule to the rule file")
+        for m in layers:
+            m.context = self.context
+
+    def _attention_device(self) -> torch.device:
+        from ..operators.attention import _CachedAttention
+        return next(m for m in self.model.modules() if isinstance(m, _CachedAttention)).device
+
+    def _set_phase(self, phase: str) -> None:
+        if phase != self._phase:
+            set_phase(self.model, phase)
+            self._phase = phase
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed `new_tokens[i]` to `seqs[i]` in one forward; logits of each one's last token [n, V]."""
+        batch = self.cache.prepare(seqs, [len(t) for t in new_tokens])
+        ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long,
+                           device=self.embed.weight.device)[None]
+        self.context.batch = batch
+        try:
+            out = self.model.model(input_ids=ids, position_ids=batch.positions.to(ids.device)[None], use_cache=False)
+        except BaseException:
+            for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
+                self.cache.truncate(s, start)
+            raise
+        finally:
+            self.context.batch = None
+        for s, tokens in zip(seqs, new_tokens):
+            self._tokens.setdefault(s.seq_id, []).extend(tokens)
+        last = torch.tensor(batch.q_lens).cumsum(0) - 1
+        hidden = out.last_hidden_state[0, last.to(out.last_hidden_state.device)]
+        return self.model.lm_head(hidden).float()
+
+    def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:
+        """Bring `seq` to hold `prompt_ids` (reusing the longest cached common prefix, always
+        recomputing at least the last token) in chunks; logits after the last token [1, V]."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) > self.cache.capacity:
+            raise CacheFullError(f"the prompt has {len(prompt_ids)} tokens but the cache holds {self.cache.capacity} "
+                                 f"(--cache_lens); raise --cache_lens or shorten the prompt")
+        cached = self._tokens.get(seq.seq_id, [])
+        keep = 0
+        while keep < min(len(cached), len(prompt_ids) - 1) and cached[keep] == prompt_ids[keep]:
+            keep += 1
+        if keep < seq.length:
+            self.cache.truncate(seq, keep)
+            self._tokens[seq.seq_id] = cached[:keep]
+        self.last_prefill_tokens = len(prompt_ids) - keep
+        self._set_phase("prefill")
+        logits = None
+        for begin in range(keep, len(prompt_ids), self.chunk_size):
+            logits = self.step([seq], [prompt_ids[begin:begin + self.chunk_size]])
+        return logits
+
+    def decode(self, seq: Sequence, token: int) -> torch.Tensor:
+        self._set_phase("generate")
+        return self.step([seq], [[token]])
+
+    def new_sequence(self) -> Sequence:
+        return self.cache.new_sequence()
+
+    def release(self, seq: Sequence) -> None:
+        self.cache.free(seq)
+        self._tokens.pop(seq.seq_id, None)
+
+    # -- one answer -------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                 stop: Seq[str] = (), seq: Sequence | None = None) -> Generation:
+        """An answer to `prompt_ids`; iterate the result for text. Pass `seq` (from
+        new_sequence) to keep its cache across calls (a chat: the next prompt's common prefix is
+        not recomputed); without it the cache is freed when the answer ends."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        return Generation(self, list(prompt_ids), params or SamplingParams(do_sample=False), max_new_tokens,
+                          tuple(stop), eos_token_ids(self.model, self.tokenizer), seq)

@@ -1,0 +1,190 @@
+"""Attention over the paged caches: MLA (DeepSeek-V2/V3, Kimi-K2) and grouped-query attention
+(Qwen3-MoE, Qwen2-MoE, Mixtral). Torch reference implementations; GPU kernels plug in later.
+
+Both keep the original module's projections as children (so linear rules still match
+`...self_attn.q_a_proj` etc.) and keep HF's forward signature and `(output, weights)` return.
+When the engine has set a `ForwardBatch` on the run context, the input is the step's packed
+tokens `[1, N, H]` of several sequences: each writes its new cache entries and attends over its
+own history. With no batch set, each row of `[B, S, H]` is attended causally without a cache.
+
+MLA shapes (h heads, r = kv_lora_rank, n/p/v = nope/rope/value head dims): the cache keeps per
+token the normalised latent c [r] and the rotated shared key k_rot [p]. With absorbed weights
+(decode) W_kv_b = [W_uk; W_uv] per head is folded into the query and the output:
+    score(t, j) = (q_nope W_uk) · c_j + q_rot · k_rot_j,   out = (Σ_j p_j c_j) W_uvᵀ
+so attention runs in the r-dim latent space and keys/values are never expanded. Prefill expands
+them once per chunk (k_nope, v = c W_kv_bᵀ), cheaper for many query tokens, unless
+`absorb_for_prefill` is set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseInjectedModule, Placement, adopt_children
+from .registry import OPERATORS
+
+
+def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device) -> torch.Tensor | None:
+    """Bool [q_len, kv_len]: query i (at position start+i) sees keys j <= start+i (and, with a
+    sliding window, j > start+i-window). None when every query sees every key."""
+    if q_len == 1 and not window:
+        return None
+    qpos = torch.arange(start, start + q_len, device=device)[:, None]
+    kpos = torch.arange(kv_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    return mask
+
+
+class _CachedAttention(BaseInjectedModule):
+    """Shared plumbing: per-sequence spans of the packed step, cache write, history read."""
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        adopt_children(self, orig_module)
+        self.layer_idx = orig_module.layer_idx
+        self.scaling = float(orig_module.scaling)
+
+    def _run(self, token_entries: list[torch.Tensor], queries: tuple[torch.Tensor, ...], batch_rows: int,
+             seq_len: int) -> torch.Tensor:
+        """token_entries: this step's cache entries [T, ...]; queries: per-token query tensors
+        [T, ...]. Returns the stacked per-token outputs of `self._attend` [T, ...]."""
+        ctx = self.context
+        batch = ctx.batch if ctx is not None else None
+        outputs = []
+        if batch is None:  # no cache: each row is one sequence from position 0
+            for b in range(batch_rows):
+                rows = slice(b * seq_len, (b + 1) * seq_len)
+                outputs.append(self._attend(*(q[rows] for q in queries), *(e[rows] for e in token_entries), start=0))
+            return torch.cat(outputs)
+        if batch_rows != 1 or seq_len != batch.num_tokens:
+            raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of shape "
+                             f"[1, {batch.num_tokens}, H], got [{batch_rows}, {seq_len}, H]")
+        ctx.cache.write(self.layer_idx, batch, *token_entries)
+        for i, first, q_len, start in batch.spans():
+            rows = slice(first, first + q_len)
+            history = ctx.cache.read(self.layer_idx, batch, i)
+            outputs.append(self._attend(*(q[rows] for q in queries), *history, start=start))
+        return torch.cat(outputs)
+
+
+@dataclass(frozen=True)
+class MLAOptions(Placement):
+    absorb_for_prefill: bool = False  # attend in latent space for many-token chunks too (less memory)
+
+
+class KDeepseekV2Attention(_CachedAttention):
+    """Multi-head latent attention over KDeepSeekV3Cache (torch reference)."""
+
+    Options = MLAOptions
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        o = orig_module
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = o.num_heads, o.q_lora_rank, o.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
+        self.rope_interleave = bool(getattr(config, "rope_interleave", False))
+        self.w_uk = self.w_uv = None
+
+    def load(self) -> None:
+        h, n, v, r = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        w = self.weights.load(f"{self.key}.kv_b_proj.weight", self.device, torch.float32, shape=(h * (n + v), r))
+        w = w.view(h, n + v, r)
+        self.w_uk, self.w_uv = w[:, :n].contiguous(), w[:, n:].contiguous()  # [h, n, r], [h, v, r]
+
+    def unload(self) -> None:
+        self.w_uk = self.w_uv = None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+        B, S, _ = hidden_states.shape
+        h, n, p, r = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, S, h, n + p).transpose(1, 2)
+        q_nope, q_rot = q.split([n, p], dim=-1)
+        c, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, p], dim=-1)
+        c = self.kv_a_layernorm(c)
+        cos, sin = position_embeddings
+        rotate = hf.apply_rotary_pos_emb_interleave if self.rope_interleave else hf.apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot.view(B, 1, S, p), cos, sin)
+        dev = self.device
+        latent = torch.cat([c.reshape(B * S, r), k_rot.reshape(B * S, p).to(c.dtype)], dim=-1).to(dev)
+        q_nope = q_nope.transpose(1, 2).reshape(B * S, h, n).to(dev)
+        q_rot = q_rot.transpose(1, 2).reshape(B * S, h, p).to(dev)
+        out = self._run([latent], (q_nope, q_rot), B, S)  # [T, h, v]
+        out = out.to(hidden_states.dtype).reshape(B, S, h * self.v_dim)
+        return self.o_proj(out), None
+
+    def _attend(self, q_nope, q_rot, history, start: int) -> torch.Tensor:
+        """q_nope [q, h, n], q_rot [q, h, p], history [L, r + p] -> [q, h, v] (float32 math)."""
+        q_len, L = q_nope.shape[0], history.shape[0]
+        mask = causal_mask(q_len, start, L, None, history.device)
+        c, k_rot = history.float().split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        absorb = q_len == 1 or self.options.absorb_for_prefill
+        if absorb:
+            q_lat = torch.einsum("qhn,hnr->hqr", q_nope.float(), self.w_uk)
+            scores = (q_lat @ c.T + torch.einsum("qhp,lp->hql", q_rot.float(), k_rot)) * self.scaling
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            o_lat = torch.softmax(scores, dim=-1) @ c  # [h, q, r]
+            return torch.einsum("hqr,hvr->qhv", o_lat, self.w_uv)
+        kv = torch.einsum("lr,hkr->hlk", c, torch.cat([self.w_uk, self.w_uv], dim=1))  # [h, L, n + v]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot[None].expand(self.num_heads, L, self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1).float().transpose(0, 1)  # [h, q, n + p]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        return out.transpose(0, 1)
+
+
+class KGQAAttention(_CachedAttention):
+    """Grouped-query attention over KGQACache (torch reference); Qwen3's per-head q/k norms,
+    Qwen2's q/k/v biases (inside the projections) and sliding windows are honoured."""
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        o = orig_module
+        self.head_dim = o.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        layer_types = getattr(config, "layer_types", None)
+        sliding = layer_types is None or layer_types[self.layer_idx] == "sliding_attention"
+        self.window = getattr(config, "sliding_window", None) if sliding else None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        B, S, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_proj(hidden_states).view(B, S, -1, d)
+        k = self.k_proj(hidden_states).view(B, S, -1, d)
+        v = self.v_proj(hidden_states).view(B, S, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        dev = self.device
+        q = q.transpose(1, 2).reshape(B * S, -1, d).to(dev)
+        k = k.transpose(1, 2).reshape(B * S, -1, d).to(dev)
+        out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S)  # [T, h, d]
+        return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
+
+    def _attend(self, q, k, v, start: int) -> torch.Tensor:
+        """q [q, h, d], k/v [L, kv_heads, d] -> [q, h, d] (float32 math)."""
+        mask = causal_mask(q.shape[0], start, k.shape[0], self.window, k.device)
+        groups = self.num_heads // self.num_kv_heads
+        k = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)
+        v = v.float().repeat_interleave(groups, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=self.scaling)
+        return out.transpose(0, 1)
+
+
+OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
+OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
+for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention"):
+    OPERATORS.register(_name)(KGQAAttention)
