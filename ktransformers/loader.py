@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from .optimize.inject import PlanRow, optimize_and_load_gguf
 from .weights.gguf import GGUFFileSet
-from .weights.gguf_config import config_from_metadata
+from .weights.gguf_config import arch_of, config_from_metadata
 
 RULES_DIR = Path(__file__).parent / "optimize_rules"
 # model_type -> rule file stem; "-cpu" is appended when no GPU is used.
@@ -44,11 +44,14 @@ def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLi
 
 
 def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None):
-    """The tokenizer from --model_path, else rebuilt by transformers from GGUF metadata (None if it can't)."""
+    """The tokenizer from --model_path, else from tokenizer files beside the GGUF, else rebuilt by
+    transformers from the GGUF metadata (None if it can't)."""
     if model_path is not None:
         return AutoTokenizer.from_pretrained(model_path)
     path = Path(gguf_path)
     file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+    if (file.parent / "tokenizer.json").is_file():  # tokenizer files shipped beside the GGUF win
+        return PreTrainedTokenizerFast.from_pretrained(file.parent)
     try:  # the fast-tokenizer class directly: AutoTokenizer would first want an HF config for the architecture
         return PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
     except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
@@ -77,9 +80,36 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
                default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
     the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels."""
+    if not Path(gguf_path).exists():
+        raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     config = load_config(model_path, gguf_path)
+    check_architecture(config, gguf_path)
     model = build_skeleton(config, dtype)
     rules = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
     plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress,
                                   cpu_infer=cpu_infer)
+    check_experts_placed(model, rules)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path), plan)
+
+
+def check_architecture(config: PretrainedConfig, gguf_path: str | os.PathLike) -> None:
+    """A GGUF must hold the architecture the config describes (safetensors directories pass)."""
+    path = Path(gguf_path)
+    if path.is_dir() and not any(path.glob("*.gguf")):
+        return
+    arch = GGUFFileSet(gguf_path).metadata.get("general.architecture")
+    if arch != arch_of(config):
+        raise ValueError(f"--gguf_path {str(gguf_path)!r} holds a {arch!r} model but the config is "
+                         f"{config.model_type!r} (GGUF architecture {arch_of(config)!r}); pass the matching "
+                         f"--model_path, or none to take the config from the GGUF")
+
+
+def check_experts_placed(model: torch.nn.Module, rules) -> None:
+    """Routed experts left as transformers' module would run in slow eager torch: refuse."""
+    from .operators.base import BaseInjectedModule
+    left = [name for name, m in model.named_modules()
+            if name.endswith("mlp.experts") and not isinstance(m, BaseInjectedModule)]
+    if left:
+        raise ValueError(f"rule file {rules} leaves {len(left)} expert module(s) unplaced (e.g. {left[0]}); add a rule "
+                         f"replacing \"^model\\.layers\\..*\\.mlp\\.experts$\" with KTransformersExperts, as the "
+                         f"shipped files in {RULES_DIR} do")

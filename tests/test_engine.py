@@ -1,0 +1,200 @@
+"""The engine over the paged caches: cached decode equals a full recompute for every family,
+page boundaries, batched sequences, cache limits, sampling determinism and stop strings."""
+import pytest
+import torch
+
+from ktransformers import optimize_and_load_gguf
+from ktransformers.cache import CacheFullError, KDeepSeekV3Cache, KGQACache, PagedCache
+from ktransformers.engine.generate import Engine
+from ktransformers.engine.sampling import SamplingParams
+from ktransformers.loader import RULES_DIR, build_skeleton
+from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.gguf_write import tokenizer_metadata, write_gguf
+from tiny import FAMILIES, RULES, tiny_model, train_tokenizer
+
+TOL = 1e-4
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def load(tmp_path, family, reference_ops=True, types=GGMLType.F32, tokenizer=None, layers=2):
+    model = tiny_model(family, layers=layers)
+    meta = tokenizer_metadata(tokenizer) if tokenizer is not None else None
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(), types=types, extra_metadata=meta)
+    text = (RULES_DIR / RULES[family]).read_text()
+    if reference_ops:
+        text = text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch")
+    (tmp_path / "rules.yaml").write_text(text)
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, tmp_path / "rules.yaml", tmp_path / "m.gguf", model.config)
+    return ours, model
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decode_equals_full_recompute(tmp_path, family):
+    ours, hf = load(tmp_path, family)
+    ids = torch.randint(0, hf.config.vocab_size, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    full = full_logits(ours, ids)
+    assert rel_err(full, full_logits(hf, ids)) < TOL  # the cache-free path is transformers' forward
+    # pages of 4 tokens and prefill chunks of 5: chunks and decode steps straddle page boundaries
+    engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=5)
+    seq = engine.new_sequence()
+    got = [engine.prefill(seq, ids[:13])[0]]
+    got += [engine.decode(seq, t)[0] for t in ids[13:-1]]
+    assert seq.length == len(ids) - 1 and len(seq.pages) == 6
+    err = rel_err(torch.stack(got), full[12:-1])
+    assert err < TOL, f"{family}: cached vs full {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_cached_decode_with_cpu_kernels(tmp_path, family):
+    """The shipped rules (C++ experts and linears, int8 activations) agree with their own recompute."""
+    ours, hf = load(tmp_path, family, reference_ops=False, types=GGMLType.Q8_0)
+    ids = torch.randint(0, hf.config.vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    full = full_logits(ours, ids)
+    engine = Engine(ours, cache_lens=32, page_size=4, chunk_size=3)
+    seq = engine.new_sequence()
+    got = [engine.prefill(seq, ids[:7])[0]] + [engine.decode(seq, t)[0] for t in ids[7:-1]]
+    assert rel_err(torch.stack(got), full[6:-1]) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_batched_sequences_equal_alone(tmp_path, family):
+    """Two sequences of different lengths in one packed step give what each gives alone."""
+    ours, hf = load(tmp_path, family)
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 5))
+    engine = Engine(ours, cache_lens=64, page_size=4)
+    sa, sb = engine.new_sequence(), engine.new_sequence()
+    logits = engine.step([sa, sb], [a[:6], b[:3]])  # mixed prefill of both
+    logits2 = engine.step([sa, sb], [a[6:], b[3:]])  # then a multi-token and a 2-token chunk
+    assert rel_err(logits[0], full_logits(ours, a[:6])[-1]) < TOL
+    assert rel_err(logits[1], full_logits(ours, b[:3])[-1]) < TOL
+    assert rel_err(logits2[0], full_logits(ours, a)[-1]) < TOL
+    assert rel_err(logits2[1], full_logits(ours, b)[-1]) < TOL
+    # their pages interleave in the pool, yet reads follow each sequence's own page table
+    assert set(sa.pages).isdisjoint(sb.pages) and max(sa.pages + sb.pages) == len(sa.pages) + len(sb.pages) - 1
+
+
+def test_prefix_reuse_recomputes_only_the_new_tail(tmp_path):
+    ours, hf = load(tmp_path, "deepseek_v3")
+    ids = torch.randint(0, hf.config.vocab_size, (15,), generator=torch.Generator().manual_seed(6)).tolist()
+    engine = Engine(ours, cache_lens=64, page_size=4)
+    seq = engine.new_sequence()
+    engine.prefill(seq, ids[:10])
+    other = ids[:6] + [(t + 1) % hf.config.vocab_size for t in ids[6:15]]
+    logits = engine.prefill(seq, other)
+    assert engine.last_prefill_tokens == len(other) - 6 and seq.length == len(other)
+    assert rel_err(logits[0], full_logits(ours, other)[-1]) < TOL
+
+
+def test_cache_full_is_a_clear_error_and_changes_nothing(tmp_path):
+    ours, hf = load(tmp_path, "qwen3_moe")
+    engine = Engine(ours, cache_lens=8, page_size=4)
+    seq = engine.new_sequence()
+    with pytest.raises(CacheFullError, match="--cache_lens"):
+        engine.prefill(seq, list(range(9)))
+    engine.prefill(seq, list(range(6)))
+    with pytest.raises(CacheFullError, match="--cache_lens"):
+        engine.step([seq], [[1, 2, 3]])
+    assert seq.length == 6 and len(seq.pages) == 2  # the failed step reserved nothing
+    engine.release(seq)
+    out = engine.generate(list(range(7)), max_new_tokens=50)
+    list(out)
+    assert out.finish_reason == "cache_full" and len(out.tokens) == 2  # slots 8: 7 prompt + 1 decoded + last
+
+
+def test_paged_cache_bookkeeping():
+    cache = PagedCache(num_layers=1, entry_shapes=[(3,)], cache_lens=10, page_size=4, dtype=torch.float32)
+    assert cache.capacity == 12 and cache.free_tokens == 12
+    s = cache.new_sequence()
+    batch = cache.prepare([s], [5])
+    assert s.pages == [0, 1] and batch.slots.tolist() == [0, 1, 2, 3, 4] and batch.positions.tolist() == list(range(5))
+    values = torch.randn(5, 3)
+    cache.write(0, batch, values)
+    t = cache.new_sequence()
+    batch = cache.prepare([s, t], [1, 2])
+    assert t.pages == [2] and batch.slots.tolist() == [5, 8, 9] and batch.starts == [5, 0]
+    new = torch.randn(3, 3)
+    cache.write(0, batch, new)
+    assert torch.equal(cache.read(0, batch, 0)[0], torch.cat([values, new[:1]]))
+    assert torch.equal(cache.read(0, batch, 1)[0], new[1:])
+    cache.truncate(s, 3)
+    assert s.pages == [0] and s.length == 3 and cache.free_tokens == 4
+    cache.free(t)
+    assert cache.free_tokens == 8
+    with pytest.raises(ValueError):
+        cache.prepare([s], [0])
+
+
+def test_cache_shapes_follow_the_architecture():
+    ds, qw = tiny_model("deepseek_v3").config, tiny_model("qwen3_moe").config
+    mla = KDeepSeekV3Cache(ds, cache_lens=16, page_size=8)
+    assert mla.layers[0][0].shape == (16, ds.kv_lora_rank + ds.qk_rope_head_dim) and len(mla.layers) == 3
+    gqa = KGQACache(qw, cache_lens=16, page_size=8)
+    assert [t.shape for t in gqa.layers[0]] == [(16, 2, 64), (16, 2, 64)]
+
+
+def test_engine_needs_cached_attention(tmp_path):
+    model = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(), types=GGMLType.F32)
+    text = (RULES_DIR / RULES["qwen3_moe"]).read_text()
+    rules = text.split("- match:")
+    (tmp_path / "r.yaml").write_text("- match:".join(r for r in rules if "self_attn" not in r))
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, tmp_path / "r.yaml", tmp_path / "m.gguf", model.config)
+    with pytest.raises(ValueError, match="self_attn"):
+        Engine(ours)
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("chat")
+    ours, _ = load(tmp_path, "qwen3_moe", tokenizer=train_tokenizer(320))
+    return Engine(ours, train_tokenizer(320), cache_lens=256, page_size=16)
+
+
+def test_greedy_and_seeded_sampling_are_deterministic(chat_engine):
+    prompt = chat_engine.tokenizer("the quick brown fox")["input_ids"]
+    runs = [chat_engine.generate(prompt, SamplingParams(do_sample=False), 12) for _ in range(2)]
+    texts = ["".join(r) for r in runs]
+    assert texts[0] == texts[1] and len(runs[0].tokens) == 12 and runs[0].finish_reason == "length"
+    assert runs[0].tokens[0] == int(chat_engine.prefill(chat_engine.new_sequence(), prompt).argmax())
+    sampled = [chat_engine.generate(prompt, SamplingParams(temperature=1.5, seed=s), 16) for s in (7, 7, 8)]
+    tokens = [(list(r), r.tokens)[1] for r in sampled]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+
+
+def test_stop_strings_and_eos(chat_engine):
+    prompt = chat_engine.tokenizer("hello world")["input_ids"]
+    free = chat_engine.generate(prompt, SamplingParams(do_sample=False), 20)
+    text = "".join(free)
+    assert len(text) > 4
+    stop = text[2:4]  # a stop string that appears early in the free answer
+    stopped = chat_engine.generate(prompt, SamplingParams(do_sample=False), 20, stop=[stop])
+    out = "".join(stopped)
+    assert stopped.finish_reason == "stop" and out == text[:text.index(stop)]
+    # the first generated token made an EOS: generation ends on it, emitting nothing for it
+    chat_engine.model.generation_config.eos_token_id = free.tokens[0]
+    try:
+        eos = chat_engine.generate(prompt, SamplingParams(do_sample=False), 20)
+        assert "".join(eos) == "" and eos.tokens == free.tokens[:1] and eos.finish_reason == "stop"
+    finally:
+        chat_engine.model.generation_config.eos_token_id = None
+
+
+def test_stats_lines_use_upstream_wording(chat_engine):
+    run = chat_engine.generate(chat_engine.tokenizer("hello")["input_ids"], SamplingParams(do_sample=False), 5)
+    list(run)
+    lines = run.stats.lines()
+    assert [line.split(":")[0] for line in lines] == ["prompt eval count", "prompt eval duration", "prompt eval rate",
+                                                      "eval count", "eval duration", "eval rate"]
+    assert lines[0] == f"prompt eval count: {run.stats.prompt_tokens} token(s)" and run.stats.eval_tokens == 5
+    assert lines[3] == "eval count: 5 token(s)" and lines[4].endswith("s") and lines[5].endswith(" tokens/s")
