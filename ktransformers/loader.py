@@ -11,6 +11,8 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from .optimize.inject import PlanRow, optimize_and_load_gguf
+from .optimize.inject import plan as plan_rows
+from .optimize.rules import load_rules
 from .weights.gguf import GGUFFileSet
 from .weights.gguf_config import arch_of, config_from_metadata
 
@@ -85,10 +87,11 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     config = load_config(model_path, gguf_path)
     check_architecture(config, gguf_path)
     model = build_skeleton(config, dtype)
-    rules = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
+    rule_file = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
+    rules = load_rules(rule_file)
+    check_experts_placed(plan_rows(model, rules, default_device), rule_file)
     plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress,
                                   cpu_infer=cpu_infer)
-    check_experts_placed(model, rules)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path), plan)
 
 
@@ -104,12 +107,10 @@ def check_architecture(config: PretrainedConfig, gguf_path: str | os.PathLike) -
                          f"--model_path, or none to take the config from the GGUF")
 
 
-def check_experts_placed(model: torch.nn.Module, rules) -> None:
-    """Routed experts left as transformers' module would run in slow eager torch: refuse."""
-    from .operators.base import BaseInjectedModule
-    left = [name for name, m in model.named_modules()
-            if name.endswith("mlp.experts") and not isinstance(m, BaseInjectedModule)]
+def check_experts_placed(rows: list[PlanRow], rule_file) -> None:
+    """Routed experts left as transformers' module would run in slow eager torch: refuse, before loading."""
+    left = [r.name for r in rows if r.name.endswith("mlp.experts") and r.cls is None]
     if left:
-        raise ValueError(f"rule file {rules} leaves {len(left)} expert module(s) unplaced (e.g. {left[0]}); add a rule "
-                         f"replacing \"^model\\.layers\\..*\\.mlp\\.experts$\" with KTransformersExperts, as the "
-                         f"shipped files in {RULES_DIR} do")
+        raise ValueError(f"rule file {rule_file} leaves {len(left)} expert module(s) unplaced (e.g. {left[0]}); add a "
+                         f"rule replacing \"^model\\.layers\\..*\\.mlp\\.experts$\" with KTransformersExperts, as "
+                         f"the shipped files in {RULES_DIR} do")
