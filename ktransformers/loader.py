@@ -78,7 +78,7 @@ def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
 
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
-               optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16,
+               optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
     the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels."""
@@ -86,6 +86,8 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     config = load_config(model_path, gguf_path)
     check_architecture(config, gguf_path)
+    if dtype is None:  # float32 on the CPU: torch's bf16 GEMV/norms there are slow; bf16 on GPUs
+        dtype = torch.bfloat16 if torch.device(default_device).type == "cuda" else torch.float32
     model = build_skeleton(config, dtype)
     rule_file = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
     rules = load_rules(rule_file)

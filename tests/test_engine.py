@@ -198,3 +198,35 @@ def test_stats_lines_use_upstream_wording(chat_engine):
                                                       "eval count", "eval duration", "eval rate"]
     assert lines[0] == f"prompt eval count: {run.stats.prompt_tokens} token(s)" and run.stats.eval_tokens == 5
     assert lines[3] == "eval count: 5 token(s)" and lines[4].endswith("s") and lines[5].endswith(" tokens/s")
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    """Mixtral with a window shorter than the sequence: cached decode masks what transformers masks."""
+    from transformers import AutoModelForCausalLM
+    from tiny import tiny_config
+    config = tiny_config("mixtral", layers=2)
+    config.sliding_window = 6
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+    write_gguf(tmp_path / "m.gguf", config, hf.state_dict(), types=GGMLType.F32)
+    text = (RULES_DIR / RULES["mixtral"]).read_text().replace("KExpertsCPU", "KExpertsTorch")
+    (tmp_path / "r.yaml").write_text(text.replace("KLinearCPU", "KLinearTorch"))
+    ours = build_skeleton(config, torch.float32)
+    optimize_and_load_gguf(ours, tmp_path / "r.yaml", tmp_path / "m.gguf", config)
+    ids = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = full_logits(hf, ids)
+    assert rel_err(full_logits(ours, ids), full) < TOL
+    attention = [m for m in ours.modules() if hasattr(m, "window")]
+    for m in attention:
+        m.window = None
+    windowless = full_logits(ours, ids)
+    for m in attention:
+        m.window = 6
+    assert rel_err(windowless, full) > 1e-3  # the window matters for this input (else the test proves nothing)
+    engine = Engine(ours, cache_lens=32, page_size=4, chunk_size=5)
+    seq = engine.new_sequence()
+    got = [engine.prefill(seq, ids[:9])[0]] + [engine.decode(seq, t)[0] for t in ids[9:-1]]
+    assert rel_err(torch.stack(got), full[8:-1]) < TOL

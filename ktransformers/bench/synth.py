@@ -66,9 +66,24 @@ def random_encoder(seed: int = 0):
     return encode
 
 
+def synthetic_vocab(size: int) -> dict:
+    """`tokenizer.ggml.*` keys of a SentencePiece-style vocabulary of `size` made-up pieces
+    (control tokens, the 256 byte tokens, then "▁w<i>"), so llama.cpp accepts the file."""
+    if size < 300:
+        raise ValueError(f"a synthetic vocabulary needs at least 300 tokens, got {size}")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    tokens += [f"\u2581w{i}" for i in range(size - len(tokens))]
+    types += [1] * (size - len(types))
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [-float(i) for i in range(size)], "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+
+
 def write_synthetic(config: PretrainedConfig, out: str | Path, type_name: str = "Q4_K_M", seed: int = 0) -> dict:
     skeleton = build_skeleton(config, torch.float32)
-    return write_gguf(out, config, skeleton.state_dict(), types=type_chooser(type_name), encode=random_encoder(seed))
+    return write_gguf(out, config, skeleton.state_dict(), types=type_chooser(type_name), encode=random_encoder(seed),
+                      extra_metadata=synthetic_vocab(config.vocab_size))
 
 
 def main(argv: list[str] | None = None) -> None:

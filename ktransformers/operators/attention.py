@@ -175,13 +175,17 @@ class KGQAAttention(_CachedAttention):
         return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
 
     def _attend(self, q, k, v, start: int) -> torch.Tensor:
-        """q [q, h, d], k/v [L, kv_heads, d] -> [q, h, d] (float32 math)."""
-        mask = causal_mask(q.shape[0], start, k.shape[0], self.window, k.device)
-        groups = self.num_heads // self.num_kv_heads
-        k = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)
-        v = v.float().repeat_interleave(groups, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=self.scaling)
-        return out.transpose(0, 1)
+        """q [q, h, d], k/v [L, kv_heads, d] -> [q, h, d] (float32 math). The g = h / kv_heads
+        query heads sharing a kv head are stacked as g*q rows against it (no repeated K/V)."""
+        q_len, L, kv, d = q.shape[0], k.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kv
+        mask = causal_mask(q_len, start, L, self.window, k.device)
+        qg = q.float().reshape(q_len, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * q_len, d)
+        if mask is not None:
+            mask = mask.repeat(g, 1)  # row (j, i) of the stacked queries is query i
+        out = F.scaled_dot_product_attention(qg, k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask,
+                                             scale=self.scaling)
+        return out.reshape(kv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, kv * g, d)
 
 
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)

@@ -40,7 +40,7 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("expert_group_count", "n_group"),
         ("expert_group_used_count", "topk_group"),
     ),
-    "qwen3moe": _QWEN_MOE + (("attention.key_length", "head_dim"),),
+    "qwen3moe": _QWEN_MOE + (("attention.key_length", "head_dim"), ("attention.value_length", "head_dim")),
     "qwen2moe": _QWEN_MOE + (("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
 }

@@ -1,0 +1,164 @@
+"""End-to-end prefill and decode speed of a model and rule file, beside llama.cpp on the same GGUF.
+
+    python -m ktransformers.bench.synth --model qwen3-30b-a3b --layers 4 --vocab 32000 --out /tmp/q3.gguf
+    python -m ktransformers.bench.decode --gguf_path /tmp/q3.gguf --threads 2
+
+Prefill: one prompt of random token ids, fed in one chunk (tok/s = prompt tokens / time to the
+first logits). Decode: `--decode` single-token steps after it (tok/s = steps / time). The floor
+is decode at memory bandwidth: the bytes one decode step must read (every dense tensor, the
+lm_head, and top_k/n_experts of each expert tensor) over the streaming bandwidth measured in the
+same run. llama.cpp (llama-cpp-python) runs the same file, threads and token counts after ours,
+in a child process (`--llama-python` picks the interpreter that has it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PEER_SCRIPT = r"""
+import json, sys, random
+import llama_cpp
+path, threads, prompt, decode, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt + decode + 16,
+                      n_batch=max(prompt, 32), n_ubatch=max(prompt, 32), verbose=False)
+rng = random.Random(0)
+vocab = llm.n_vocab()
+rows = []
+for _ in range(repeats):
+    llm.reset()
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    llm.eval([rng.randrange(3, vocab) for _ in range(prompt)])
+    for _ in range(decode):
+        llm.eval([rng.randrange(3, vocab)])
+    llama_cpp.llama_synchronize(llm._ctx.ctx)
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    rows.append({"prefill_s": perf.t_p_eval_ms / 1e3, "n_prefill": perf.n_p_eval,
+                 "decode_s": perf.t_eval_ms / 1e3, "n_decode": perf.n_eval})
+print(json.dumps({"version": llama_cpp.__version__, "rows": rows}))
+"""
+
+
+def decode_bytes(gguf_path, config) -> int:
+    """Bytes one decode step reads: dense tensors whole, expert tensors top_k/E of them, one
+    embedding row (not the table)."""
+    from ..weights.gguf import GGUFFileSet
+    files = GGUFFileSet(gguf_path)
+    experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                   if getattr(config, k, None))
+    total = 0.0
+    for name, info in files.tensors.items():
+        if name == "token_embd.weight":
+            total += info.data.nbytes / info.shape[0]
+        elif "_exps." in name:
+            total += info.data.nbytes * config.num_experts_per_tok / experts
+        else:
+            total += info.data.nbytes
+    return int(total)
+
+
+def measure_ours(args, config) -> tuple[list[dict], object]:
+    from ..engine.generate import Engine
+    from ..loader import load_model
+    loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
+                        cpu_infer=args.threads)
+    engine = Engine(loaded.model, None, cache_lens=args.prompt + args.decode + 16, page_size=256,
+                    chunk_size=max(args.prompt, 1))
+    gen = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    runs = []
+    for _ in range(args.repeats):
+        prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+        steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
+        seq = engine.new_sequence()
+        t0 = time.perf_counter()
+        engine.prefill(seq, prompt)
+        t1 = time.perf_counter()
+        for token in steps:
+            engine.decode(seq, token)
+        t2 = time.perf_counter()
+        engine.release(seq)
+        runs.append({"prefill_s": t1 - t0, "decode_s": t2 - t1})
+    return runs, loaded
+
+
+def measure_llamacpp(args) -> dict | None:
+    python = args.llama_python or sys.executable
+    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
+    if probe.returncode != 0:
+        return None
+    out = subprocess.run([python, "-c", PEER_SCRIPT, str(args.gguf_path), str(args.threads), str(args.prompt),
+                          str(args.decode), str(args.repeats)], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"llama.cpp failed on {args.gguf_path}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarise(name: str, runs: list[dict], args, floor_tok_s: float, stream: float, version: str = "") -> dict:
+    prefill = statistics.median(args.prompt / r["prefill_s"] for r in runs)
+    decode = statistics.median(args.decode / r["decode_s"] for r in runs)
+    return dict(engine=name, version=version, gguf=str(args.gguf_path), threads=args.threads,
+                prompt_tokens=args.prompt, decode_tokens=args.decode, prefill_tok_s=prefill, decode_tok_s=decode,
+                decode_floor_tok_s=floor_tok_s, stream_gbps=stream, decode_ratio=decode / floor_tok_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf_path", required=True)
+    p.add_argument("--model_path")
+    p.add_argument("--optimize_config_path")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    p.add_argument("--decode", type=int, default=64, help="decode steps")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    p.add_argument("--llama-python", default=os.environ.get("KT_LLAMA_PYTHON"),
+                   help="python with llama-cpp-python installed (default: this one, or $KT_LLAMA_PYTHON)")
+    p.add_argument("--stream-gib", type=float, default=2.0)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    args = p.parse_args(argv)
+    if args.prompt < 1 or args.decode < 1 or args.repeats < 1:
+        p.error("--prompt, --decode and --repeats must be positive")
+    if not Path(args.gguf_path).exists():
+        p.error(f"--gguf_path {args.gguf_path} does not exist")
+
+    from ..loader import load_config
+    from .moe import stream_gbps
+    config = load_config(args.model_path, args.gguf_path)
+    torch.set_num_threads(args.threads)
+    runs, loaded = measure_ours(args, config)
+    stream = stream_gbps(loaded.model.kt_context.cpu_runtime(), args.stream_gib)
+    floor = stream * 1e9 / decode_bytes(args.gguf_path, config)
+    del loaded
+    rows = [summarise("ktransformers", runs, args, floor, stream)]
+    if not args.no_peer:
+        peer = measure_llamacpp(args)
+        if peer is not None:
+            rows.append(summarise("llama.cpp", peer["rows"], args, floor, stream, peer["version"]))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, "
+          f"{decode_bytes(args.gguf_path, config) / 1e6:.1f} MB read per decoded token, stream {stream:.1f} GB/s, "
+          f"{args.threads} threads")
+    print(f"{'engine':<14} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} {'ratio':>5}")
+    for row in rows:
+        print(f"{row['engine']:<14} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.1f} "
+              f"{row['decode_floor_tok_s']:>11.1f} {row['decode_ratio']:>5.2f}")
+    if len(rows) == 2:
+        print(f"ours / llama.cpp: prefill {rows[0]['prefill_tok_s'] / rows[1]['prefill_tok_s']:.2f}x, "
+              f"decode {rows[0]['decode_tok_s'] / rows[1]['decode_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
