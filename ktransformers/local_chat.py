@@ -105,17 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     from .loader import load_model
 
     try:
-        gguf_path = args.gguf_path
-        if gguf_path is None and args.model_path is None:
-            from .demo import DEMO_GGUF
-            gguf_path = DEMO_GGUF
-            print(f"no --gguf_path: chatting with the bundled demo model ({Path(gguf_path).name})", file=sys.stderr)
+        gguf_path, model_path = args.gguf_path, args.model_path
+        if gguf_path is None and model_path is None:
+            from .demo import DEMO_GGUF, DEMO_HF_DIR
+            gguf_path, model_path = DEMO_GGUF, DEMO_HF_DIR
+            print(f"no --gguf_path: chatting with the bundled demo model ({Path(gguf_path).name}, a 13M-parameter "
+                  f"DeepSeek-V3-architecture MoE that continues English text)", file=sys.stderr)
         elif gguf_path is None:
             raise ValueError("--gguf_path is required with --model_path (the weights live in GGUF or safetensors files)")
-        if args.model_path is not None and not Path(args.model_path).is_dir():
-            raise FileNotFoundError(f"--model_path {args.model_path!r} is not a directory")
+        if model_path is not None and not Path(model_path).is_dir():
+            raise FileNotFoundError(f"--model_path {str(model_path)!r} is not a directory")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(gguf_path, args.model_path, args.optimize_config_path, default_device=device,
+        loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                             cpu_infer=args.cpu_infer)
         if loaded.tokenizer is None:
             raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path with the "

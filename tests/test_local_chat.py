@@ -104,3 +104,17 @@ def test_rule_file_without_experts(gguf, tmp_path):
     out = run(["--gguf_path", str(gguf), "--optimize_config_path", str(rules), "--prompt", "hi"], timeout=60)
     assert out.returncode == 2 and "mlp.experts" in out.stderr and "KTransformersExperts" in out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_demo_model_answers_with_no_model_flags():
+    """The README's first command: no flags at all, the bundled demo model continues English."""
+    out = run(["--prompt", "The function returns", "--max_new_tokens", "24", "--greedy"])
+    assert out.returncode == 0, out.stderr
+    assert "demo model" in out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] + ":" for line in lines[-6:]] == list(STATS)
+    text = "\n".join(lines[:-6])
+    words = text.split()
+    letters = sum(c.isalpha() or c.isspace() for c in text) / max(len(text), 1)
+    common = {"the", "a", "is", "of", "to", "and", "in", "that", "an", "object", "function", "returns", "value"}
+    assert len(words) >= 8 and letters > 0.8 and sum(w.lower().strip(".,") in common for w in words) >= 2, text
