@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
 
 from .optimize.inject import PlanRow, optimize_and_load_gguf
 from .optimize.inject import plan as plan_rows

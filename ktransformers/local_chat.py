@@ -67,7 +67,7 @@ def read_message(prompt: str = "Chat: ") -> str | None:
         except EOFError:
             break
     text = "\n".join(lines).rstrip()
-    return text[:-3] if text.endswith('"""') else text
+    return text.removesuffix('"""')
 
 
 def prompt_ids(tokenizer, message: str, force_think: bool) -> list[int]:
@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size)
         gen_config = getattr(loaded.model, "generation_config", None)
         # a model that says nothing about sampling gets a usual chat default, not temperature 1
-        overrides = {} if getattr(gen_config, "temperature", None) is not None else dict(temperature=0.7, top_p=0.9)
-        overrides |= {k: v for k, v in dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                            repetition_penalty=args.repetition_penalty, seed=args.seed).items()
-                      if v is not None}
+        overrides = {} if getattr(gen_config, "temperature", None) is not None else {"temperature": 0.7, "top_p": 0.9}
+        flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                 "repetition_penalty": args.repetition_penalty, "seed": args.seed}
+        overrides |= {k: v for k, v in flags.items() if v is not None}
         if args.greedy:
             overrides["do_sample"] = False
         params = SamplingParams.from_generation_config(gen_config, **overrides)

@@ -2,6 +2,7 @@
 page boundaries, batched sequences, cache limits, sampling determinism and stop strings."""
 import pytest
 import torch
+from tiny import FAMILIES, RULES, tiny_model, train_tokenizer
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, KDeepSeekV3Cache, KGQACache, PagedCache
@@ -10,7 +11,6 @@ from ktransformers.engine.sampling import SamplingParams
 from ktransformers.loader import RULES_DIR, build_skeleton
 from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import tokenizer_metadata, write_gguf
-from tiny import FAMILIES, RULES, tiny_model, train_tokenizer
 
 TOL = 1e-4
 
@@ -68,9 +68,9 @@ def test_cached_decode_with_cpu_kernels(tmp_path, family):
 @pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
 def test_batched_sequences_equal_alone(tmp_path, family):
     """Two sequences of different lengths in one packed step give what each gives alone."""
-    ours, hf = load(tmp_path, family)
+    ours, _ = load(tmp_path, family)
     gen = torch.Generator().manual_seed(5)
-    a, b = (torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 5))
+    a, b = (torch.randint(0, ours.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 5))
     engine = Engine(ours, cache_lens=64, page_size=4)
     sa, sb = engine.new_sequence(), engine.new_sequence()
     logits = engine.step([sa, sb], [a[:6], b[:3]])  # mixed prefill of both
@@ -96,7 +96,7 @@ def test_prefix_reuse_recomputes_only_the_new_tail(tmp_path):
 
 
 def test_cache_full_is_a_clear_error_and_changes_nothing(tmp_path):
-    ours, hf = load(tmp_path, "qwen3_moe")
+    ours, _ = load(tmp_path, "qwen3_moe")
     engine = Engine(ours, cache_lens=8, page_size=4)
     seq = engine.new_sequence()
     with pytest.raises(CacheFullError, match="--cache_lens"):
@@ -202,8 +202,8 @@ def test_stats_lines_use_upstream_wording(chat_engine):
 
 def test_sliding_window_matches_transformers(tmp_path):
     """Mixtral with a window shorter than the sequence: cached decode masks what transformers masks."""
-    from transformers import AutoModelForCausalLM
     from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
     config = tiny_config("mixtral", layers=2)
     config.sliding_window = 6
     torch.manual_seed(1)

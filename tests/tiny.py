@@ -125,7 +125,8 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType]) -> None:
         return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
 
     for name, module in reference.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("mlp.gate"):
+        # the router runs in torch; MLA folds kv_b_proj's dequantized weight into its attention math
+        if isinstance(module, torch.nn.Linear) and not name.endswith(("mlp.gate", "kv_b_proj")):
             block = block_of(f"{name}.weight")
             if block:
                 module.register_forward_pre_hook(lambda m, args, b=block: (round_activations(args[0], b),))

@@ -12,8 +12,9 @@ streamed text that never splits a UTF-8 character, and the timing stats upstream
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
 
 import torch
 
@@ -59,7 +60,7 @@ class Generation:
     """One answer in progress: iterate it for text pieces; `tokens`, `finish_reason` ("stop",
     "length" or "cache_full") and `stats` are complete once iteration ends."""
 
-    engine: "Engine"
+    engine: Engine
     prompt_ids: list[int]
     params: SamplingParams
     max_new_tokens: int
@@ -144,6 +145,10 @@ class Engine:
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
+        # Decode on the CPU: torch's own ops are tiny there, and its OpenMP threads spinning after
+        # each op would steal the cores the expert kernels' threads stream weights on.
+        self.cpu_decode = self.cache.device.type == "cpu"
+        self.torch_threads = torch.get_num_threads()
         self.last_prefill_tokens = 0
 
     def _check_attention(self) -> None:
@@ -164,6 +169,8 @@ class Engine:
         if phase != self._phase:
             set_phase(self.model, phase)
             self._phase = phase
+            if self.cpu_decode:
+                torch.set_num_threads(1 if phase == "generate" else self.torch_threads)
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()

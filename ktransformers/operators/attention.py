@@ -40,6 +40,17 @@ def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device)
     return mask
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale, masked) v for [b, q, d] x [b, L, d]: explicit matmuls for a few
+    query rows (SDPA's CPU kernel costs ~10x more there), SDPA for prefill-sized blocks."""
+    if q.shape[1] > 16:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
 class _CachedAttention(BaseInjectedModule):
     """Shared plumbing: per-sequence spans of the packed step, cache write, history read."""
 
@@ -139,7 +150,7 @@ class KDeepseekV2Attention(_CachedAttention):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot[None].expand(self.num_heads, L, self.rope_dim)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1).float().transpose(0, 1)  # [h, q, n + p]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        out = attend(q, k, v, mask, self.scaling)
         return out.transpose(0, 1)
 
 
@@ -183,8 +194,7 @@ class KGQAAttention(_CachedAttention):
         qg = q.float().reshape(q_len, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * q_len, d)
         if mask is not None:
             mask = mask.repeat(g, 1)  # row (j, i) of the stacked queries is query i
-        out = F.scaled_dot_product_attention(qg, k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask,
-                                             scale=self.scaling)
+        out = attend(qg, k.float().transpose(0, 1), v.float().transpose(0, 1), mask, self.scaling)
         return out.reshape(kv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, kv * g, d)
 
 

@@ -51,4 +51,4 @@ def register_operator(name: str):
 
 def ensure_builtin_operators_loaded() -> None:
     """Import the operator modules so their @register_operator decorators have run."""
-    from . import attention, experts, gate, linear, moe, rope  # noqa: F401
+    from . import attention, experts, gate, layernorm, linear, moe, rope  # noqa: F401

@@ -1,0 +1,38 @@
+"""RMSNorm as one fused torch op (`F.rms_norm`) in place of transformers' five-op version: a
+decode step runs 2-4 norms per layer on a single token, where per-op overhead is the cost.
+Same function: x * rsqrt(mean(x^2) + eps) in float32, cast back, times the weight."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseInjectedModule
+from .registry import OPERATORS
+
+
+class KRMSNorm(BaseInjectedModule):
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        weight = getattr(orig_module, "weight", None)
+        eps = getattr(orig_module, "variance_epsilon", getattr(orig_module, "eps", None))
+        if weight is None or weight.dim() != 1 or eps is None:
+            raise ValueError(f"{key}: {type(orig_module).__name__} is not an RMSNorm (needs a 1-D weight and an eps)")
+        self.shape, self.eps, self.dtype = tuple(weight.shape), float(eps), weight.dtype
+        self.weight = None
+
+    def load(self) -> None:
+        self.weight = self.weights.load(f"{self.key}.weight", self.device, self.dtype, shape=self.shape)
+
+    def unload(self) -> None:
+        self.weight = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == torch.float32:
+            return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
+        normed = F.rms_norm(hidden_states.float(), self.shape, None, self.eps)
+        return self.weight * normed.to(hidden_states.dtype)
+
+
+OPERATORS.register("KRMSNorm")(KRMSNorm)
+OPERATORS.register("RMSNorm")(KRMSNorm)  # upstream: ktransformers.operators.layernorm.RMSNorm
