@@ -150,3 +150,27 @@ def test_cpu_experts_op_checks_ids_itself():
     assert rel_err(op(x, torch.tensor([[0, 1, 4], [2, 3, 1]]), w), hf(x, torch.tensor([[0, 1, 4], [2, 3, 1]]), w)) < 1e-5
     with pytest.raises(ValueError, match=r"expert id 5 .* outside \[0, 5\)"):
         op(x, torch.tensor([[0, 1, 5], [2, 3, 1]]), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 256)])
+def test_rmsnorm_operator_matches_transformers(dtype, shape):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    from ktransformers.operators.layernorm import KRMSNorm
+    hidden = shape[-1]
+    hf = Qwen3MoeRMSNorm(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(hidden) * 0.3 + 1)
+
+    class Weights:
+        def load(self, name, device, dtype, shape):
+            assert name == "model.norm.weight"
+            return hf.weight.detach().to(device, dtype).reshape(shape)
+    op = KRMSNorm("model.norm", Weights(), None, hf)
+    op.load()
+    x = (torch.randn(shape) * 3).to(dtype)
+    want, got = hf(x), op(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
