@@ -181,7 +181,7 @@ class Engine:
                            device=self.embed.weight.device)[None]
         self.context.batch = batch
         try:
-            out = self.model.model(input_ids=ids, position_ids=batch.positions.to(ids.device)[None], use_cache=False)
+            hidden = self._decoder(ids, batch.positions.to(ids.device)[None])
         except BaseException:
             for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
                 self.cache.truncate(s, start)
@@ -191,8 +191,20 @@ class Engine:
         for s, tokens in zip(seqs, new_tokens):
             self._tokens.setdefault(s.seq_id, []).extend(tokens)
         last = torch.tensor(batch.q_lens).cumsum(0) - 1
-        hidden = out.last_hidden_state[0, last.to(out.last_hidden_state.device)]
-        return self.model.lm_head(hidden).float()
+        return self.model.lm_head(hidden[0, last.to(hidden.device)]).float()
+
+    def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """transformers' decoder layers run in order, as its model forward runs them, minus the
+        causal-mask building (the attention operators mask by the batch's positions)."""
+        base = self.model.model
+        hidden = base.embed_tokens(ids)
+        position_embeddings = base.rotary_emb(hidden, positions)
+        for layer in base.layers[: self.config.num_hidden_layers]:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                           position_embeddings=position_embeddings)
+            if isinstance(hidden, tuple):  # decoder layers of older releases return (hidden, ...)
+                hidden = hidden[0]
+        return base.norm(hidden)
 
     def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:
         """Bring `seq` to hold `prompt_ids` (reusing the longest cached common prefix, always

@@ -49,12 +49,27 @@ class _Router(BaseInjectedModule):
         self.hidden_dim = orig_module.hidden_dim
         self.weight_dtype, self.weight_shape = orig_module.weight.dtype, tuple(orig_module.weight.shape)
         self.weight: torch.Tensor | None = None
+        self.kernel = None
 
     def load(self) -> None:
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype, self.weight_shape)
+        self.kernel = None
+        if self.device.type == "cpu" and self.weight.dtype == torch.float32:
+            # the same fp32 dot products on the C++ pool (all cores stream the weight; torch's
+            # single-threaded decode GEMV reads it at half the speed)
+            from ..kernels.cpu import ExpertWeights, LinearKernel
+            self.kernel = LinearKernel(self.run_context().cpu_runtime(), in_features=self.weight_shape[1],
+                                       out_features=self.weight_shape[0],
+                                       weight=ExpertWeights(self.weight.contiguous(), 0), name=self.key)
 
     def unload(self) -> None:
-        self.weight = None
+        self.weight = self.kernel = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E] in float32."""
+        if self.kernel is not None:
+            return self.kernel.forward(x.float().contiguous())
+        return F.linear(x.float(), self.weight.float())
 
 
 @register_operator("KMoEGate")
@@ -74,7 +89,7 @@ class KMoEGate(_Router):
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
-        logits = F.linear(x.float(), self.weight.float())
+        logits = self.logits(x)
         weights, index = route_sigmoid_grouped(logits, self.bias, top_k=self.top_k, n_group=self.n_group,
                                                topk_group=self.topk_group, norm=self.norm, scale=self.scale)
         return logits, weights, index
@@ -91,6 +106,6 @@ class KMoEGateSoftmax(_Router):
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
-        logits = F.linear(x, self.weight)
+        logits = self.logits(x).to(x.dtype)
         weights, index = route_softmax(logits, top_k=self.top_k, norm=self.norm)
         return logits, weights.to(logits.dtype) if self.cast_back else weights, index
