@@ -7,6 +7,10 @@
 
 namespace kt {
 
+namespace {
+constexpr int kGroup = 16;  // tokens per pass over a chunk of weight rows
+}
+
 Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_features, int type, const void* weight,
                size_t weight_bytes, int max_tokens)
     : rt_(std::move(runtime)), in_(in_features), out_(out_features), max_tokens_(max_tokens), fmt_(find_format(type)),
@@ -49,12 +53,23 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
         });
         const int chunk = std::max(16, out_ / (8 * rt_->pool().size()));
         rt_->pool().parallel_for((out_ + chunk - 1) / chunk, [&](int task, int) {
-            for (int r = task * chunk; r < std::min(out_, (task + 1) * chunk); r++)
-                for (int t = 0; t < n; t++) {
-                    const float v = fmt_->dot(in_, w_ + r * row_, &x_act[t * act_]);
-                    if (dtype == Dtype::F32) ((float*)ys)[(size_t)t * out_ + r] = v;
-                    else ((bf16_t*)ys)[(size_t)t * out_ + r] = f32_to_bf16(v);
+            const int r0 = task * chunk, r1 = std::min(out_, (task + 1) * chunk);
+            // tokens a group at a time against each row: several tokens share each weight load
+            // (dot_rows' 4-token dots) while the chunk's rows stay in cache across groups
+            const void* xg[kGroup];
+            float v[kGroup];
+            for (int g0 = 0; g0 < n; g0 += kGroup) {
+                const int m = std::min(kGroup, n - g0);
+                for (int i = 0; i < m; i++) xg[i] = &x_act[(size_t)(g0 + i) * act_];
+                for (int r = r0; r < r1; r++) {
+                    dot_rows(fmt_, in_, w_ + r * row_, xg, m, v);
+                    for (int i = 0; i < m; i++) {
+                        const size_t at = (size_t)(g0 + i) * out_ + r;
+                        if (dtype == Dtype::F32) ((float*)ys)[at] = v[i];
+                        else ((bf16_t*)ys)[at] = f32_to_bf16(v[i]);
+                    }
                 }
+            }
         });
     }
 }

@@ -40,17 +40,19 @@ def full_logits(model, ids):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decode_equals_full_recompute(tmp_path, family):
     ours, hf = load(tmp_path, family)
-    ids = torch.randint(0, hf.config.vocab_size, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.randint(0, hf.config.vocab_size, (50,), generator=torch.Generator().manual_seed(3)).tolist()
     full = full_logits(ours, ids)
     assert rel_err(full, full_logits(hf, ids)) < TOL  # the cache-free path is transformers' forward
-    # pages of 4 tokens and prefill chunks of 5: chunks and decode steps straddle page boundaries
-    engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=5)
-    seq = engine.new_sequence()
-    got = [engine.prefill(seq, ids[:13])[0]]
-    got += [engine.decode(seq, t)[0] for t in ids[13:-1]]
-    assert seq.length == len(ids) - 1 and len(seq.pages) == 6
-    err = rel_err(torch.stack(got), full[12:-1])
-    assert err < TOL, f"{family}: cached vs full {err:.2e}"
+    # pages of 4 tokens; prefill chunks of 5 (few-row attention) and of 20 (the SDPA path, from
+    # position 0 and from 20): chunks and decode steps straddle page boundaries
+    for chunk, prompt in ((5, 13), (20, 41)):
+        engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=chunk)
+        seq = engine.new_sequence()
+        got = [engine.prefill(seq, ids[:prompt])[0]]
+        got += [engine.decode(seq, t)[0] for t in ids[prompt:-1]]
+        assert seq.length == len(ids) - 1 and len(seq.pages) == 13
+        err = rel_err(torch.stack(got), full[prompt - 1:-1])
+        assert err < TOL, f"{family}, chunks of {chunk}: cached vs full {err:.2e}"
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

@@ -41,10 +41,13 @@ def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """softmax(q kᵀ · scale, masked) v for [b, q, d] x [b, L, d]: explicit matmuls for a few
-    query rows (SDPA's CPU kernel costs ~10x more there), SDPA for prefill-sized blocks."""
+    """softmax(q kᵀ · scale, masked) v for q [h, q, d], k/v [h_kv, L, d] (h a multiple of h_kv):
+    explicit matmuls for a few query rows (SDPA's CPU kernel costs ~10x more there; the caller
+    stacks grouped heads), SDPA's 4-D flash path with native GQA for prefill-sized blocks."""
     if q.shape[1] > 16:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=k.shape[0] != q.shape[0])
+        return out[0]
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
@@ -191,6 +194,10 @@ class KGQAAttention(_CachedAttention):
         q_len, L, kv, d = q.shape[0], k.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
         mask = causal_mask(q_len, start, L, self.window, k.device)
+        if q_len > 16:  # prefill: heads as they are, SDPA groups them
+            out = attend(q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), mask,
+                         self.scaling)
+            return out.transpose(0, 1)
         qg = q.float().reshape(q_len, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * q_len, d)
         if mask is not None:
             mask = mask.repeat(g, 1)  # row (j, i) of the stacked queries is query i
