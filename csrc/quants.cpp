@@ -551,8 +551,20 @@ float dot_f16(int n, const void* w, const void* x) { return dot_16bit(n, (const 
 float dot_f32(int n, const void* vw, const void* va) {
     const float* w = (const float*)vw;
     const float* x = (const float*)va;
+    int i = 0;
     float sum = 0;
-    for (int i = 0; i < n; i++) sum += w[i] * x[i];
+#if defined(__AVX2__)
+    // four accumulators: a single one would wait on the previous FMA's latency every step
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), acc3);
+    }
+    sum = hsum_f32(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+#endif
+    for (; i < n; i++) sum += w[i] * x[i];
     return sum;
 }
 
