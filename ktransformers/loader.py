@@ -78,6 +78,8 @@ def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
         raise ValueError(f"no shipped rule file for model_type {config.model_type!r}; pass --optimize_config_path "
                          f"(shipped: {', '.join(sorted(p.name for p in RULES_DIR.glob('*.yaml')))})")
     path = RULES_DIR / (f"{stem}.yaml" if gpu else f"{stem}-cpu.yaml")
+    if gpu and not path.is_file():  # no GPU rule file for this architecture yet: run it on the CPU
+        path = RULES_DIR / f"{stem}-cpu.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"shipped rule file {path.name} is missing")
     return path

@@ -17,3 +17,30 @@ def test_bench_moe_json_rows():
     assert [r["tokens"] for r in rows] == [1, 8, 1, 8]
     assert all(r["median_us"] > 0 and r["weight_bytes"] > 0 and r["stream_gbps"] > 0 and r["peer"] is None for r in rows)
     assert rows[0]["format"].startswith("Q4_K_M") and rows[2]["format"].startswith("BF16")
+
+
+DECODE_KEYS = {"engine", "version", "gguf", "threads", "prompt_tokens", "decode_tokens", "prefill_tok_s", "decode_tok_s",
+               "decode_floor_tok_s", "stream_gbps", "decode_ratio"}
+
+
+def test_bench_synth_and_decode_json_rows(tmp_path):
+    """A synthetic model (real tensor names, random blocks, a made-up vocabulary) through bench.decode."""
+    from gguf import GGUFReader
+    config = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+              "moe_intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "m.gguf"
+    subprocess.run([sys.executable, "-m", "ktransformers.bench.synth", "--config", str(tmp_path / "config.json"),
+                    "--layers", "1", "--experts", "4", "--out", str(path)], check=True, capture_output=True)
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert "blk.0.ffn_gate_exps.weight" in names and "blk.1.attn_q.weight" not in names  # --layers 1
+    assert [t.shape[-1] for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight"] == [4]  # --experts 4
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 512
+    out = subprocess.run([sys.executable, "-m", "ktransformers.bench.decode", "--gguf_path", str(path), "--threads", "1",
+                          "--prompt", "20", "--decode", "4", "--repeats", "1", "--stream-gib", "0.05", "--no-peer",
+                          "--json"], check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 1 and set(rows[0]) == DECODE_KEYS and rows[0]["engine"] == "ktransformers"
+    assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["decode_floor_tok_s"] > 0

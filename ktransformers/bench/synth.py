@@ -36,7 +36,13 @@ PRESETS: dict[str, dict] = {
 
 def preset_config(name: str, layers: int | None = None, experts: int | None = None,
                   vocab: int | None = None) -> PretrainedConfig:
-    fields = dict(PRESETS[name])
+    return config_from_fields(dict(PRESETS[name]), layers, experts, vocab)
+
+
+def config_from_fields(fields: dict, layers: int | None = None, experts: int | None = None,
+                       vocab: int | None = None) -> PretrainedConfig:
+    """An HF config from config.json fields, with the layer, routed-expert and vocabulary counts overridden."""
+    fields = dict(fields)
     model_type = fields.pop("model_type")
     if layers:
         fields["num_hidden_layers"] = layers
@@ -97,8 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.config:
-        fields = json.loads(Path(a.config).read_text())
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = config_from_fields(json.loads(Path(a.config).read_text()), a.layers, a.experts, a.vocab)
     else:
         config = preset_config(a.model, a.layers, a.experts, a.vocab)
     types = write_synthetic(config, a.out, a.type)
