@@ -94,7 +94,7 @@ def test_deepseek_router_matches_hf(T):
     op.load()
     x = torch.randn(T, config.hidden_size)
     (l1, w1, i1), (l2, w2, i2) = op(x), hf(x)
-    assert torch.equal(l1, l2)
+    assert torch.allclose(l1, l2, atol=1e-5)  # few tokens: the C++ fp32 GEMV, another summation order
     o1, o2 = i1.sort(dim=-1), i2.sort(dim=-1)
     assert torch.equal(o1.values, o2.values)
     assert torch.allclose(w1.gather(1, o1.indices), w2.gather(1, o2.indices), atol=1e-6)
