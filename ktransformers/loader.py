@@ -87,9 +87,11 @@ def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
                optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-               default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None) -> LoadedModel:
+               default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None,
+               tokenizer: bool = True) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
-    the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels."""
+    the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels;
+    `tokenizer=False` skips building the tokenizer (benchmarks feed token ids)."""
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     config = load_config(model_path, gguf_path)
@@ -102,7 +104,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     check_experts_placed(plan_rows(model, rules, default_device), rule_file)
     plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress,
                                   cpu_infer=cpu_infer)
-    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path), plan)
+    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)
 
 
 def check_architecture(config: PretrainedConfig, gguf_path: str | os.PathLike) -> None:

@@ -71,7 +71,7 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     from ..engine.generate import Engine
     from ..loader import load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
-                        cpu_infer=args.threads)
+                        cpu_infer=args.threads, tokenizer=False)
     engine = Engine(loaded.model, None, cache_lens=args.prompt + args.decode + 16, page_size=256,
                     chunk_size=max(args.prompt, 1))
     gen = torch.Generator().manual_seed(0)
