@@ -92,6 +92,39 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     return runs, loaded
 
 
+def decode_breakdown(loaded, engine, config, steps: int = 32) -> list[tuple[str, float]]:
+    """ms per decoded token spent in each kind of operator (forward hooks; nested modules count in
+    their parents too: self_attn includes its projections), and the whole step."""
+    import collections
+
+    from ..operators.base import BaseInjectedModule
+    spent: dict[str, float] = collections.defaultdict(float)
+    handles = []
+    for name, module in loaded.model.named_modules():
+        if not isinstance(module, BaseInjectedModule):
+            continue
+        label = f"{type(module).__name__} {name.rsplit('.', 1)[-1]}"
+
+        def pre(m, args, label=label):
+            m._bench_t0 = time.perf_counter()
+
+        def post(m, args, out, label=label):
+            spent[label] += time.perf_counter() - m._bench_t0
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    seq = engine.new_sequence()
+    engine.prefill(seq, list(range(3, 67)))
+    spent.clear()
+    t0 = time.perf_counter()
+    for token in range(steps):
+        engine.decode(seq, 3 + token % (config.vocab_size - 3))
+    total = time.perf_counter() - t0
+    engine.release(seq)
+    for h in handles:
+        h.remove()
+    rows = sorted(((k, v / steps * 1e3) for k, v in spent.items()), key=lambda kv: -kv[1])
+    return rows + [("whole decode step", total / steps * 1e3)]
+
+
 def measure_llamacpp(args) -> dict | None:
     python = args.llama_python or sys.executable
     probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, check=False)
@@ -127,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="python with llama-cpp-python installed (default: this one, or $KT_LLAMA_PYTHON)")
     p.add_argument("--stream-gib", type=float, default=2.0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--breakdown", action="store_true", help="also print (stderr) where a decode step's time goes")
     args = p.parse_args(argv)
     if args.prompt < 1 or args.decode < 1 or args.repeats < 1:
         p.error("--prompt, --decode and --repeats must be positive")
@@ -138,6 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.model_path, args.gguf_path)
     torch.set_num_threads(args.threads)
     runs, loaded = measure_ours(args, config)
+    if args.breakdown:
+        from ..engine.generate import Engine
+        engine = Engine(loaded.model, None, cache_lens=1024, chunk_size=512)
+        for label, ms in decode_breakdown(loaded, engine, config):
+            print(f"{label:<45} {ms:8.3f} ms/token", file=sys.stderr)
     stream = stream_gbps(loaded.model.kt_context.cpu_runtime(), args.stream_gib)
     floor = stream * 1e9 / decode_bytes(args.gguf_path, config)
     del loaded
