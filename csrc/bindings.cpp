@@ -36,6 +36,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.doc() = "ktransformers CPU kernels (" KT_STR(KT_ISA) " build)";
     m.attr("isa") = KT_STR(KT_ISA);
     m.def("supported_formats", &supported_formats);
+    m.def("rms_norm", [](uintptr_t x, uintptr_t w, float eps, int rows, int n, uintptr_t out) {
+              if (rows < 0 || n <= 0) throw std::invalid_argument("rms_norm: rows must be >= 0 and n > 0");
+              rms_norm_rows(cptr<float>(x), cptr<float>(w), eps, rows, n, reinterpret_cast<float*>(out));
+          }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

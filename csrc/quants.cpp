@@ -644,6 +644,31 @@ void silu_mul(float* g, const float* u, int n) {
     for (; i < n; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out) {
+    for (int r = 0; r < rows; r++, x += n, out += n) {
+        int i = 0;
+        float ss = 0;
+#if defined(__AVX2__)
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (; i + 16 <= n; i += 16) {
+            const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+            a0 = _mm256_fmadd_ps(v0, v0, a0);
+            a1 = _mm256_fmadd_ps(v1, v1, a1);
+        }
+        ss = hsum_f32(_mm256_add_ps(a0, a1));
+#endif
+        for (; i < n; i++) ss += x[i] * x[i];
+        const float inv = 1.f / std::sqrt(ss / (float)n + eps);
+        i = 0;
+#if defined(__AVX2__)
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi), _mm256_loadu_ps(w + i)));
+#endif
+        for (; i < n; i++) out[i] = x[i] * inv * w[i];
+    }
+}
+
 size_t act_row_bytes(Act act, int n) {
     switch (act) {
         case Act::F32: return sizeof(float) * n;

@@ -42,5 +42,7 @@ float row_absmax(const float* x, int n);
 void row_round_i8(const float* x, float inv, int8_t* q, int n);
 // g[i] = silu(g[i]) * u[i]
 void silu_mul(float* g, const float* u, int n);
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for `rows` rows of n floats (RMSNorm at decode).
+void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out);
 
 }  // namespace kt

@@ -189,3 +189,14 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     x = torch.randn(40, H, generator=gen)
     ids, w = routing(40, E, K, gen)
     assert rel_err(mixed.forward(x, ids, w), moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 5e-2
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 2048), (2, 5, 100)])
+def test_rms_norm_rows(runtime, shape):
+    from ktransformers.kernels.cpu import rms_norm
+    x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+    want = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
+    got = rms_norm(runtime.ext, x, w, 1e-6)
+    assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < 1e-6
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(runtime.ext, x.bfloat16(), w, 1e-6)

@@ -276,6 +276,19 @@ class LinearKernel:
         return y
 
 
+def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows on the calling thread: one call where torch runs five small ops
+    (what matters at decode, a handful of tokens). x [..., n], weight [n], both float32 on the CPU."""
+    n = weight.numel()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != n or x.device.type != "cpu":
+        raise ValueError(f"rms_norm: need float32 CPU x [..., {n}] and weight [{n}], got {x.dtype} {tuple(x.shape)} "
+                         f"and {weight.dtype} {tuple(weight.shape)}")
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    ext.rms_norm(x.data_ptr(), weight.data_ptr(), float(eps), x.numel() // n, n, out.data_ptr())
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; None leaves x as it is."""

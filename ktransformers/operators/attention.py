@@ -74,7 +74,7 @@ class _CachedAttention(BaseInjectedModule):
             for b in range(batch_rows):
                 rows = slice(b * seq_len, (b + 1) * seq_len)
                 outputs.append(self._attend(*(q[rows] for q in queries), *(e[rows] for e in token_entries), start=0))
-            return torch.cat(outputs)
+            return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         if batch_rows != 1 or seq_len != batch.num_tokens:
             raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of shape "
                              f"[1, {batch.num_tokens}, H], got [{batch_rows}, {seq_len}, H]")
@@ -83,7 +83,7 @@ class _CachedAttention(BaseInjectedModule):
             rows = slice(first, first + q_len)
             history = ctx.cache.read(self.layer_idx, batch, i)
             outputs.append(self._attend(*(q[rows] for q in queries), *history, start=start))
-        return torch.cat(outputs)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 @dataclass(frozen=True)
@@ -181,10 +181,10 @@ class KGQAAttention(_CachedAttention):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, S, heads, d] as they are
         dev = self.device
-        q = q.transpose(1, 2).reshape(B * S, -1, d).to(dev)
-        k = k.transpose(1, 2).reshape(B * S, -1, d).to(dev)
+        q = q.reshape(B * S, -1, d).to(dev)
+        k = k.reshape(B * S, -1, d).to(dev)
         out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S)  # [T, h, d]
         return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
 

@@ -19,15 +19,22 @@ class KRMSNorm(BaseInjectedModule):
         if weight is None or weight.dim() != 1 or eps is None:
             raise ValueError(f"{key}: {type(orig_module).__name__} is not an RMSNorm (needs a 1-D weight and an eps)")
         self.shape, self.eps, self.dtype = tuple(weight.shape), float(eps), weight.dtype
-        self.weight = None
+        self.weight = self.ext = None
 
     def load(self) -> None:
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.dtype, shape=self.shape)
+        self.ext = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and len(self.shape) == 1:
+            self.ext = self.run_context().cpu_runtime().ext  # the C++ row norm for decode-sized inputs
 
     def unload(self) -> None:
-        self.weight = None
+        self.weight = self.ext = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if (self.ext is not None and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
+                and hidden_states.numel() <= 64 * self.shape[0]):
+            from ..kernels.cpu import rms_norm
+            return rms_norm(self.ext, hidden_states, self.weight, self.eps)
         if hidden_states.dtype == torch.float32:
             return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
         normed = F.rms_norm(hidden_states.float(), self.shape, None, self.eps)
