@@ -149,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             if message is None:
                 print()
                 return 0
-            if message.strip():
+            if not message.strip():
+                continue
+            try:
                 answer(engine, loaded.tokenizer, message, args, params)
+            except KeyboardInterrupt:  # Ctrl-C stops this answer; Ctrl-C at the prompt (or Ctrl-D) ends the chat
+                print("\n[interrupted]", flush=True)
+            except CacheFullError as e:  # this message is too long; the chat goes on
+                print(f"error: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
