@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "linear.h"
+#include "attention.h"
 #include "moe.h"
 
 #ifndef KT_MODULE
@@ -47,6 +48,13 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 300)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
+        .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,
+                                     uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out) {
+                 r.run_inline([&] {
+                     attend_gqa_decode(r.pool(), cptr<float>(q), cptr<float>(k), cptr<float>(v), total_slots,
+                                       cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
+                 });
+             }, py::call_guard<py::gil_scoped_release>(), "decode attention read in place from the paged cache")
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
                  r.sync();  // the pool is free once queued jobs are done
                  return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);

@@ -200,3 +200,21 @@ def test_rms_norm_rows(runtime, shape):
     assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < 1e-6
     with pytest.raises(ValueError, match="float32"):
         rms_norm(runtime.ext, x.bfloat16(), w, 1e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 37), (32, 4, 128, 300), (6, 3, 24, 9)])
+def test_gqa_decode_attention_from_the_paged_cache(runtime, heads, kv_heads, d, L):
+    from ktransformers.kernels.cpu import attend_gqa_decode
+    total = L + 50
+    k, v = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
+    slots = torch.randperm(total)[:L]  # a history scattered over the pages
+    q = torch.randn(heads, d)
+    scale = d ** -0.5
+    g = heads // kv_heads
+    keys, values = k[slots].repeat_interleave(g, dim=1), v[slots].repeat_interleave(g, dim=1)  # [L, heads, d]
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q, keys) * scale, dim=-1)
+    want = torch.einsum("hl,lhd->hd", p, values)
+    got = attend_gqa_decode(runtime, q, k, v, slots, scale)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="outside"):
+        attend_gqa_decode(runtime, q, k, v, torch.tensor([0, total]), scale)

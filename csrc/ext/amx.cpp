@@ -6,4 +6,5 @@
 #include "../moe.cpp"
 #include "../linear.cpp"
 #include "../stream.cpp"
+#include "../attention.cpp"
 #include "../bindings.cpp"

@@ -289,6 +289,25 @@ def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def attend_gqa_decode(runtime: CPURuntime, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step's attention read in place from the paged cache: q [heads, d], k_cache and
+    v_cache [total_slots, kv_heads, d] (float32, CPU), slots [L] int64 (the sequence's history in
+    order) -> [heads, d]. Slots outside the cache raise ValueError before any read."""
+    heads, d = q.shape
+    total, kv_heads, dk = k_cache.shape
+    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or v_cache.shape != k_cache.shape or dk != d:
+        raise ValueError(f"attend_gqa_decode: need float32 q [heads, d] and caches [slots, kv_heads, d], got "
+                         f"{q.dtype} {tuple(q.shape)}, {k_cache.dtype} {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
+        raise ValueError("attend_gqa_decode: caches must be contiguous and heads a multiple of kv_heads")
+    q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    runtime._rt.attend_gqa_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), total, slots.data_ptr(),
+                                  slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr())
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; None leaves x as it is."""

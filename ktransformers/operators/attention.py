@@ -81,9 +81,12 @@ class _CachedAttention(BaseInjectedModule):
         ctx.cache.write(self.layer_idx, batch, *token_entries)
         for i, first, q_len, start in batch.spans():
             rows = slice(first, first + q_len)
-            history = ctx.cache.read(self.layer_idx, batch, i)
-            outputs.append(self._attend(*(q[rows] for q in queries), *history, start=start))
+            outputs.append(self._attend_cached(tuple(q[rows] for q in queries), batch, i, start))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _attend_cached(self, queries: tuple[torch.Tensor, ...], batch, i: int, start: int) -> torch.Tensor:
+        """Sequence i's queries against its whole cached history (gathered, then `_attend`)."""
+        return self._attend(*queries, *self.context.cache.read(self.layer_idx, batch, i), start=start)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,21 @@ class KGQAAttention(_CachedAttention):
         layer_types = getattr(config, "layer_types", None)
         sliding = layer_types is None or layer_types[self.layer_idx] == "sliding_attention"
         self.window = getattr(config, "sliding_window", None) if sliding else None
+
+    def load(self) -> None:
+        self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" else None
+
+    def _attend_cached(self, queries, batch, i: int, start: int) -> torch.Tensor:
+        (q,) = queries
+        cache = self.context.cache
+        k_cache, v_cache = cache.layers[self.layer_idx]
+        if (q.shape[0] == 1 and not self.window and getattr(self, "_runtime", None) is not None
+                and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"):
+            # decode: the C++ kernel reads the history in place by slot (kernels.cpu.attend_gqa_decode)
+            from ..kernels.cpu import attend_gqa_decode
+            return attend_gqa_decode(self._runtime, q[0].float(), k_cache, v_cache, batch.read_slots[i],
+                                     self.scaling)[None]
+        return super()._attend_cached(queries, batch, i, start)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -1,0 +1,77 @@
+// Decode attention over the paged cache: the history is read in place by slot (no gathered copy),
+// one task per kv head (its g query heads share every key and value row they read).
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kt {
+
+namespace {
+inline float dot(const float* a, const float* b, int n) {
+    int i = 0;
+    float s = 0;
+#if defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    const __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    s = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
+    int i = 0;
+#if defined(__AVX2__)
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+}  // namespace
+
+void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
+                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+    if (L <= 0 || heads <= 0 || kv_heads <= 0 || d <= 0 || heads % kv_heads)
+        throw std::invalid_argument("attend_gqa_decode: need L, d > 0 and heads a positive multiple of kv_heads");
+    for (int j = 0; j < L; j++)
+        if (slots[j] < 0 || slots[j] >= total_slots)
+            throw std::invalid_argument("attend_gqa_decode: slot " + std::to_string(slots[j]) + " at position " +
+                                        std::to_string(j) + " is outside the cache's " + std::to_string(total_slots));
+    const int g = heads / kv_heads;
+    const size_t row = (size_t)kv_heads * d;  // floats per cache slot
+    pool.parallel_for(kv_heads, [&](int kvh, int) {
+        thread_local std::vector<float> scores;
+        scores.resize((size_t)g * L);
+        for (int i = 0; i < g; i++) {
+            const float* qh = q + (size_t)(kvh * g + i) * d;
+            float* s = &scores[(size_t)i * L];
+            float m = -INFINITY;
+            for (int j = 0; j < L; j++) {
+                s[j] = dot(qh, k + (size_t)slots[j] * row + (size_t)kvh * d, d) * scale;
+                m = std::max(m, s[j]);
+            }
+            float sum = 0;
+            for (int j = 0; j < L; j++) sum += (s[j] = std::exp(s[j] - m));
+            const float inv = 1.f / sum;
+            float* o = out + (size_t)(kvh * g + i) * d;
+            std::fill(o, o + d, 0.f);
+            for (int j = 0; j < L; j++) axpy(s[j] * inv, v + (size_t)slots[j] * row + (size_t)kvh * d, o, d);
+        }
+    });
+}
+
+}  // namespace kt

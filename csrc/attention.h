@@ -1,0 +1,17 @@
+// Decode-step attention straight from the paged KV cache (one query row per head), the fast path
+// beside ktransformers/operators/attention.py's torch reference.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "pool.h"
+
+namespace kt {
+
+// out[h] = softmax_j(q[h] . k[slot_j, h / g] * scale) v[slot_j, h / g] for every head h, with
+// g = heads / kv_heads; k and v are cache buffers of `total_slots` rows of [kv_heads, d] floats.
+// Throws std::invalid_argument (before reading anything) on a slot outside [0, total_slots).
+void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
+                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out);
+
+}  // namespace kt
