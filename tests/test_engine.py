@@ -232,3 +232,13 @@ def test_sliding_window_matches_transformers(tmp_path):
     seq = engine.new_sequence()
     got = [engine.prefill(seq, ids[:9])[0]] + [engine.decode(seq, t)[0] for t in ids[9:-1]]
     assert rel_err(torch.stack(got), full[8:-1]) < TOL
+
+
+def test_failed_prefill_frees_its_pages(tmp_path):
+    ours, _ = load(tmp_path, "qwen3_moe")
+    engine = Engine(ours, cache_lens=16, page_size=4, chunk_size=4)
+    holder = engine.new_sequence()
+    engine.prefill(holder, list(range(8)))  # half the pages taken by another sequence
+    with pytest.raises(CacheFullError):
+        list(engine.generate(list(range(12)), max_new_tokens=2))  # its later chunks cannot fit
+    assert engine.cache.free_tokens == 8  # what the failed answer reserved came back

@@ -78,12 +78,12 @@ class Generation:
         seq = self.seq or engine.cache.new_sequence()
         history = list(self.prompt_ids)
 
-        t0 = time.perf_counter()
-        logits = engine.prefill(seq, self.prompt_ids)
-        self.stats.prompt_tokens = engine.last_prefill_tokens
-        self.stats.prompt_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        try:
+        t0 = t_eval = time.perf_counter()
+        try:  # (the finally below frees a sequence of our own even when the prefill fails)
+            logits = engine.prefill(seq, self.prompt_ids)
+            self.stats.prompt_tokens = engine.last_prefill_tokens
+            self.stats.prompt_seconds = time.perf_counter() - t0
+            t_eval = time.perf_counter()
             while True:
                 token = int(sampler(logits, [history])[0])
                 self.tokens.append(token)
@@ -118,7 +118,7 @@ class Generation:
                     yield tail
         finally:
             self.stats.eval_tokens = len(self.tokens)
-            self.stats.eval_seconds = time.perf_counter() - t0
+            self.stats.eval_seconds = time.perf_counter() - t_eval
             if self.seq is None:
                 engine.release(seq)
 
