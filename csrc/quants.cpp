@@ -197,6 +197,14 @@ float dot_q4_0(int n, const void* vw, const void* va) {
 
 #if defined(__AVX512BW__)
 inline float hsum512_f32(__m512 v) { return _mm512_reduce_add_ps(v); }
+// acc + (pairs of int16 products p * s summed into int32): one VNNI instruction where the build has it
+inline __m512i madd_acc(__m512i acc, __m512i p, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, p, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+#endif
+}
 // 16-bit lanes of every 128-bit lane i take the 16-bit value at index idx[i] of a 128-bit table
 inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
     const __m512i t = _mm512_broadcast_i32x4(table8x16);
@@ -232,8 +240,8 @@ float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
             const int8_t* x = a[b].qs + 128 * c;
             const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));         // x[0..31], x[64..95]
             const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));  // x[32..63], x[96..127]
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, pick16(sc, j, j, j + 2, j + 2)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, pick16(sc, j + 1, j + 1, j + 3, j + 3)));
+            sumi = madd_acc(sumi, p0, pick16(sc, j, j, j + 2, j + 2));
+            sumi = madd_acc(sumi, p1, pick16(sc, j + 1, j + 1, j + 3, j + 3));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm512_cvtepi32_ps(sumi), acc);
     }
@@ -258,9 +266,8 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
             const __m512i s0 = pick16(sc, j, j, j + 2, j + 2), s1 = pick16(sc, j + 1, j + 1, j + 3, j + 3);
             for (int t = 0; t < 4; t++) {
                 const int8_t* x = a[t][b].qs + 128 * c;
-                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x)), s0);
-                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64))), s1);
-                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(p0, p1));
+                sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x)), s0);
+                sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64))), s1);
             }
         }
         for (int t = 0; t < 4; t++) {
@@ -294,9 +301,8 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
             const __m512i sA = pick16(sc, 0, 1, 2, 3), sB = pick16(sc, 4, 5, 6, 7);
             for (int t = 0; t < 4; t++) {
                 const int8_t* x = a[t][b].qs + 128 * half;
-                const __m512i pA = _mm512_madd_epi16(_mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x)), sA);
-                const __m512i pB = _mm512_madd_epi16(_mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64))), sB);
-                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(pA, pB));
+                sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x)), sA);
+                sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64))), sB);
             }
         }
         for (int t = 0; t < 4; t++) {
@@ -331,8 +337,8 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
             const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
             const __m512i pA = _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x));
             const __m512i pB = _mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(pA, pick16(sc, 0, 1, 2, 3)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(pB, pick16(sc, 4, 5, 6, 7)));
+            sumi = madd_acc(sumi, pA, pick16(sc, 0, 1, 2, 3));
+            sumi = madd_acc(sumi, pB, pick16(sc, 4, 5, 6, 7));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
     }
