@@ -74,4 +74,35 @@ void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const f
     });
 }
 
+namespace {
+void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {
+    const int half = d / 2;
+    for (int r = 0; r < rows; r++, x += d)
+        for (int i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+}
+}  // namespace
+
+void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float* v_new, const float* cos,
+                           const float* sin, float* k, float* v, int64_t total_slots, int64_t write_slot,
+                           const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+    if (write_slot < 0 || write_slot >= total_slots)
+        throw std::invalid_argument("rope_write_attend_gqa: write slot " + std::to_string(write_slot) +
+                                    " is outside the cache's " + std::to_string(total_slots));
+    if (d % 2) throw std::invalid_argument("rope_write_attend_gqa: head_dim must be even");
+    for (int j = 0; j < L; j++)  // everything checked before any write
+        if (slots[j] < 0 || slots[j] >= total_slots)
+            throw std::invalid_argument("rope_write_attend_gqa: slot " + std::to_string(slots[j]) + " at position " +
+                                        std::to_string(j) + " is outside the cache's " + std::to_string(total_slots));
+    rope_rows(q, heads, cos, sin, d);
+    rope_rows(k_new, kv_heads, cos, sin, d);
+    const size_t row = (size_t)kv_heads * d;
+    std::copy(k_new, k_new + row, k + (size_t)write_slot * row);
+    std::copy(v_new, v_new + row, v + (size_t)write_slot * row);
+    attend_gqa_decode(pool, q, k, v, total_slots, slots, L, heads, kv_heads, d, scale, out);
+}
+
 }  // namespace kt

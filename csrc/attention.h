@@ -14,4 +14,11 @@ namespace kt {
 void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
                        const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out);
 
+// The whole decode step of one sequence's attention after the projections: rotate q [heads, d]
+// (in place) and k [kv_heads, d] by RoPE (rotate-half layout, cos/sin [d]), store the rotated k and
+// v in cache slot `write_slot`, then attend as attend_gqa_decode over `slots` (which includes it).
+void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float* v_new, const float* cos,
+                           const float* sin, float* k, float* v, int64_t total_slots, int64_t write_slot,
+                           const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out);
+
 }  // namespace kt

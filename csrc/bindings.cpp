@@ -55,6 +55,16 @@ PYBIND11_MODULE(KT_MODULE, m) {
                                        cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
                  });
              }, py::call_guard<py::gil_scoped_release>(), "decode attention read in place from the paged cache")
+        .def("rope_write_attend_gqa", [](Runtime& r, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t cos,
+                                         uintptr_t sin, uintptr_t k, uintptr_t v, int64_t total_slots, int64_t write_slot,
+                                         uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out) {
+                 r.run_inline([&] {
+                     rope_write_attend_gqa(r.pool(), reinterpret_cast<float*>(q), reinterpret_cast<float*>(k_new),
+                                           cptr<float>(v_new), cptr<float>(cos), cptr<float>(sin),
+                                           reinterpret_cast<float*>(k), reinterpret_cast<float*>(v), total_slots, write_slot,
+                                           cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
+                 });
+             }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence")
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
                  r.sync();  // the pool is free once queued jobs are done
                  return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);

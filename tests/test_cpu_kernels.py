@@ -218,3 +218,25 @@ def test_gqa_decode_attention_from_the_paged_cache(runtime, heads, kv_heads, d, 
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     with pytest.raises(ValueError, match="outside"):
         attend_gqa_decode(runtime, q, k, v, torch.tensor([0, total]), scale)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 19), (6, 3, 24, 40)])
+def test_rope_write_attend_gqa(runtime, heads, kv_heads, d, L):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from ktransformers.kernels.cpu import attend_gqa_decode, rope_write_attend_gqa
+    total = L + 20
+    k_cache, v_cache = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
+    slots = torch.randperm(total)[:L]
+    q, k, v = torch.randn(heads, d), torch.randn(kv_heads, d), torch.randn(kv_heads, d)
+    angle = torch.rand(d // 2) * 10
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
+    q_rot, k_rot = apply_rotary_pos_emb(q[None], k[None], cos[None], sin[None], unsqueeze_dim=1)  # HF's RoPE
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[slots[-1]], want_v[slots[-1]] = k_rot[0], v
+    want = attend_gqa_decode(runtime, q_rot[0], want_k, want_v, slots, d ** -0.5)
+    got = rope_write_attend_gqa(runtime, q, k, v, cos, sin, k_cache, v_cache, int(slots[-1]), slots, d ** -0.5)
+    assert torch.allclose(k_cache, want_k, atol=1e-6) and torch.equal(v_cache, want_v)  # the step's entries stored
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="outside"):
+        rope_write_attend_gqa(runtime, q, k, v, cos, sin, k_cache, v_cache, total, slots, d ** -0.5)

@@ -308,6 +308,31 @@ def attend_gqa_decode(runtime: CPURuntime, q: torch.Tensor, k_cache: torch.Tenso
     return out
 
 
+def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: int,
+                          slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode step of one sequence after its projections: q [heads, d], k/v [kv_heads, d] (not yet
+    rotated), cos/sin [d] (rotate-half RoPE at this position); rotates q and k, stores k and v in
+    `write_slot` of the float32 caches [total_slots, kv_heads, d], and attends over `slots` ->
+    [heads, d]. Same checks as attend_gqa_decode, all before any write."""
+    heads, d = q.shape
+    total, kv_heads, _ = k_cache.shape
+    if k.shape != (kv_heads, d) or v.shape != (kv_heads, d) or cos.shape != (d,) or sin.shape != (d,):
+        raise ValueError(f"rope_write_attend_gqa: k/v must be [{kv_heads}, {d}] and cos/sin [{d}], got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if any(t.dtype != torch.float32 for t in (q, k, v, cos, sin, k_cache, v_cache)) or v_cache.shape != k_cache.shape:
+        raise ValueError("rope_write_attend_gqa: every tensor must be float32 and the caches of one shape")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
+        raise ValueError("rope_write_attend_gqa: caches must be contiguous and heads a multiple of kv_heads")
+    q, k, v = q.contiguous().clone(), k.contiguous().clone(), v.contiguous()
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    runtime._rt.rope_write_attend_gqa(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), total, int(write_slot), slots.data_ptr(),
+                                      slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr())
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; None leaves x as it is."""

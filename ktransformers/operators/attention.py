@@ -189,6 +189,14 @@ class KGQAAttention(_CachedAttention):
                                      self.scaling)[None]
         return super()._attend_cached(queries, batch, i, start)
 
+    def _fused_decode(self, batch, B: int, cos: torch.Tensor) -> bool:
+        """Every sequence brings one token and the C++ decode path can take this layer."""
+        if batch is None or B != 1 or self.window or getattr(self, "_runtime", None) is None:
+            return False
+        k_cache = self.context.cache.layers[self.layer_idx][0]
+        return (k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and cos.shape[-1] == self.head_dim
+                and cos.dtype == torch.float32 and all(q == 1 for q in batch.q_lens))
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, S, _ = hidden_states.shape
@@ -199,6 +207,16 @@ class KGQAAttention(_CachedAttention):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
+        batch = self.context.batch if self.context is not None else None
+        if self._fused_decode(batch, B, cos):  # RoPE, cache write and attention in one C++ call per sequence
+            from ..kernels.cpu import rope_write_attend_gqa
+            k_cache, v_cache = self.context.cache.layers[self.layer_idx]
+            outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],
+                                          sin[0, t], k_cache, v_cache, int(batch.slots[t]), batch.read_slots[i],
+                                          self.scaling)
+                    for i, t, _, _ in batch.spans()]
+            out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
+            return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, S, heads, d] as they are
         dev = self.device
         q = q.reshape(B * S, -1, d).to(dev)
