@@ -1,6 +1,7 @@
 // Decode attention over the paged cache: the history is read in place by slot (no gathered copy),
 // one task per kv head (its g query heads share every key and value row they read).
 #include "attention.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,7 +19,14 @@ namespace {
 inline float dot(const float* a, const float* b, int n) {
     int i = 0;
     float s = 0;
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (; i + 16 <= n; i += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
@@ -35,6 +43,10 @@ inline float dot(const float* a, const float* b, int n) {
 
 inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
     int i = 0;
+#if defined(__AVX512F__)
+    const __m512 va16 = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va16, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
 #if defined(__AVX2__)
     const __m256 va = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
@@ -43,6 +55,33 @@ inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
 }
 }  // namespace
 
+namespace {
+// softmax of s[0..L) in place (max-subtracted), returns nothing: s sums to 1 afterwards
+void softmax_inplace(float* s, int L) {
+    float m = -INFINITY;
+    for (int j = 0; j < L; j++) m = std::max(m, s[j]);
+    int j = 0;
+    float sum = 0;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    for (; j + 8 <= L; j += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    sum = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+#endif
+    for (; j < L; j++) sum += (s[j] = std::exp(s[j] - m));
+    const float inv = 1.f / sum;
+    for (j = 0; j < L; j++) s[j] *= inv;
+}
+}  // namespace
+
+// Per kv head: its g query heads are scored against each key row while the row is in L1, then each
+// value row is added into the g outputs; the scores of a head are a softmax over its L keys.
 void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
                        const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
     if (L <= 0 || heads <= 0 || kv_heads <= 0 || d <= 0 || heads % kv_heads)
@@ -56,20 +95,17 @@ void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const f
     pool.parallel_for(kv_heads, [&](int kvh, int) {
         thread_local std::vector<float> scores;
         scores.resize((size_t)g * L);
-        for (int i = 0; i < g; i++) {
-            const float* qh = q + (size_t)(kvh * g + i) * d;
-            float* s = &scores[(size_t)i * L];
-            float m = -INFINITY;
-            for (int j = 0; j < L; j++) {
-                s[j] = dot(qh, k + (size_t)slots[j] * row + (size_t)kvh * d, d) * scale;
-                m = std::max(m, s[j]);
-            }
-            float sum = 0;
-            for (int j = 0; j < L; j++) sum += (s[j] = std::exp(s[j] - m));
-            const float inv = 1.f / sum;
-            float* o = out + (size_t)(kvh * g + i) * d;
-            std::fill(o, o + d, 0.f);
-            for (int j = 0; j < L; j++) axpy(s[j] * inv, v + (size_t)slots[j] * row + (size_t)kvh * d, o, d);
+        const float* qg = q + (size_t)kvh * g * d;
+        for (int j = 0; j < L; j++) {
+            const float* kr = k + (size_t)slots[j] * row + (size_t)kvh * d;
+            for (int i = 0; i < g; i++) scores[(size_t)i * L + j] = dot(qg + (size_t)i * d, kr, d) * scale;
+        }
+        for (int i = 0; i < g; i++) softmax_inplace(&scores[(size_t)i * L], L);
+        float* og = out + (size_t)kvh * g * d;
+        std::fill(og, og + (size_t)g * d, 0.f);
+        for (int j = 0; j < L; j++) {
+            const float* vr = v + (size_t)slots[j] * row + (size_t)kvh * d;
+            for (int i = 0; i < g; i++) axpy(scores[(size_t)i * L + j], vr, og + (size_t)i * d, d);
         }
     });
 }

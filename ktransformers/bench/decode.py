@@ -92,7 +92,7 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     return runs, loaded
 
 
-def decode_breakdown(loaded, engine, config, steps: int = 32) -> list[tuple[str, float]]:
+def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) -> list[tuple[str, float]]:
     """ms per decoded token spent in each kind of operator (forward hooks; nested modules count in
     their parents too: self_attn includes its projections), and the whole step."""
     import collections
@@ -112,7 +112,7 @@ def decode_breakdown(loaded, engine, config, steps: int = 32) -> list[tuple[str,
             spent[label] += time.perf_counter() - m._bench_t0
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     seq = engine.new_sequence()
-    engine.prefill(seq, list(range(3, 67)))
+    engine.prefill(seq, list(range(3, 3 + prompt)))
     spent.clear()
     t0 = time.perf_counter()
     for token in range(steps):
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     runs, loaded = measure_ours(args, config)
     if args.breakdown:
         from ..engine.generate import Engine
-        engine = Engine(loaded.model, None, cache_lens=1024, chunk_size=512)
-        for label, ms in decode_breakdown(loaded, engine, config):
+        engine = Engine(loaded.model, None, cache_lens=args.prompt + 64, chunk_size=512)
+        for label, ms in decode_breakdown(loaded, engine, config, prompt=args.prompt):
             print(f"{label:<45} {ms:8.3f} ms/token", file=sys.stderr)
     stream = stream_gbps(loaded.model.kt_context.cpu_runtime(), args.stream_gib)
     floor = stream * 1e9 / decode_bytes(args.gguf_path, config)
