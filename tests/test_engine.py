@@ -242,3 +242,22 @@ def test_failed_prefill_frees_its_pages(tmp_path):
     with pytest.raises(CacheFullError):
         list(engine.generate(list(range(12)), max_new_tokens=2))  # its later chunks cannot fit
     assert engine.cache.free_tokens == 8  # what the failed answer reserved came back
+
+
+def test_gqa_torch_decode_path_equals_the_cpp_one(tmp_path):
+    """Decode through the torch reference attention (no C++ runtime) and through the extension."""
+    from ktransformers.operators.attention import KGQAAttention
+    ours, hf = load(tmp_path, "qwen3_moe")
+    ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    layers = [m for m in ours.modules() if isinstance(m, KGQAAttention)]
+    runtimes = [m._runtime for m in layers]
+    assert all(r is not None for r in runtimes)
+    results = []
+    for use_cpp in (True, False):
+        for m, r in zip(layers, runtimes):
+            m._runtime = r if use_cpp else None
+        engine = Engine(ours, cache_lens=64, page_size=8)
+        seq = engine.new_sequence()
+        results.append(torch.stack([engine.prefill(seq, ids[:20])[0]] + [engine.decode(seq, t)[0] for t in ids[20:]]))
+    assert rel_err(results[0], results[1]) < 1e-5
+    assert rel_err(results[1][:-1], full_logits(ours, ids)[19:-1]) < TOL

@@ -173,6 +173,7 @@ class KGQAAttention(_CachedAttention):
         layer_types = getattr(config, "layer_types", None)
         sliding = layer_types is None or layer_types[self.layer_idx] == "sliding_attention"
         self.window = getattr(config, "sliding_window", None) if sliding else None
+        self._runtime = None  # the CPU runtime, for the C++ decode path (set by load() on the CPU)
 
     def load(self) -> None:
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" else None
@@ -181,7 +182,7 @@ class KGQAAttention(_CachedAttention):
         (q,) = queries
         cache = self.context.cache
         k_cache, v_cache = cache.layers[self.layer_idx]
-        if (q.shape[0] == 1 and not self.window and getattr(self, "_runtime", None) is not None
+        if (q.shape[0] == 1 and not self.window and self._runtime is not None
                 and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"):
             # decode: the C++ kernel reads the history in place by slot (kernels.cpu.attend_gqa_decode)
             from ..kernels.cpu import attend_gqa_decode
@@ -191,7 +192,7 @@ class KGQAAttention(_CachedAttention):
 
     def _fused_decode(self, batch, B: int, cos: torch.Tensor) -> bool:
         """Every sequence brings one token and the C++ decode path can take this layer."""
-        if batch is None or B != 1 or self.window or getattr(self, "_runtime", None) is None:
+        if batch is None or B != 1 or self.window or self._runtime is None:
             return False
         k_cache = self.context.cache.layers[self.layer_idx][0]
         return (k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and cos.shape[-1] == self.head_dim
