@@ -18,6 +18,10 @@ using bf16_t = uint16_t;
 
 struct block_q4_0 { fp16_t d; uint8_t qs[QK / 2]; };
 struct block_q8_0 { fp16_t d; int8_t qs[QK]; };
+// Q2_K / Q3_K 2-bit planes: qs[32p + j] bits 2i..2i+1 hold value 128p + 32i + j; Q3_K's hmask[j]
+// bit (4p + i) holds that value's third bit. Sub-block s (16 values) = 8p + 2i + (j >= 16).
+struct block_q2_k { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; fp16_t d, dmin; };
+struct block_q3_k { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; fp16_t d; };
 struct block_q4_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
 struct block_q5_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; };
 struct block_q6_k { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; fp16_t d; };
@@ -25,6 +29,8 @@ struct block_iq4_xs { fp16_t d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; 
 
 static_assert(sizeof(block_q4_0) == 18, "q4_0 block");
 static_assert(sizeof(block_q8_0) == 34, "q8_0 block");
+static_assert(sizeof(block_q2_k) == 84, "q2_k block");
+static_assert(sizeof(block_q3_k) == 110, "q3_k block");
 static_assert(sizeof(block_q4_k) == 144, "q4_k block");
 static_assert(sizeof(block_q5_k) == 176, "q5_k block");
 static_assert(sizeof(block_q6_k) == 210, "q6_k block");
@@ -36,7 +42,7 @@ struct act_q8_0 { float d; int8_t qs[QK]; };
 struct act_q8_k { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
 
 // ggml type ids (the subset computed on directly).
-enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30 };
+enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30 };
 
 #if defined(__F16C__)
 inline float fp16_to_f32(fp16_t h) { return _cvtsh_ss(h); }

@@ -555,6 +555,58 @@ float dot_bf16(int n, const void* w, const void* x) { return dot_16bit(n, (const
 float dot_f16(int n, const void* w, const void* x) { return dot_16bit(n, (const fp16_t*)w, (const float*)x, 0, fp16_to_f32); }
 #endif
 
+// ---- Q2_K, Q3_K x Q8_K (portable loops over 16-value sub-blocks; the compiler vectorizes them) -
+// Q2_K: value = d * (sc & 15) * q - dmin * (sc >> 4) * 1 for q in 0..3; the min term uses bsums.
+float dot_q2_k(int n, const void* vw, const void* va) {
+    const block_q2_k* w = (const block_q2_k*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        int scaled = 0, mins = 0;
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < 4; i++)
+                for (int half = 0; half < 2; half++) {
+                    const int s = 8 * p + 2 * i + half;
+                    const uint8_t* q = w[b].qs + 32 * p + 16 * half;
+                    const int8_t* x = a[b].qs + 128 * p + 32 * i + 16 * half;
+                    int dot = 0;
+                    for (int l = 0; l < 16; l++) dot += ((q[l] >> (2 * i)) & 3) * x[l];
+                    scaled += (w[b].scales[s] & 15) * dot;
+                    mins += (w[b].scales[s] >> 4) * a[b].bsums[s];
+                }
+        sum += a[b].d * (fp16_to_f32(w[b].d) * scaled - fp16_to_f32(w[b].dmin) * mins);
+    }
+    return sum;
+}
+
+// Q3_K: value = d * (sc - 32) * (q - 4), q = 2 low bits (qs) + 4 * high bit (hmask); 16 six-bit
+// scales: low nibbles of bytes 0..7 (scale 8h + j in nibble h of byte j), high 2 bits of bytes
+// 8..11 (scale 4h + j at bits 2h of byte 8 + j).
+float dot_q3_k(int n, const void* vw, const void* va) {
+    const block_q3_k* w = (const block_q3_k*)vw;
+    const act_q8_k* a = (const act_q8_k*)va;
+    float sum = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        int sc[16];
+        for (int s = 0; s < 16; s++)
+            sc[s] = (((w[b].scales[s % 8] >> (4 * (s / 8))) & 15) | (((w[b].scales[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32;
+        int scaled = 0;
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < 4; i++)
+                for (int half = 0; half < 2; half++) {
+                    const int s = 8 * p + 2 * i + half, bit = 4 * p + i;
+                    const uint8_t* q = w[b].qs + 32 * p + 16 * half;
+                    const uint8_t* h = w[b].hmask + 16 * half;
+                    const int8_t* x = a[b].qs + 128 * p + 32 * i + 16 * half;
+                    int dot = 0;
+                    for (int l = 0; l < 16; l++) dot += (((q[l] >> (2 * i)) & 3) + 4 * ((h[l] >> bit) & 1) - 4) * x[l];
+                    scaled += sc[s] * dot;
+                }
+        sum += a[b].d * fp16_to_f32(w[b].d) * scaled;
+    }
+    return sum;
+}
+
 float dot_f32(int n, const void* vw, const void* va) {
     const float* w = (const float*)vw;
     const float* x = (const float*)va;
@@ -589,6 +641,8 @@ const Format kFormats[] = {
     {BF16, "BF16", 1, 2, Act::F32, dot_bf16, nullptr},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, nullptr},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, nullptr},
+    {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
+    {Q3_K, "Q3_K", QK_K, sizeof(block_q3_k), Act::Q8_K, dot_q3_k, nullptr},
     {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
     {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, nullptr},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
@@ -610,7 +664,7 @@ const Format* find_format(int type) {
     return nullptr;
 }
 
-const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS"; }
+const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"; }
 
 float row_absmax(const float* x, int n) { return absmax(x, n); }
 void row_round_i8(const float* x, float inv, int8_t* q, int n) { round_to_i8(x, inv, q, n); }

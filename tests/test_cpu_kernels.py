@@ -14,7 +14,8 @@ from ktransformers.kernels.cpu import (ACTIVATION_BLOCK, CPURuntime, ExpertWeigh
 from ktransformers.operators.experts import moe_reference
 from ktransformers.weights.ggml_quants import GGMLType, dequantize, quantize
 
-FORMATS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_XS,
+FORMATS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0,
+           GGMLType.IQ4_XS,
            GGMLType.BF16, GGMLType.F16]
 SHAPES = [(7, 3, 256, 512), (5, 2, 512, 256)]  # E, K, H, I
 
@@ -91,7 +92,8 @@ def test_submit_then_sync_overlaps_python(runtime):
         assert torch.equal(y, kernel.forward(x, ids, w))
 
 
-@pytest.mark.parametrize("fmt", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("fmt", [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.BF16],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_linear_matches_reference(runtime, fmt, T):
     gen = torch.Generator().manual_seed(T)
@@ -125,7 +127,7 @@ def test_bad_input_raises_before_touching_memory(runtime):
     with pytest.raises(ValueError, match="gate holds .* bytes, expected"):  # C++ checks sizes too
         MoEKernel(runtime, experts=E + 1, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
     with pytest.raises(ValueError, match="not computed on here; supported"):
-        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=ExpertWeights(g.data, 11), up=u, down=d)
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=ExpertWeights(g.data, 16), up=u, down=d)
     with pytest.raises(ValueError, match="not a whole number of Q8_0 blocks"):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
 

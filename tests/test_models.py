@@ -23,7 +23,7 @@ def q4_k_m(name: str, shape) -> GGMLType:
 
 
 TYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16, "Q8_0": GGMLType.Q8_0,
-         "Q4_K": GGMLType.Q4_K, "Q6_K": GGMLType.Q6_K, "Q4_K_M": q4_k_m}
+         "Q2_K": GGMLType.Q2_K, "Q3_K": GGMLType.Q3_K, "Q4_K": GGMLType.Q4_K, "Q6_K": GGMLType.Q6_K, "Q4_K_M": q4_k_m}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ import torch
 ISA_ORDER = ("amx", "avx512", "avx2")  # best first
 # ggml type -> the block over which activations are quantized to int8 for it (None: kept float32).
 # Mirrors csrc/quants.cpp's format table; the reference below rounds activations the same way.
-ACTIVATION_BLOCK = {0: None, 1: None, 30: None, 8: 32, 2: 32, 12: 256, 13: 256, 14: 256, 23: 256}
+ACTIVATION_BLOCK = {0: None, 1: None, 30: None, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
