@@ -557,10 +557,39 @@ float dot_f16(int n, const void* w, const void* x) { return dot_16bit(n, (const 
 
 // ---- Q2_K, Q3_K x Q8_K (portable loops over 16-value sub-blocks; the compiler vectorizes them) -
 // Q2_K: value = d * (sc & 15) * q - dmin * (sc >> 4) * 1 for q in 0..3; the min term uses bsums.
+#if defined(__AVX2__)
+// Σ over the 32 values 128p + 32i + j (j < 32) of q * x, scaled per 16-value half: the 2-bit
+// values of plane p shifted by 2i (u8, 0..7 with Q3_K's third bit), x from the Q8_K row;
+// returns 8 int32 lanes (lanes 0-3: scale_lo * first half, 4-7: scale_hi * second half).
+inline __m256i k2_pair(__m256i q_u8, const int8_t* x, int scale_lo, int scale_hi) {
+    const __m256i p16 = _mm256_maddubs_epi16(q_u8, _mm256_loadu_si256((const __m256i*)x));
+    const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((short)scale_hi), _mm_set1_epi16((short)scale_lo));
+    return _mm256_madd_epi16(p16, sc);
+}
+#endif
+
 float dot_q2_k(int n, const void* vw, const void* va) {
     const block_q2_k* w = (const block_q2_k*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
     float sum = 0;
+#if defined(__AVX2__)
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int b = 0; b < n / QK_K; b++) {
+        __m256i acc = _mm256_setzero_si256();
+        int mins = 0;
+        for (int p = 0; p < 2; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(w[b].qs + 32 * p));
+            for (int i = 0; i < 4; i++) {
+                const int s = 8 * p + 2 * i;
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * i), three);
+                acc = _mm256_add_epi32(acc, k2_pair(q, a[b].qs + 128 * p + 32 * i, w[b].scales[s] & 15, w[b].scales[s + 1] & 15));
+                mins += (w[b].scales[s] >> 4) * a[b].bsums[s] + (w[b].scales[s + 1] >> 4) * a[b].bsums[s + 1];
+            }
+        }
+        sum += a[b].d * (fp16_to_f32(w[b].d) * hsum_i32(acc) - fp16_to_f32(w[b].dmin) * mins);
+    }
+    return sum;
+#endif
     for (int b = 0; b < n / QK_K; b++) {
         int scaled = 0, mins = 0;
         for (int p = 0; p < 2; p++)
@@ -590,6 +619,26 @@ float dot_q3_k(int n, const void* vw, const void* va) {
         int sc[16];
         for (int s = 0; s < 16; s++)
             sc[s] = (((w[b].scales[s % 8] >> (4 * (s / 8))) & 15) | (((w[b].scales[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32;
+#if defined(__AVX2__)
+        // q - 4 with q = low + 4 * high in 0..7 (unsigned for maddubs): Σ (q - 4) x = Σ q x - 4 Σ x
+        const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        const __m256i hm = _mm256_loadu_si256((const __m256i*)w[b].hmask);
+        __m256i acc = _mm256_setzero_si256();
+        int offset = 0;
+        for (int p = 0; p < 2; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(w[b].qs + 32 * p));
+            for (int i = 0; i < 4; i++) {
+                const int s = 8 * p + 2 * i;
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * i), three);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * p + i), one);
+                const __m256i q = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+                acc = _mm256_add_epi32(acc, k2_pair(q, a[b].qs + 128 * p + 32 * i, sc[s], sc[s + 1]));
+                offset += sc[s] * a[b].bsums[s] + sc[s + 1] * a[b].bsums[s + 1];
+            }
+        }
+        sum += a[b].d * fp16_to_f32(w[b].d) * (hsum_i32(acc) - 4 * offset);
+        continue;
+#endif
         int scaled = 0;
         for (int p = 0; p < 2; p++)
             for (int i = 0; i < 4; i++)

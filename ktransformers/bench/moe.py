@@ -32,7 +32,7 @@ SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "tiny": dict(hidden=256, intermediate=256, experts=8, top_k=2)}  # a smoke test of the benchmark itself
 # format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors
 FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
-                ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "BF16", "F16")}}
+                ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "BF16", "F16")}}
 
 
 @dataclass
