@@ -9,8 +9,16 @@ import zlib
 import pytest
 import torch
 
-from ktransformers.kernels.cpu import (ACTIVATION_BLOCK, CPURuntime, ExpertWeights, LinearKernel, MoEKernel,
-                                       default_isa, round_activations, supported_isas)
+from ktransformers.kernels.cpu import (
+    ACTIVATION_BLOCK,
+    CPURuntime,
+    ExpertWeights,
+    LinearKernel,
+    MoEKernel,
+    default_isa,
+    round_activations,
+    supported_isas,
+)
 from ktransformers.operators.experts import moe_reference
 from ktransformers.weights.ggml_quants import GGMLType, dequantize, quantize
 
@@ -151,6 +159,7 @@ def test_avx2_build_has_no_avx512_instructions():
     """One build must run on any AVX2 CPU: its module may not contain a single zmm register."""
     import shutil
     import subprocess
+
     from ktransformers.kernels import _cpu_avx2
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) not installed")

@@ -2,14 +2,25 @@
 loaded through the shipped CPU rule files, give transformers' logits on the same weights."""
 import pytest
 import torch
+from tiny import (
+    FAMILIES,
+    RULES,
+    reference_state_dict,
+    round_like_cpu_kernels,
+    tiny_model,
+    train_tokenizer,
+)
 from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model, optimize_and_load_gguf
 from ktransformers.loader import RULES_DIR, build_skeleton, load_config, load_tokenizer
 from ktransformers.weights.ggml_quants import GGMLType
-from ktransformers.weights.gguf_write import converter_type, tokenizer_metadata, write_gguf
+from ktransformers.weights.gguf_write import (
+    converter_type,
+    tokenizer_metadata,
+    write_gguf,
+)
 from ktransformers.weights.source import WeightError
-from tiny import FAMILIES, RULES, reference_state_dict, round_like_cpu_kernels, tiny_model, train_tokenizer
 
 TOL = 1e-4
 TOL_INT8 = 1e-2

@@ -1,8 +1,12 @@
 """Operators against transformers' own modules on fresh random inputs at several shapes."""
 import pytest
 import torch
+from tiny import tiny_config
 from torch import nn
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Experts,
+    DeepseekV3TopkRouter,
+)
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -12,7 +16,6 @@ from ktransformers.operators.gate import KMoEGate, KMoEGateSoftmax
 from ktransformers.operators.linear import KTransformersLinear
 from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.source import TensorInfo, WeightSource
-from tiny import tiny_config
 
 
 class DictSource(WeightSource):

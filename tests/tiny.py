@@ -3,14 +3,20 @@ GGUF of them should load as: each tensor in GGUF layout, quantized by us, dequan
 `gguf` package's numpy code (an independent decoder), then put back into HF layout."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen2MoeConfig,
-                          Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from ktransformers.weights.ggml_quants import GGMLType, quantize
 from ktransformers.weights.gguf_write import converter_tensors
@@ -62,7 +68,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_numpy_pieces(path) -> "Callable[[str, torch.Tensor], torch.Tensor]":
+def gguf_numpy_pieces(path) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """Tensors of a GGUF file read and dequantized by the gguf package alone (not our loader)."""
     from gguf import GGUFReader
     reader = GGUFReader(path)

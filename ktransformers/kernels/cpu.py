@@ -146,7 +146,7 @@ class Int8Rows:
         object.__setattr__(self, "scale", self.scale.to(torch.float32).contiguous())
         object.__setattr__(self, "row_sum", self.row_sum.to(torch.int32).contiguous())
 
-    def pack_amx(self) -> "Int8Rows":
+    def pack_amx(self) -> Int8Rows:
         """The AMX copy: [E, rows/16, cols/64, 16, 64], tile row kk = w[n, 4kk:4kk+4] for n = 0..15."""
         E, rows, cols = self.w.shape
         if rows % 16 or cols % 64:
@@ -155,7 +155,7 @@ class Int8Rows:
         return Int8Rows(self.w, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
 
     @staticmethod
-    def from_experts(shape: tuple[int, int, int], expert) -> "Int8Rows":
+    def from_experts(shape: tuple[int, int, int], expert) -> Int8Rows:
         """Symmetric per-row int8 of E experts' float weights, `expert(e)` -> [rows, cols], one
         expert at a time (no float copy of the whole stack)."""
         E, rows, cols = shape
@@ -169,11 +169,11 @@ class Int8Rows:
         return Int8Rows(w, scale, w.sum(dim=2, dtype=torch.int32))
 
     @staticmethod
-    def from_dense(dense: torch.Tensor) -> "Int8Rows":
+    def from_dense(dense: torch.Tensor) -> Int8Rows:
         return Int8Rows.from_experts(tuple(dense.shape), lambda e: dense[e])
 
     @staticmethod
-    def from_blocks(weights: "ExpertWeights", shape: tuple[int, int, int]) -> "Int8Rows":
+    def from_blocks(weights: ExpertWeights, shape: tuple[int, int, int]) -> Int8Rows:
         """From the bytes a MoEKernel computes on (GGML blocks, or bf16/f32), dequantized per expert."""
         from ..weights.ggml_quants import dequantize
         data = weights.data

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV3Config,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from .source import WeightError
 
