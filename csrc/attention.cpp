@@ -16,31 +16,6 @@
 namespace kt {
 
 namespace {
-inline float dot(const float* a, const float* b, int n) {
-    int i = 0;
-    float s = 0;
-#if defined(__AVX512F__)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    const __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    s = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-#endif
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
     int i = 0;
 #if defined(__AVX512F__)
@@ -53,9 +28,7 @@ inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
 #endif
     for (; i < n; i++) y[i] += a * x[i];
 }
-}  // namespace
 
-namespace {
 // softmax of s[0..L) in place (max-subtracted), returns nothing: s sums to 1 afterwards
 void softmax_inplace(float* s, int L) {
     float m = -INFINITY;
@@ -70,26 +43,27 @@ void softmax_inplace(float* s, int L) {
         _mm256_storeu_ps(s + j, e);
         acc = _mm256_add_ps(acc, e);
     }
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    sum = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+    sum = hsum_f32(acc);
 #endif
     for (; j < L; j++) sum += (s[j] = std::exp(s[j] - m));
     const float inv = 1.f / sum;
     for (j = 0; j < L; j++) s[j] *= inv;
 }
-}  // namespace
 
-// Per kv head: its g query heads are scored against each key row while the row is in L1, then each
-// value row is added into the g outputs; the scores of a head are a softmax over its L keys.
-void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
-                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+void check_gqa(const char* op, int64_t total_slots, const int64_t* slots, int L, int heads, int kv_heads, int d) {
     if (L <= 0 || heads <= 0 || kv_heads <= 0 || d <= 0 || heads % kv_heads)
-        throw std::invalid_argument("attend_gqa_decode: need L, d > 0 and heads a positive multiple of kv_heads");
+        throw std::invalid_argument(std::string(op) + ": need L, d > 0 and heads a positive multiple of kv_heads");
     for (int j = 0; j < L; j++)
         if (slots[j] < 0 || slots[j] >= total_slots)
-            throw std::invalid_argument("attend_gqa_decode: slot " + std::to_string(slots[j]) + " at position " +
+            throw std::invalid_argument(std::string(op) + ": slot " + std::to_string(slots[j]) + " at position " +
                                         std::to_string(j) + " is outside the cache's " + std::to_string(total_slots));
+}
+
+// The attention itself, arguments already checked. Per kv head: its g query heads are scored
+// against each key row while the row is in L1, then each value row is added into the g outputs;
+// the scores of a head are a softmax over its L keys.
+void attend(ThreadPool& pool, const float* q, const float* k, const float* v, const int64_t* slots, int L, int heads,
+            int kv_heads, int d, float scale, float* out) {
     const int g = heads / kv_heads;
     const size_t row = (size_t)kv_heads * d;  // floats per cache slot
     pool.parallel_for(kv_heads, [&](int kvh, int) {
@@ -98,7 +72,7 @@ void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const f
         const float* qg = q + (size_t)kvh * g * d;
         for (int j = 0; j < L; j++) {
             const float* kr = k + (size_t)slots[j] * row + (size_t)kvh * d;
-            for (int i = 0; i < g; i++) scores[(size_t)i * L + j] = dot(qg + (size_t)i * d, kr, d) * scale;
+            for (int i = 0; i < g; i++) scores[(size_t)i * L + j] = fdot(qg + (size_t)i * d, kr, d) * scale;
         }
         for (int i = 0; i < g; i++) softmax_inplace(&scores[(size_t)i * L], L);
         float* og = out + (size_t)kvh * g * d;
@@ -110,7 +84,6 @@ void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const f
     });
 }
 
-namespace {
 void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {
     const int half = d / 2;
     for (int r = 0; r < rows; r++, x += d)
@@ -120,7 +93,15 @@ void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {
             x[i + half] = b * cos[i + half] + a * sin[i + half];
         }
 }
+
 }  // namespace
+
+void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
+                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+    check_gqa("attend_gqa_decode", total_slots, slots, L, heads, kv_heads, d);
+    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out);
+}
+
 
 void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float* v_new, const float* cos,
                            const float* sin, float* k, float* v, int64_t total_slots, int64_t write_slot,
@@ -129,16 +110,13 @@ void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float
         throw std::invalid_argument("rope_write_attend_gqa: write slot " + std::to_string(write_slot) +
                                     " is outside the cache's " + std::to_string(total_slots));
     if (d % 2) throw std::invalid_argument("rope_write_attend_gqa: head_dim must be even");
-    for (int j = 0; j < L; j++)  // everything checked before any write
-        if (slots[j] < 0 || slots[j] >= total_slots)
-            throw std::invalid_argument("rope_write_attend_gqa: slot " + std::to_string(slots[j]) + " at position " +
-                                        std::to_string(j) + " is outside the cache's " + std::to_string(total_slots));
+    check_gqa("rope_write_attend_gqa", total_slots, slots, L, heads, kv_heads, d);  // all before any write
     rope_rows(q, heads, cos, sin, d);
     rope_rows(k_new, kv_heads, cos, sin, d);
     const size_t row = (size_t)kv_heads * d;
     std::copy(k_new, k_new + row, k + (size_t)write_slot * row);
     std::copy(v_new, v_new + row, v + (size_t)write_slot * row);
-    attend_gqa_decode(pool, q, k, v, total_slots, slots, L, heads, kv_heads, d, scale, out);
+    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out);
 }
 
 }  // namespace kt

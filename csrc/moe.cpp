@@ -177,12 +177,19 @@ void MoE::group_by_expert(int tokens, const int64_t* ids) {
     }
 }
 
+template <typename Fn>
+void MoE::for_expert_rows(int rows, Fn fn) {
+    const int chunk = chunk_rows(rows, (int)active_.size(), rt_->pool().size());
+    const int per_expert = (rows + chunk - 1) / chunk;
+    rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
+        const int r0 = (task % per_expert) * chunk;
+        fn(active_[task / per_expert], r0, std::min(rows, r0 + chunk));
+    });
+}
+
 void MoE::gate_up() {
     const int I = cfg_.intermediate, H = cfg_.hidden;
-    const int chunk = chunk_rows(I, (int)active_.size(), rt_->pool().size());
-    const int per_expert = (I + chunk - 1) / chunk;
-    rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
-        const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(I, r0 + chunk);
+    for_expert_rows(I, [&](int e, int r0, int r1) {
         const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
         const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
         const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
@@ -251,10 +258,7 @@ void MoE::activate() {
 
 void MoE::down() {
     const int I = cfg_.intermediate, H = cfg_.hidden;
-    const int chunk = chunk_rows(H, (int)active_.size(), rt_->pool().size());
-    const int per_expert = (H + chunk - 1) / chunk;
-    rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
-        const int e = active_[task / per_expert], r0 = (task % per_expert) * chunk, r1 = std::min(H, r0 + chunk);
+    for_expert_rows(H, [&](int e, int r0, int r1) {
         const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
         const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
         if (use_int8(e)) {

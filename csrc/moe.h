@@ -43,6 +43,9 @@ class MoE {
     void run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
     void prepare_inputs(int tokens, const void* x, Dtype dtype);
     void group_by_expert(int tokens, const int64_t* ids);
+    // fn(expert, r0, r1) over every active expert's rows [0, rows), split in chunks across the pool
+    template <typename Fn>
+    void for_expert_rows(int rows, Fn fn);
     void gate_up();
     void gate_up_int8(int e, int r0, int r1);
     void down_int8(int e, int r0, int r1);

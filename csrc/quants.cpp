@@ -126,12 +126,6 @@ inline int hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
 }
-inline float hsum_f32(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 // Sum of products of signed bytes a and b, as 8 int32 lanes (maddubs needs an unsigned side).
 inline __m256i dot_s8(__m256i a, __m256i b) {
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
@@ -656,25 +650,7 @@ float dot_q3_k(int n, const void* vw, const void* va) {
     return sum;
 }
 
-float dot_f32(int n, const void* vw, const void* va) {
-    const float* w = (const float*)vw;
-    const float* x = (const float*)va;
-    int i = 0;
-    float sum = 0;
-#if defined(__AVX2__)
-    // four accumulators: a single one would wait on the previous FMA's latency every step
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), acc3);
-    }
-    sum = hsum_f32(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
-#endif
-    for (; i < n; i++) sum += w[i] * x[i];
-    return sum;
-}
+float dot_f32(int n, const void* w, const void* x) { return fdot((const float*)w, (const float*)x, n); }
 
 #if defined(__AVX512BW__)
 constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q6K = dot4_q6_k;
@@ -733,20 +709,8 @@ void silu_mul(float* g, const float* u, int n) {
 
 void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out) {
     for (int r = 0; r < rows; r++, x += n, out += n) {
+        const float inv = 1.f / std::sqrt(fdot(x, x, n) / (float)n + eps);
         int i = 0;
-        float ss = 0;
-#if defined(__AVX2__)
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-        for (; i + 16 <= n; i += 16) {
-            const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-            a0 = _mm256_fmadd_ps(v0, v0, a0);
-            a1 = _mm256_fmadd_ps(v1, v1, a1);
-        }
-        ss = hsum_f32(_mm256_add_ps(a0, a1));
-#endif
-        for (; i < n; i++) ss += x[i] * x[i];
-        const float inv = 1.f / std::sqrt(ss / (float)n + eps);
-        i = 0;
 #if defined(__AVX2__)
         const __m256 vi = _mm256_set1_ps(inv);
         for (; i + 8 <= n; i += 8)
