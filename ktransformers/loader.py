@@ -16,10 +16,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from .optimize.inject import PlanRow, optimize_and_load_gguf
+from .optimize.inject import PlanRow, is_gguf, optimize_and_load_gguf
 from .optimize.inject import plan as plan_rows
 from .optimize.rules import load_rules
-from .weights.gguf import GGUFFileSet
+from .weights.gguf import GGUFFileSet, GGUFSource
 from .weights.gguf_config import arch_of, config_from_metadata
 
 RULES_DIR = Path(__file__).parent / "optimize_rules"
@@ -36,15 +36,16 @@ class LoadedModel:
     plan: list[PlanRow]
 
 
-def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None) -> PretrainedConfig:
-    """The HF config from --model_path, else from the GGUF metadata."""
+def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,
+                files: GGUFFileSet | None = None) -> PretrainedConfig:
+    """The HF config from --model_path, else from the GGUF metadata (`files`: the GGUF already open)."""
     if model_path is not None:
         if not Path(model_path, "config.json").is_file():
             raise FileNotFoundError(f"--model_path {str(model_path)!r} has no config.json")
         return AutoConfig.from_pretrained(model_path)
     if gguf_path is None:
         raise ValueError("need --model_path (an HF config directory) or --gguf_path (a GGUF carrying its config)")
-    files = GGUFFileSet(gguf_path)
+    files = files or GGUFFileSet(gguf_path)
     embed = files.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{gguf_path}: no token_embd.weight, cannot tell the vocabulary size")
@@ -94,27 +95,26 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     `tokenizer=False` skips building the tokenizer (benchmarks feed token ids)."""
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
-    config = load_config(model_path, gguf_path)
-    check_architecture(config, gguf_path)
+    weights = GGUFSource(gguf_path) if is_gguf(gguf_path) else None  # the GGUF's header, read once
+    config = load_config(model_path, gguf_path, weights.files if weights else None)
+    if weights is not None:
+        check_architecture(config, weights.files)
     if dtype is None:  # float32 on the CPU: torch's bf16 GEMV/norms there are slow; bf16 on GPUs
         dtype = torch.bfloat16 if torch.device(default_device).type == "cuda" else torch.float32
     model = build_skeleton(config, dtype)
     rule_file = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
     rules = load_rules(rule_file)
     check_experts_placed(plan_rows(model, rules, default_device), rule_file)
-    plan = optimize_and_load_gguf(model, rules, gguf_path, config, default_device=default_device, progress=progress,
-                                  cpu_infer=cpu_infer)
+    plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
+                                  progress=progress, cpu_infer=cpu_infer)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)
 
 
-def check_architecture(config: PretrainedConfig, gguf_path: str | os.PathLike) -> None:
-    """A GGUF must hold the architecture the config describes (safetensors directories pass)."""
-    path = Path(gguf_path)
-    if path.is_dir() and not any(path.glob("*.gguf")):
-        return
-    arch = GGUFFileSet(gguf_path).metadata.get("general.architecture")
+def check_architecture(config: PretrainedConfig, files: GGUFFileSet) -> None:
+    """A GGUF must hold the architecture the config describes."""
+    arch = files.metadata.get("general.architecture")
     if arch != arch_of(config):
-        raise ValueError(f"--gguf_path {str(gguf_path)!r} holds a {arch!r} model but the config is "
+        raise ValueError(f"--gguf_path {files.path!r} holds a {arch!r} model but the config is "
                          f"{config.model_type!r} (GGUF architecture {arch_of(config)!r}); pass the matching "
                          f"--model_path, or none to take the config from the GGUF")
 

@@ -127,11 +127,19 @@ def _load_own_tensors(name: str, module: nn.Module, weights: WeightSource, devic
         module._buffers[bname] = buf.to(device)
 
 
-def open_weights(path: str | os.PathLike, model_type: str = "") -> WeightSource:
-    """A GGUF file / directory, or a directory of safetensors."""
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A .gguf file or a directory holding some."""
     path = Path(path)
-    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+    return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+
+
+def open_weights(path: str | os.PathLike | WeightSource, model_type: str = "") -> WeightSource:
+    """A GGUF file / directory, or a directory of safetensors (an open WeightSource passes as is)."""
+    if isinstance(path, WeightSource):
+        return path
+    if is_gguf(path):
         return GGUFSource(path)
+    path = Path(path)
     if path.suffix == ".safetensors" or (path.is_dir() and any(path.glob("*.safetensors"))):
         return SafetensorsSource(path, model_type)
     if not path.exists():
@@ -160,13 +168,14 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
     return is_mtp or bool(_ROTARY.search(name))
 
 
-def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule], gguf_path: str | os.PathLike,
+def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule],
+                           gguf_path: str | os.PathLike | WeightSource,
                            config, default_device: str = "cpu", progress: bool = False,
                            cpu_infer: int | None = None) -> list[PlanRow]:
     """Rewrite `model` (built on the meta device) by the rules and load its weights in place.
 
     `gguf_path`: a .gguf file (split siblings found beside it), a directory of one model's GGUF
-    files, or a directory of safetensors. `cpu_infer`: threads of the CPU kernels (default: all
+    files, a directory of safetensors, or a WeightSource already opened on one of them. `cpu_infer`: threads of the CPU kernels (default: all
     cores this process may use). Returns the plan rows (what replaced what)."""
     rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
     weights = open_weights(gguf_path, config.model_type)
