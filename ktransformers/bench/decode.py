@@ -49,11 +49,9 @@ print(json.dumps({"version": llama_cpp.__version__, "rows": rows}))
 """
 
 
-def decode_bytes(gguf_path, config) -> int:
-    """Bytes one decode step reads: dense tensors whole, expert tensors top_k/E of them, one
-    embedding row (not the table)."""
-    from ..weights.gguf import GGUFFileSet
-    files = GGUFFileSet(gguf_path)
+def decode_bytes(files, config) -> int:
+    """Bytes one decode step reads from the GGUF `files`: dense tensors whole, expert tensors
+    top_k/E of them, one embedding row (not the table)."""
     experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                    if getattr(config, k, None))
     total = 0.0
@@ -168,8 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gguf_path {args.gguf_path} does not exist")
 
     from ..loader import load_config
+    from ..weights.gguf import GGUFFileSet
     from .moe import stream_gbps
-    config = load_config(args.model_path, args.gguf_path)
+    files = GGUFFileSet(args.gguf_path)
+    config = load_config(args.model_path, args.gguf_path, files)
+    step_bytes = decode_bytes(files, config)
     torch.set_num_threads(args.threads)
     runs, loaded = measure_ours(args, config)
     if args.breakdown:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, ms in decode_breakdown(loaded, engine, config, prompt=args.prompt):
             print(f"{label:<45} {ms:8.3f} ms/token", file=sys.stderr)
     stream = stream_gbps(loaded.model.kt_context.cpu_runtime(), args.stream_gib)
-    floor = stream * 1e9 / decode_bytes(args.gguf_path, config)
+    floor = stream * 1e9 / step_bytes
     del loaded
     rows = [summarise("ktransformers", runs, args, floor, stream)]
     if not args.no_peer:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row))
         return
     print(f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, "
-          f"{decode_bytes(args.gguf_path, config) / 1e6:.1f} MB read per decoded token, stream {stream:.1f} GB/s, "
+          f"{step_bytes / 1e6:.1f} MB read per decoded token, stream {stream:.1f} GB/s, "
           f"{args.threads} threads")
     print(f"{'engine':<14} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} {'ratio':>5}")
     for row in rows:

@@ -138,10 +138,10 @@ class Engine:
         self.config = model.config
         self.context: RunContext = getattr(model, "kt_context", None) or RunContext()
         model.kt_context = self.context
-        self._check_attention()
+        attention = self._attention_layers()
         self.embed = model.get_input_embeddings()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.cache = cache or make_cache(self.config, cache_lens, page_size, self._attention_device(), dtype)
+        self.cache = cache or make_cache(self.config, cache_lens, page_size, attention[0].device, dtype)
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
@@ -151,7 +151,8 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         self.last_prefill_tokens = 0
 
-    def _check_attention(self) -> None:
+    def _attention_layers(self) -> list:
+        """Every layer's cached attention operator, sharing the engine's run context."""
         from ..operators.attention import _CachedAttention
         layers = [m for m in self.model.modules() if isinstance(m, _CachedAttention)]
         if len(layers) != self.config.num_hidden_layers:
@@ -160,10 +161,7 @@ class Engine:
                              f"{self.config.num_hidden_layers}: add a `self_attn` rule to the rule file")
         for m in layers:
             m.context = self.context
-
-    def _attention_device(self) -> torch.device:
-        from ..operators.attention import _CachedAttention
-        return next(m for m in self.model.modules() if isinstance(m, _CachedAttention)).device
+        return layers
 
     def _set_phase(self, phase: str) -> None:
         if phase != self._phase:

@@ -289,18 +289,25 @@ def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def _check_gqa_caches(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(total slots, kv heads) of float32 contiguous caches [slots, kv_heads, d] matching q [heads, d]."""
+    heads, d = q.shape
+    total, kv_heads, dk = k_cache.shape
+    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or v_cache.shape != k_cache.shape or dk != d:
+        raise ValueError(f"{op}: need float32 q [heads, d] and caches [slots, kv_heads, d], got "
+                         f"{q.dtype} {tuple(q.shape)}, {k_cache.dtype} {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
+        raise ValueError(f"{op}: caches must be contiguous and heads a multiple of kv_heads")
+    return total, kv_heads
+
+
 def attend_gqa_decode(runtime: CPURuntime, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode step's attention read in place from the paged cache: q [heads, d], k_cache and
     v_cache [total_slots, kv_heads, d] (float32, CPU), slots [L] int64 (the sequence's history in
     order) -> [heads, d]. Slots outside the cache raise ValueError before any read."""
     heads, d = q.shape
-    total, kv_heads, dk = k_cache.shape
-    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or v_cache.shape != k_cache.shape or dk != d:
-        raise ValueError(f"attend_gqa_decode: need float32 q [heads, d] and caches [slots, kv_heads, d], got "
-                         f"{q.dtype} {tuple(q.shape)}, {k_cache.dtype} {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
-        raise ValueError("attend_gqa_decode: caches must be contiguous and heads a multiple of kv_heads")
+    total, kv_heads = _check_gqa_caches("attend_gqa_decode", q, k_cache, v_cache)
     q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     runtime._rt.attend_gqa_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), total, slots.data_ptr(),
@@ -316,14 +323,12 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     `write_slot` of the float32 caches [total_slots, kv_heads, d], and attends over `slots` ->
     [heads, d]. Same checks as attend_gqa_decode, all before any write."""
     heads, d = q.shape
-    total, kv_heads, _ = k_cache.shape
+    total, kv_heads = _check_gqa_caches("rope_write_attend_gqa", q, k_cache, v_cache)
     if k.shape != (kv_heads, d) or v.shape != (kv_heads, d) or cos.shape != (d,) or sin.shape != (d,):
         raise ValueError(f"rope_write_attend_gqa: k/v must be [{kv_heads}, {d}] and cos/sin [{d}], got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if any(t.dtype != torch.float32 for t in (q, k, v, cos, sin, k_cache, v_cache)) or v_cache.shape != k_cache.shape:
-        raise ValueError("rope_write_attend_gqa: every tensor must be float32 and the caches of one shape")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
-        raise ValueError("rope_write_attend_gqa: caches must be contiguous and heads a multiple of kv_heads")
+    if any(t.dtype != torch.float32 for t in (k, v, cos, sin)):
+        raise ValueError("rope_write_attend_gqa: k, v, cos and sin must be float32")
     q, k, v = q.contiguous().clone(), k.contiguous().clone(), v.contiguous()
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.to(torch.int64).contiguous()
     out = torch.empty_like(q)

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..kernels.cpu import attend_gqa_decode, rope_write_attend_gqa
 from .base import BaseInjectedModule, Placement, adopt_children
 from .registry import OPERATORS
 
@@ -117,7 +120,6 @@ class KDeepseekV2Attention(_CachedAttention):
         self.w_uk = self.w_uv = None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
         B, S, _ = hidden_states.shape
         h, n, p, r = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
         if self.q_lora_rank is None:
@@ -129,7 +131,7 @@ class KDeepseekV2Attention(_CachedAttention):
         c, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, p], dim=-1)
         c = self.kv_a_layernorm(c)
         cos, sin = position_embeddings
-        rotate = hf.apply_rotary_pos_emb_interleave if self.rope_interleave else hf.apply_rotary_pos_emb
+        rotate = hf_deepseek.apply_rotary_pos_emb_interleave if self.rope_interleave else hf_deepseek.apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot.view(B, 1, S, p), cos, sin)
         dev = self.device
         latent = torch.cat([c.reshape(B * S, r), k_rot.reshape(B * S, p).to(c.dtype)], dim=-1).to(dev)
@@ -178,28 +180,22 @@ class KGQAAttention(_CachedAttention):
     def load(self) -> None:
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" else None
 
+    def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,
+        no sliding window, a runtime), else None."""
+        if self.window or self._runtime is None:
+            return None
+        k_cache, v_cache = self.context.cache.layers[self.layer_idx]
+        return (k_cache, v_cache) if k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" else None
+
     def _attend_cached(self, queries, batch, i: int, start: int) -> torch.Tensor:
         (q,) = queries
-        cache = self.context.cache
-        k_cache, v_cache = cache.layers[self.layer_idx]
-        if (q.shape[0] == 1 and not self.window and self._runtime is not None
-                and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"):
-            # decode: the C++ kernel reads the history in place by slot (kernels.cpu.attend_gqa_decode)
-            from ..kernels.cpu import attend_gqa_decode
-            return attend_gqa_decode(self._runtime, q[0].float(), k_cache, v_cache, batch.read_slots[i],
-                                     self.scaling)[None]
+        caches = self._cpp_cache() if q.shape[0] == 1 else None
+        if caches is not None:  # decode: the C++ kernel reads the history in place by slot
+            return attend_gqa_decode(self._runtime, q[0].float(), *caches, batch.read_slots[i], self.scaling)[None]
         return super()._attend_cached(queries, batch, i, start)
 
-    def _fused_decode(self, batch, B: int, cos: torch.Tensor) -> bool:
-        """Every sequence brings one token and the C++ decode path can take this layer."""
-        if batch is None or B != 1 or self.window or self._runtime is None:
-            return False
-        k_cache = self.context.cache.layers[self.layer_idx][0]
-        return (k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and cos.shape[-1] == self.head_dim
-                and cos.dtype == torch.float32 and all(q == 1 for q in batch.q_lens))
-
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, S, _ = hidden_states.shape
         d = self.head_dim
         q = self.q_proj(hidden_states).view(B, S, -1, d)
@@ -209,12 +205,11 @@ class KGQAAttention(_CachedAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         batch = self.context.batch if self.context is not None else None
-        if self._fused_decode(batch, B, cos):  # RoPE, cache write and attention in one C++ call per sequence
-            from ..kernels.cpu import rope_write_attend_gqa
-            k_cache, v_cache = self.context.cache.layers[self.layer_idx]
+        one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
+        caches = self._cpp_cache() if one_token_each and cos.shape[-1] == d and cos.dtype == torch.float32 else None
+        if caches is not None:  # RoPE, cache write and attention in one C++ call per sequence
             outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],
-                                          sin[0, t], k_cache, v_cache, int(batch.slots[t]), batch.read_slots[i],
-                                          self.scaling)
+                                          sin[0, t], *caches, int(batch.slots[t]), batch.read_slots[i], self.scaling)
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None

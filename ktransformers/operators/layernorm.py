@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu import rms_norm
 from .base import BaseInjectedModule
 from .registry import OPERATORS
 
@@ -33,7 +34,6 @@ class KRMSNorm(BaseInjectedModule):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if (self.ext is not None and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
                 and hidden_states.numel() <= 64 * self.shape[0]):
-            from ..kernels.cpu import rms_norm
             return rms_norm(self.ext, hidden_states, self.weight, self.eps)
         if hidden_states.dtype == torch.float32:
             return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
