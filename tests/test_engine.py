@@ -2,7 +2,7 @@
 page boundaries, batched sequences, cache limits, sampling determinism and stop strings."""
 import pytest
 import torch
-from tiny import FAMILIES, RULES, tiny_model, train_tokenizer
+from tiny import FAMILIES, RULES, reference_rules, tiny_model, train_tokenizer
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, KDeepSeekV3Cache, KGQACache, PagedCache
@@ -23,12 +23,9 @@ def load(tmp_path, family, reference_ops=True, types=GGMLType.F32, tokenizer=Non
     model = tiny_model(family, layers=layers)
     meta = tokenizer_metadata(tokenizer) if tokenizer is not None else None
     write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(), types=types, extra_metadata=meta)
-    text = (RULES_DIR / RULES[family]).read_text()
-    if reference_ops:
-        text = text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch")
-    (tmp_path / "rules.yaml").write_text(text)
+    rules = reference_rules(family, tmp_path) if reference_ops else RULES_DIR / RULES[family]
     ours = build_skeleton(model.config, torch.float32)
-    optimize_and_load_gguf(ours, tmp_path / "rules.yaml", tmp_path / "m.gguf", model.config)
+    optimize_and_load_gguf(ours, rules, tmp_path / "m.gguf", model.config)
     return ours, model
 
 
@@ -214,10 +211,8 @@ def test_sliding_window_matches_transformers(tmp_path):
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
     write_gguf(tmp_path / "m.gguf", config, hf.state_dict(), types=GGMLType.F32)
-    text = (RULES_DIR / RULES["mixtral"]).read_text().replace("KExpertsCPU", "KExpertsTorch")
-    (tmp_path / "r.yaml").write_text(text.replace("KLinearCPU", "KLinearTorch"))
     ours = build_skeleton(config, torch.float32)
-    optimize_and_load_gguf(ours, tmp_path / "r.yaml", tmp_path / "m.gguf", config)
+    optimize_and_load_gguf(ours, reference_rules("mixtral", tmp_path), tmp_path / "m.gguf", config)
     ids = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     full = full_logits(hf, ids)
     assert rel_err(full_logits(ours, ids), full) < TOL

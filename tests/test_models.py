@@ -5,6 +5,7 @@ import torch
 from tiny import (
     FAMILIES,
     RULES,
+    reference_rules,
     reference_state_dict,
     round_like_cpu_kernels,
     tiny_model,
@@ -44,14 +45,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
-
-
-def reference_rules(family: str, tmp_path) -> str:
-    """The shipped CPU rule file with the pure-torch ops in place of the C++ kernels."""
-    text = (RULES_DIR / RULES[family]).read_text()
-    path = tmp_path / f"{family}-reference.yaml"
-    path.write_text(text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch"))
-    return path
 
 
 def check_parity(family, path, types, model, split_kv_b=True, seq=13, rules=None):

@@ -4,6 +4,7 @@ GGUF of them should load as: each tensor in GGUF layout, quantized by us, dequan
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -151,3 +152,12 @@ def _rounding_experts(module, blocks):
                              lambda t: round_activations(t, bg), lambda t: round_activations(t, bd),
                              lambda t: round_activations(t, bu))
     return forward
+
+
+def reference_rules(family: str, tmp_path) -> Path:
+    """The shipped CPU rule file with the pure-torch ops in place of the C++ kernels."""
+    from ktransformers.loader import RULES_DIR
+    text = (RULES_DIR / RULES[family]).read_text()
+    path = tmp_path / f"{family}-reference.yaml"
+    path.write_text(text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch"))
+    return path
