@@ -582,8 +582,7 @@ float dot_q2_k(int n, const void* vw, const void* va) {
         }
         sum += a[b].d * (fp16_to_f32(w[b].d) * hsum_i32(acc) - fp16_to_f32(w[b].dmin) * mins);
     }
-    return sum;
-#endif
+#else
     for (int b = 0; b < n / QK_K; b++) {
         int scaled = 0, mins = 0;
         for (int p = 0; p < 2; p++)
@@ -599,6 +598,7 @@ float dot_q2_k(int n, const void* vw, const void* va) {
                 }
         sum += a[b].d * (fp16_to_f32(w[b].d) * scaled - fp16_to_f32(w[b].dmin) * mins);
     }
+#endif
     return sum;
 }
 
@@ -631,8 +631,7 @@ float dot_q3_k(int n, const void* vw, const void* va) {
             }
         }
         sum += a[b].d * fp16_to_f32(w[b].d) * (hsum_i32(acc) - 4 * offset);
-        continue;
-#endif
+#else
         int scaled = 0;
         for (int p = 0; p < 2; p++)
             for (int i = 0; i < 4; i++)
@@ -646,6 +645,7 @@ float dot_q3_k(int n, const void* vw, const void* va) {
                     scaled += sc[s] * dot;
                 }
         sum += a[b].d * fp16_to_f32(w[b].d) * scaled;
+#endif
     }
     return sum;
 }
