@@ -497,3 +497,39 @@ def random_blocks(t, n_blocks: int, generator: torch.Generator | None = None) ->
         sign = torch.randint(0, 2, (n_blocks, 1), generator=generator) * 2 - 1
         b[:, at:at + 2] = _f16_bytes(sign * magnitude)
     return b
+
+
+# --- group-affine views for the GPU int4/int8 kernels ---------------------------------------------
+GROUP_AFFINE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0)
+
+
+def group_affine(raw, t, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A Q4_0, Q4_K or Q8_0 matrix [rows, cols] as codes and per-32 scale/offset, losslessly:
+    value = scale * code + offset for each group of 32 consecutive values of a row.
+    Returns (codes uint8 [rows, cols] for the 4-bit types (0..15) or int8 for Q8_0,
+    scale float32 [rows, cols / 32], offset float32 [rows, cols / 32] or None for Q8_0).
+    Q4_K's 6-bit sub-block scales and mins become d*sc and -dmin*m (exact in float32)."""
+    t = ggml_type(t)
+    if t not in GROUP_AFFINE_TYPES:
+        raise ValueError(f"{t.name} has no group-affine form; types that do: "
+                         f"{', '.join(x.name for x in GROUP_AFFINE_TYPES)}")
+    rows, cols = (int(s) for s in shape)
+    fmt = FORMATS[t]
+    if cols % fmt.block_elems:
+        raise ValueError(f"row length {cols} is not a multiple of the {t.name} block size ({fmt.block_elems})")
+    expected = tensor_nbytes(t, rows * cols)
+    data = _as_bytes(raw)
+    if data.numel() != expected:
+        raise ValueError(f"{t.name} tensor of shape {(rows, cols)}: expected {expected} bytes, got {data.numel()}")
+    b = data.view(-1, fmt.block_bytes)
+    n = len(b)
+    if t == GGMLType.Q8_0:
+        return b[:, 2:].contiguous().view(torch.int8).reshape(rows, cols), _f16(b, 0).reshape(rows, -1), None
+    if t == GGMLType.Q4_0:
+        d = _f16(b, 0)
+        return _unpack(b[:, 2:], 4).reshape(rows, cols), d.reshape(rows, -1), (-8 * d).reshape(rows, -1)
+    sc, mn = _k_scales(b[:, 4:16])
+    codes = _unpack(b[:, 16:].reshape(n, 4, 32), 4).reshape(rows, cols)
+    scale = (_f16(b, 0) * sc.float()).reshape(rows, -1)
+    offset = (-_f16(b, 2) * mn.float()).reshape(rows, -1)
+    return codes, scale, offset

@@ -1,0 +1,261 @@
+"""Attention kernels over the paged caches: decode (one query per sequence, many heads, split
+over the history) and causal prefill (flash-style, a block of queries per program).
+
+Both take the key in up to two parts and a separate value, which covers both families:
+    score(q, j) = q1 · k1[j] + q2 · k2[j]          out = Σ_j softmax(score)_j v[j]
+GQA: k1 = K, no k2, v = V, `group` query heads per kv head.
+MLA decode (absorbed): q1 = q_nope W_uk (latent), k1 = the cached latent c, q2 = q_rot, k2 = the
+    cached rotated key, v = c again (V_IS_K1: the tile already loaded), one kv head for all heads.
+MLA prefill (expanded): k1 = k_nope [L, h, n], k2 = k_rot shared by every head (head stride 0).
+Rows of the caches are addressed by slot: `slots` [B, max_len] int32 lists each sequence's
+history in order (PagedCache's read slots, padded), so pages are read in place.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_f32
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(int(n), 1)))
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, lse_ptr,
+                   s_q1b, s_q1h, s_q2b, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_slb,
+                   Hq, group, D1, D2, DV, scale, window, tokens_per_split, num_splits,
+                   BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    blocks_per_kv = tl.cdiv(group, BLOCK_H)
+    kvh = tl.program_id(1) // blocks_per_kv
+    hl = (tl.program_id(1) % blocks_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)  # heads within the group
+    hmask = hl < group
+    heads = kvh * group + hl
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(length - window, 0)
+    start = lo + split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, length)
+
+    d1 = tl.arange(0, BLOCK_D1)
+    q1 = tl.load(q1_ptr + b * s_q1b + heads[:, None] * s_q1h + d1[None, :], mask=hmask[:, None] & (d1 < D1)[None, :],
+                 other=0.0)
+    if HAS_K2:
+        d2 = tl.arange(0, BLOCK_D2)
+        q2 = tl.load(q2_ptr + b * s_q2b + heads[:, None] * s_q2h + d2[None, :],
+                     mask=hmask[:, None] & (d2 < D2)[None, :], other=0.0)
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        tmask = rt < end
+        slot = tl.load(slots_ptr + b * s_slb + rt, mask=tmask, other=0).to(tl.int64)
+        k1 = tl.load(k1_ptr + slot[:, None] * s_k1s + kvh * s_k1h + d1[None, :],
+                     mask=tmask[:, None] & (d1 < D1)[None, :], other=0.0)
+        scores = _dot(q1, tl.trans(k1), DOT_F32)
+        if HAS_K2:
+            k2 = tl.load(k2_ptr + slot[:, None] * s_k2s + kvh * s_k2h + d2[None, :],
+                         mask=tmask[:, None] & (d2 < D2)[None, :], other=0.0)
+            scores += _dot(q2, tl.trans(k2), DOT_F32)
+        scores = tl.where(tmask[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if V_IS_K1:
+            v = k1
+        else:
+            v = tl.load(v_ptr + slot[:, None] * s_vs + kvh * s_vh + dv[None, :],
+                        mask=tmask[:, None] & (dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
+        m = m_new
+    # partial result of this split: normalised output and its log-sum-exp (-inf when empty)
+    safe_l = tl.where(l > 0, l, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
+    base = (b * Hq + heads) * num_splits + split  # acc [B, Hq, splits, DV], lse [B, Hq, splits]
+    tl.store(acc_ptr + base[:, None] * DV + dv[None, :], out, mask=hmask[:, None] & (dv < DV)[None, :])
+    tl.store(lse_ptr + base, lse, mask=hmask)
+
+
+def slot_table(read_slots: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots int32 [B, max_len] padded with 0, lens int32 [B]) from per-sequence slot lists."""
+    lens = torch.tensor([len(s) for s in read_slots], dtype=torch.int32)
+    table = torch.zeros(len(read_slots), max(int(lens.max()), 1), dtype=torch.int32)
+    for i, s in enumerate(read_slots):
+        table[i, :len(s)] = s
+    return table.to(device), lens.to(device)
+
+
+def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
+                     lens: torch.Tensor, scale: float, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
+                     window: int = 0, max_len: int | None = None) -> torch.Tensor:
+    """One query per sequence over its cached history.
+
+    q1 [B, Hq, D1], q2 [B, Hq, D2]; k1 [S, Hkv, D1], k2 [S, Hkv, D2], v [S, Hkv, DV] (cache rows by
+    slot; any row stride), or v=None when the value is k1 itself (MLA); slots [B, max_len] int32,
+    lens [B] int32 (>= 1). Returns float32 [B, Hq, DV]."""
+    B, Hq, D1 = q1.shape
+    Hkv = k1.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"decode_attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    group = Hq // Hkv
+    has_k2 = q2 is not None
+    if has_k2 != (k2 is not None):
+        raise ValueError("decode_attention: q2 and k2 come together")
+    DV = k1.shape[2] if v is None else v.shape[2]
+    D2 = q2.shape[2] if has_k2 else 1
+    max_len = int(max_len if max_len is not None else slots.shape[1])
+    span = min(max_len, window) if window else max_len
+    BLOCK_T = 32
+    # splits: enough programs to fill the GPU, each at least a few blocks of the history
+    programs = B * Hkv * triton.cdiv(group, 16)
+    sms = torch.cuda.get_device_properties(q1.device).multi_processor_count if q1.device.type == "cuda" else 2
+    splits = max(1, min(triton.cdiv(span, 4 * BLOCK_T), triton.cdiv(2 * sms, programs)))
+    tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
+    splits = triton.cdiv(span, tokens_per_split)
+    acc = torch.empty(B, Hq, splits, DV, device=q1.device, dtype=torch.float32)
+    lse = torch.empty(B, Hq, splits, device=q1.device, dtype=torch.float32)
+    q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
+    v_ = k1 if v is None else v
+    grid = (B, Hkv * triton.cdiv(group, 16), splits)
+    _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, acc, lse,
+                         q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1.stride(1),
+                         k2_.stride(0), k2_.stride(1), v_.stride(0), v_.stride(1), slots.stride(0),
+                         Hq, group, D1, D2, DV, float(scale), int(window or 0), tokens_per_split, splits,
+                         BLOCK_H=16, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
+                         HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(),
+                         num_warps=8 if max(D1, DV) >= 256 else 4, num_stages=2 if q1.device.type == "cuda" else 1)
+    if splits == 1:
+        return acc[:, :, 0]
+    weights = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits weigh 0
+    return (acc * weights[..., None]).sum(2)
+
+
+@triton.jit
+def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, out_ptr,
+                    s_q1t, s_q1h, s_q2t, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_ot, s_oh,
+                    Tq, start, group, D1, D2, DV, scale, window,
+                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, PAGED: tl.constexpr, DOT_F32: tl.constexpr):
+    h = tl.program_id(1)
+    kvh = h // group
+    rq = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = rq < Tq
+    qpos = start + rq
+    d1 = tl.arange(0, BLOCK_D1)
+    dv = tl.arange(0, BLOCK_DV)
+    q1 = tl.load(q1_ptr + rq[:, None] * s_q1t + h * s_q1h + d1[None, :], mask=qmask[:, None] & (d1 < D1)[None, :],
+                 other=0.0)
+    if HAS_K2:
+        d2 = tl.arange(0, BLOCK_D2)
+        q2 = tl.load(q2_ptr + rq[:, None] * s_q2t + h * s_q2h + d2[None, :],
+                     mask=qmask[:, None] & (d2 < D2)[None, :], other=0.0)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    last = tl.minimum(start + tl.program_id(0) * BLOCK_M + BLOCK_M, start + Tq)  # keys < last are visible to some row
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(start + tl.program_id(0) * BLOCK_M - window + 1, 0)
+        lo = (lo // BLOCK_T) * BLOCK_T
+    for t0 in range(lo, last, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        tmask = rt < last
+        if PAGED:
+            row = tl.load(slots_ptr + rt, mask=tmask, other=0).to(tl.int64)
+        else:
+            row = rt.to(tl.int64)
+        k1 = tl.load(k1_ptr + row[:, None] * s_k1s + kvh * s_k1h + d1[None, :],
+                     mask=tmask[:, None] & (d1 < D1)[None, :], other=0.0)
+        scores = _dot(q1, tl.trans(k1), DOT_F32)
+        if HAS_K2:
+            k2 = tl.load(k2_ptr + row[:, None] * s_k2s + kvh * s_k2h + d2[None, :],
+                         mask=tmask[:, None] & (d2 < D2)[None, :], other=0.0)
+            scores += _dot(q2, tl.trans(k2), DOT_F32)
+        visible = tmask[None, :] & (rt[None, :] <= qpos[:, None])
+        if window > 0:
+            visible = visible & (rt[None, :] > qpos[:, None] - window)
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] * s_vs + kvh * s_vh + dv[None, :],
+                    mask=tmask[:, None] & (dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + rq[:, None] * s_ot + h * s_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask[:, None] & (dv < DV)[None, :])
+
+
+def prefill_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                      q2: torch.Tensor | None = None, k2: torch.Tensor | None = None, window: int = 0,
+                      slots: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention of Tq queries at positions start..start+Tq-1 over keys 0..start+Tq-1.
+
+    q1 [Tq, Hq, D1], q2 [Tq, Hq, D2]; k1 [L, Hk, D1], k2 [L, Hk or 1, D2] (a head stride of 0
+    shares one head), v [L, Hk, DV]; with `slots` [L] int32 the rows are cache slots. Returns
+    [Tq, Hq, DV] in out_dtype."""
+    Tq, Hq, D1 = q1.shape
+    Hkv = v.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"prefill_attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    has_k2 = q2 is not None
+    if has_k2 != (k2 is not None):
+        raise ValueError("prefill_attention: q2 and k2 come together")
+    DV, D2 = v.shape[2], (q2.shape[2] if has_k2 else 1)
+    out = torch.empty(Tq, Hq, DV, device=q1.device, dtype=out_dtype)
+    q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
+    k2_head_stride = 0 if has_k2 and k2.shape[1] == 1 else k2_.stride(1)
+    k1_head_stride = 0 if k1.shape[1] == 1 else k1.stride(1)
+    slots_ = slots if slots is not None else q1  # unused when not PAGED
+    big = max(D1 + D2, DV) > 256
+    BLOCK_M, BLOCK_T = (32, 32) if big else (64, 32)
+    grid = (triton.cdiv(Tq, BLOCK_M), Hq)
+    _prefill_kernel[grid](q1, q2_, k1, k2_, v, slots_, out,
+                          q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1_head_stride,
+                          k2_.stride(0), k2_head_stride, v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                          Tq, int(start), Hq // Hkv, D1, D2, DV, float(scale), int(window or 0),
+                          BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2),
+                          BLOCK_DV=_pow2(DV), HAS_K2=has_k2, PAGED=slots is not None, DOT_F32=dot_f32(),
+                          num_warps=8 if big else 4, num_stages=2 if q1.device.type == "cuda" else 1)
+    return out
+
+
+def attention_reference(q1, k1, v, start: int, scale: float, q2=None, k2=None, window: int = 0) -> torch.Tensor:
+    """float32 reference: q [Tq, Hq, D], keys/values [L, Hk, D] (k2 may have 1 head), causal
+    from position `start`, optional sliding window."""
+    Tq, Hq, _ = q1.shape
+    L = k1.shape[0]
+    g = Hq // v.shape[1]
+    k1e = k1.float().repeat_interleave(Hq // k1.shape[1], 1)
+    scores = torch.einsum("qhd,lhd->hql", q1.float(), k1e)
+    if q2 is not None:
+        k2e = k2.float().expand(L, Hq, k2.shape[2]) if k2.shape[1] == 1 else k2.float().repeat_interleave(
+            Hq // k2.shape[1], 1)
+        scores = scores + torch.einsum("qhd,lhd->hql", q2.float(), k2e)
+    qpos = torch.arange(start, start + Tq, device=q1.device)[:, None]
+    kpos = torch.arange(L, device=q1.device)[None, :]
+    visible = kpos <= qpos
+    if window:
+        visible &= kpos > qpos - window
+    scores = (scores * scale).masked_fill(~visible, float("-inf"))
+    return torch.einsum("hql,lhd->qhd", torch.softmax(scores, -1), v.float().repeat_interleave(g, 1))

@@ -1,0 +1,42 @@
+"""What every Triton kernel module shares: whether Triton runs here, and the dot-product dtype."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on tensors of `device`."""
+    device = torch.device(device)
+    if not triton_available():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def require(device: torch.device | str, what: str) -> None:
+    """Raise a clear error when `what` (an operator) would need Triton where it cannot run."""
+    device = torch.device(device)
+    if not triton_available():
+        raise RuntimeError(f"{what}: the GPU kernels need Triton (it ships with CUDA builds of torch)")
+    if not runs_on(device):
+        raise ValueError(f"{what}: the Triton kernels run on CUDA tensors, not {device} "
+                         "(or on the CPU under TRITON_INTERPRET=1, for tests)")
+
+
+def dot_f32() -> bool:
+    """Feed tl.dot float32 instead of bf16: the interpreter's bf16 dot is wrong (Triton 3.6)."""
+    return interpreting()

@@ -1,0 +1,114 @@
+"""FP8 e4m3 weights with 128x128 block scales (DeepSeek-V3's native format) x bf16 activations.
+
+W [N, K] float8_e4m3fn and scale_inv [ceil(N/128), ceil(K/128)] float32:
+    W_real[n, k] = W[n, k] * scale_inv[n // 128, k // 128]
+One program per output tile and K split, like quant_linear; each 128-wide K block is scaled
+once per tile (its 128x128 scale block is one number per BLOCK_N <= 128 columns).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_f32
+
+FP8_BLOCK = 128
+
+
+@dataclass
+class FP8Weight:
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale_inv: torch.Tensor  # float32 [ceil(N/128), ceil(K/128)]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def to(self, device) -> FP8Weight:
+        return FP8Weight(self.weight.to(device), self.scale_inv.to(device))
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale_inv.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.weight.shape
+        s = self.scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:N].repeat_interleave(FP8_BLOCK, 1)[:, :K]
+        return self.weight.float() * s
+
+
+def quantize_fp8(w: torch.Tensor) -> FP8Weight:
+    """Block-scaled e4m3 from a float W [N, K]: each 128x128 block's absmax maps to 448 (lossy)."""
+    N, K = w.shape
+    nb, kb = triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK)
+    padded = torch.zeros(nb * FP8_BLOCK, kb * FP8_BLOCK, dtype=torch.float32, device=w.device)
+    padded[:N, :K] = w.float()
+    blocks = padded.reshape(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)  # [nb, kb]
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return FP8Weight(q.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:N, :K].contiguous(), scale.contiguous())
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_sn, k_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                     ATOMIC: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, k_per_split // BLOCK_K):
+        k0 = pid_k * k_per_split + i * BLOCK_K
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
+        s = tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=k0 < K, other=0.0)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32)) * s
+        else:
+            acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16)) * s
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemm(x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W_realᵀ."""
+    N, K = w.weight.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"fp8_gemm: x must be [M, {K}], got {tuple(x.shape)}")
+    if w.scale_inv.shape != (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK)):
+        raise ValueError(f"fp8_gemm: scale_inv {tuple(w.scale_inv.shape)} does not fit weight {(N, K)}")
+    x = x.contiguous()
+    M = x.shape[0]
+    out_dtype = out_dtype or x.dtype
+    BLOCK_K = FP8_BLOCK
+    BLOCK_M, BLOCK_N = (16, 64) if M <= 16 else ((64, 64) if M <= 64 else (128, 128))
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    k_blocks = triton.cdiv(K, BLOCK_K)
+    splits = 1
+    if M <= 64:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
+        splits = max(1, min(k_blocks // 2, 2 * sms // max(tiles, 1)))
+    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    atomic = splits > 1
+    y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
+         else torch.empty(M, N, device=x.device, dtype=out_dtype))
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
+    _fp8_gemm_kernel[grid](x, w.weight, w.scale_inv, y, M, N, K, x.stride(0), y.stride(0), w.scale_inv.stride(0),
+                           k_per_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_BLOCK=FP8_BLOCK,
+                           ATOMIC=atomic, DOT_F32=dot_f32(), num_warps=4,
+                           num_stages=3 if x.device.type == "cuda" else 1)
+    return y.to(out_dtype) if atomic else y

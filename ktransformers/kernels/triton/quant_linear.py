@@ -1,0 +1,207 @@
+"""Group-quantized weight x activation GEMM: the GPU linear for int4 ("Marlin") and int8 weights.
+
+A weight W [N, K] (HF layout, y = x Wᵀ) is held as codes and per-32 (scale, offset):
+    W[n, k] = scale[k // 32, n] * code[k, n] + offset[k // 32, n]
+int4: codes 0..15, eight per int32 along K: packed [K / 8, N], code k in bits 4*(k % 8).
+int8: codes int8 [K, N], offset absent (symmetric).
+GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes int8 likewise.
+`quantize_int4` / `quantize_int8` re-quantize float weights (lossy), only when asked.
+
+Kernel: one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are unpacked and scaled
+in registers, fed to tl.dot in bf16, accumulated in float32. Few rows (decode) split K across
+programs (float32 atomics into a zeroed buffer) so that every SM streams weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...weights.ggml_quants import GGMLType, group_affine
+from .common import dot_f32
+
+GROUP = 32
+
+
+@dataclass
+class GroupQuantWeight:
+    """One weight matrix in the kernel's layout (see the module doc)."""
+    bits: int
+    codes: torch.Tensor  # int32 [K/8, N] (int4) or int8 [K, N]
+    scale: torch.Tensor  # float32 [K/32, N]
+    offset: torch.Tensor | None  # float32 [K/32, N] or None
+    out_features: int  # N
+    in_features: int  # K
+
+    def to(self, device) -> GroupQuantWeight:
+        return GroupQuantWeight(self.bits, self.codes.to(device), self.scale.to(device),
+                                None if self.offset is None else self.offset.to(device),
+                                self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 W [N, K] (the reference)."""
+        K, N = self.in_features, self.out_features
+        if self.bits == 4:
+            shifts = torch.arange(0, 32, 4, device=self.codes.device, dtype=torch.int32)
+            codes = (self.codes[:, None, :] >> shifts[None, :, None]) & 15  # [K/8, 8, N]
+            codes = codes.reshape(K, N)
+        else:
+            codes = self.codes
+        w = codes.float().reshape(K // GROUP, GROUP, N) * self.scale[:, None, :]
+        if self.offset is not None:
+            w = w + self.offset[:, None, :]
+        return w.reshape(K, N).T.contiguous()
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> int32 [K/8, N], code k of a column in bits 4*(k % 8) of word k // 8."""
+    N, K = codes.shape
+    c = codes.to(torch.int64).T.reshape(K // 8, 8, N)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)[None, :, None]
+    packed = (c << shifts).sum(1)  # disjoint bit fields: sum == or
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _check_shape(what: str, N: int, K: int) -> None:
+    if K % GROUP:
+        raise ValueError(f"{what}: in_features {K} is not a multiple of the group size {GROUP}")
+
+
+def from_ggml(raw, ggml_type, shape: tuple[int, int]) -> GroupQuantWeight:
+    """GGUF Q4_0 / Q4_K -> int4, Q8_0 -> int8, losslessly (on the CPU)."""
+    codes, scale, offset = group_affine(raw, ggml_type, shape)
+    N, K = shape
+    if GGMLType(int(ggml_type)) == GGMLType.Q8_0:
+        return GroupQuantWeight(8, codes.T.contiguous(), scale.T.contiguous(), None, N, K)
+    return GroupQuantWeight(4, _pack_int4(codes), scale.T.contiguous(), offset.T.contiguous(), N, K)
+
+
+def quantize_int4(w: torch.Tensor) -> GroupQuantWeight:
+    """Asymmetric int4 per 32 values of a row (min/max), from a float W [N, K] (lossy)."""
+    N, K = w.shape
+    _check_shape("quantize_int4", N, K)
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
+    return GroupQuantWeight(4, _pack_int4(codes), scale.T.contiguous(), lo.T.contiguous(), N, K)
+
+
+def quantize_int8(w: torch.Tensor) -> GroupQuantWeight:
+    """Symmetric int8 per 32 values of a row (absmax), from a float W [N, K] (lossy)."""
+    N, K = w.shape
+    _check_shape("quantize_int8", N, K)
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    codes = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(N, K)
+    return GroupQuantWeight(8, codes.T.contiguous(), scale.T.contiguous(), None, N, K)
+
+
+@triton.jit
+def load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, stride_code,
+                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """float32 W[k0 : k0+BLOCK_K, rn] (transposed weights) from codes and group scales;
+    columns outside N and rows past K read as 0. BLOCK_K is a multiple of the group size (and K of
+    the group size)."""
+    mask_n = rn < N
+    rg = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
+    mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
+    if BITS == 4:
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :],
+                        mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        q = (words[:, None, :] >> shifts[None, :, None]) & 15
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(codes_ptr + rk[:, None] * stride_code + rn[None, :], mask=(rk < K)[:, None] & mask_n[None, :],
+                    other=0)
+    s = tl.load(scale_ptr + rg[:, None] * stride_code + rn[None, :], mask=mask_g, other=0.0)
+    w = tl.reshape(q.to(tl.float32), (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)) * s[:, None, :]
+    if HAS_OFFSET:
+        o = tl.load(offset_ptr + rg[:, None] * stride_code + rn[None, :], mask=mask_g, other=0.0)
+        w = w + o[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                       k_per_split,
+                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ATOMIC: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, k_per_split // BLOCK_K):
+        k0 = pid_k * k_per_split + i * BLOCK_K
+        # the last split may hold fewer blocks: rows past K read as 0
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
+                    mask=(rm < M)[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        w = load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, N, BITS, HAS_OFFSET, BLOCK_K,
+                               BLOCK_N, GROUP_SIZE)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), w)
+        else:
+            acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for a GroupQuantWeight on x's device."""
+    K, N = w.in_features, w.out_features
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"group_gemm: x must be [M, {K}], got {tuple(x.shape)}")
+    if w.codes.device != x.device:
+        raise ValueError(f"group_gemm: weight on {w.codes.device}, x on {x.device}")
+    x = x.contiguous()
+    M = x.shape[0]
+    out_dtype = out_dtype or x.dtype
+    BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
+    if M <= 16:
+        BLOCK_M, BLOCK_N = 16, 64
+    elif M <= 64:
+        BLOCK_M, BLOCK_N = 64, 64
+    else:
+        BLOCK_M, BLOCK_N = 128, 64
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    k_blocks = K // BLOCK_K
+    splits = 1
+    if M <= 64:  # few rows: split K until the machine is busy
+        splits = max(1, min(k_blocks // 2, 2 * _sm_count(x.device) // max(tiles, 1)))
+    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    atomic = splits > 1
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic else torch.empty(M, N, device=x.device,
+                                                                                           dtype=out_dtype)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
+    offset = w.offset if w.offset is not None else w.scale
+    _group_gemm_kernel[grid](x, w.codes, w.scale, offset, y, M, N, K, x.stride(0), y.stride(0), k_per_split,
+                             BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
+                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=atomic, DOT_F32=dot_f32(),
+                             num_warps=4, num_stages=3 if x.device.type == "cuda" else 1)
+    return y.to(out_dtype) if atomic else y
+
+
+def group_gemm_reference(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
+    return (x.float() @ w.dequantize().T).to(x.dtype)
