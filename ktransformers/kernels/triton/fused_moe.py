@@ -1,0 +1,218 @@
+"""Routed experts that live on the GPU: token-grouped, two kernels per call.
+
+    y[t] = Σ_k w[t,k] · down_e(silu(gate_e(x_t)) ⊙ up_e(x_t)),   e = ids[t,k]
+
+The T*K (token, slot) pairs are sorted by expert and each expert's run padded to BLOCK_M rows
+(`align`), so one program computes BLOCK_M rows of one expert: the first kernel computes gate and
+up together for a column tile and writes silu(gate)*up; the second multiplies by down and the
+routing weight and writes the pair's row; a sum over K finishes. Ids of -1 mark pairs whose
+expert is not on this GPU (hot-expert splits): they are skipped and contribute 0.
+
+Each projection of all experts is either dense bf16 [E, N, K] (HF layout) or group-quantized
+(`StackedGroupWeight`: int4 / int8 codes with per-32 scales, as in quant_linear, one per expert).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...weights.ggml_quants import GGMLType, group_affine
+from .common import dot_f32
+from .quant_linear import GROUP, _pack_int4, load_group_weights
+
+
+@dataclass
+class StackedGroupWeight:
+    """E matrices [N, K] as group-quantized codes: int4 codes int32 [E, K/8, N] or int8 [E, K, N],
+    scale (and offset) float32 [E, K/32, N]."""
+    bits: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    n: int
+    k: int
+
+    def to(self, device) -> StackedGroupWeight:
+        return StackedGroupWeight(self.bits, self.codes.to(device), self.scale.to(device),
+                                  None if self.offset is None else self.offset.to(device), self.n, self.k)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [E, N, K]."""
+        E = self.codes.shape[0]
+        if self.bits == 4:
+            shifts = torch.arange(0, 32, 4, device=self.codes.device, dtype=torch.int32)
+            codes = ((self.codes[:, :, None, :] >> shifts[None, None, :, None]) & 15).reshape(E, self.k, self.n)
+        else:
+            codes = self.codes
+        w = codes.float().reshape(E, self.k // GROUP, GROUP, self.n) * self.scale[:, :, None, :]
+        if self.offset is not None:
+            w = w + self.offset[:, :, None, :]
+        return w.reshape(E, self.k, self.n).transpose(1, 2).contiguous()
+
+
+def stack_group_weights(parts: list[tuple[object, int, tuple[int, int, int]]]) -> StackedGroupWeight:
+    """Stored GGUF bytes of one or more [E, n_i, K] projections of the same group-affine type,
+    concatenated along n (gate then up) -> one StackedGroupWeight [E, Σn_i, K]."""
+    types = {GGMLType(int(t)) for _, t, _ in parts}
+    if len(types) != 1:
+        raise ValueError(f"stack_group_weights: projections of different types {sorted(t.name for t in types)}")
+    E, K = parts[0][2][0], parts[0][2][2]
+    codes, scales, offsets = [], [], []
+    for raw, t, (e, n, k) in parts:
+        c, s, o = group_affine(raw, t, (e * n, k))
+        codes.append(c.reshape(e, n, k))
+        scales.append(s.reshape(e, n, k // GROUP))
+        offsets.append(None if o is None else o.reshape(e, n, k // GROUP))
+    codes, scale = torch.cat(codes, 1), torch.cat(scales, 1)  # [E, N, K], [E, N, K/32]
+    N = codes.shape[1]
+    offset = None if offsets[0] is None else torch.cat(offsets, 1).transpose(1, 2).contiguous()
+    scale = scale.transpose(1, 2).contiguous()
+    if types == {GGMLType.Q8_0}:
+        return StackedGroupWeight(8, codes.transpose(1, 2).contiguous(), scale, None, N, K)
+    packed = torch.stack([_pack_int4(codes[e]) for e in range(E)])
+    return StackedGroupWeight(4, packed, scale, offset, N, K)
+
+
+def quantize_stacked_int4(w: torch.Tensor) -> StackedGroupWeight:
+    """Asymmetric int4 per 32 values from float [E, N, K] (lossy; only when asked)."""
+    from .quant_linear import quantize_int4
+    parts = [quantize_int4(w[e]) for e in range(w.shape[0])]
+    return StackedGroupWeight(4, torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]),
+                              torch.stack([p.offset for p in parts]), w.shape[1], w.shape[2])
+
+
+ExpertProjection = "torch.Tensor | StackedGroupWeight"
+
+
+def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the T*K pairs by expert, each expert's run padded to a multiple of block_m.
+    Returns (pairs int32 [P]: flat pair index t*K+k, or T*K for padding; block_expert int32 [P/block_m])."""
+    flat = ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    key = torch.where(flat < 0, experts, flat)  # pairs not on this GPU sort last and are dropped
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    firsts = torch.cumsum(counts, 0) - counts
+    total = int(padded.sum())
+    pairs = torch.full((max(total, block_m),), n, dtype=torch.int32, device=ids.device)
+    sorted_key = key[order]
+    live = sorted_key < experts
+    e = sorted_key[live]
+    rank = torch.arange(n, device=ids.device)[live] - firsts[e]
+    pairs[starts[e] + rank] = order[live].to(torch.int32)
+    block_expert = torch.repeat_interleave(torch.arange(experts, device=ids.device, dtype=torch.int32),
+                                           padded // block_m)
+    return pairs, block_expert
+
+
+@triton.jit
+def _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn, N, n_total, s_we, s_se,
+                      BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP_SIZE: tl.constexpr):
+    """float W_e[k0 : k0+BLOCK_K, rn]ᵀ-tile of expert e (dense bf16 [E, n_total, K] or group-quantized
+    with n_total columns); columns >= N read as 0."""
+    if BITS == 16:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + e * s_we + rn[None, :] * K + rk[:, None], mask=(rn < N)[None, :] & (rk < K)[:, None],
+                       other=0.0).to(tl.float32)
+    return load_group_weights(w_ptr + e * s_we, scale_ptr + e * s_se, offset_ptr + e * s_se, k0, K, rn, N, n_total,
+                              BITS, HAS_OFFSET, BLOCK_K, BLOCK_N, GROUP_SIZE)
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, pairs_ptr, block_expert_ptr, w_ptr, scale_ptr, offset_ptr, route_ptr, out_ptr,
+                        num_pairs, top_k, N, K, s_a, s_out, s_we, s_se,
+                        GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
+    """GATED: out[pair, n] = silu(a W_gateᵀ) * (a W_upᵀ) with W = [gate; up] of N rows each;
+    else out[pair, n] = route[pair] * (a W_eᵀ). a's row is the pair's token (A_BY_TOKEN) or the pair."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pairs < num_pairs
+    a_row = (pairs // top_k) if A_BY_TOKEN else pairs
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + a_row.to(tl.int64)[:, None] * s_a + (k0 + rk)[None, :],
+                    mask=live[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        if GATED:
+            wg = _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn, N, 2 * N, s_we, s_se, BITS,
+                                   HAS_OFFSET, BLOCK_K, BLOCK_N, GROUP_SIZE)
+            wu = _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn + N, 2 * N, 2 * N,
+                                   s_we, s_se, BITS, HAS_OFFSET, BLOCK_K, BLOCK_N, GROUP_SIZE)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), wg)
+                acc_up += tl.dot(a.to(tl.float32), wu)
+            else:
+                acc += tl.dot(a.to(tl.bfloat16), wg.to(tl.bfloat16))
+                acc_up += tl.dot(a.to(tl.bfloat16), wu.to(tl.bfloat16))
+        else:
+            w = _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn, N, N, s_we, s_se, BITS, HAS_OFFSET,
+                                  BLOCK_K, BLOCK_N, GROUP_SIZE)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), w)
+            else:
+                acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    else:
+        acc = acc * tl.load(route_ptr + pairs, mask=live, other=0.0)[:, None]
+    mask = live[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * s_out + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _weight_args(w) -> tuple:
+    """(codes/weight, scale, offset, bits, has_offset, expert stride of w, of the scales, N, K)."""
+    if isinstance(w, StackedGroupWeight):
+        offset = w.offset if w.offset is not None else w.scale
+        return w.codes, w.scale, offset, w.bits, w.offset is not None, w.codes.stride(0), w.scale.stride(0), w.n, w.k
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError(f"dense expert weights must be contiguous bf16 [E, N, K], got {w.dtype}")
+    return w, w, w, 16, False, w.stride(0), 0, w.shape[1], w.shape[2]
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """x [T, H] (bf16 or float32), ids [T, K] (expert index, or -1: not here), weights [T, K];
+    gate_up [E, 2I, H] and down [E, H, I], each dense bf16 or a StackedGroupWeight. -> [T, H] float32."""
+    T, H = x.shape
+    K = ids.shape[1]
+    gu = _weight_args(gate_up)
+    dn = _weight_args(down)
+    E, I = (gate_up.codes.shape[0] if isinstance(gate_up, StackedGroupWeight) else gate_up.shape[0]), gu[7] // 2
+    if gu[8] != H or dn[7] != H or dn[8] != I:
+        raise ValueError(f"fused_moe: gate_up [E, {gu[7]}, {gu[8]}] and down [E, {dn[7]}, {dn[8]}] do not fit "
+                         f"x [T, {H}]")
+    BLOCK_M = 16 if T * K <= 64 * E else 64
+    pairs, block_expert = align(ids, E, BLOCK_M)
+    if block_expert.numel() == 0:
+        return torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    x = x.contiguous()
+    act_dtype = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+    inter = torch.empty(T * K, I, device=x.device, dtype=act_dtype)
+    out = torch.zeros(T * K, H, device=x.device, dtype=torch.float32)
+    route = weights.reshape(-1).to(torch.float32).contiguous()
+    common = dict(BLOCK_M=BLOCK_M, GROUP_SIZE=GROUP, DOT_F32=dot_f32(), num_warps=4,
+                  num_stages=3 if x.device.type == "cuda" else 1)
+    blocks = block_expert.numel()
+    BN, BK = 64, (64 if H % 64 == 0 else 32)
+    _expert_gemm_kernel[(blocks, triton.cdiv(I, BN))](
+        x, pairs, block_expert, gu[0], gu[1], gu[2], route, inter, T * K, K, I, H, x.stride(0), inter.stride(0),
+        gu[5], gu[6], GATED=True, A_BY_TOKEN=True, BITS=gu[3], HAS_OFFSET=gu[4], BLOCK_N=BN, BLOCK_K=BK, **common)
+    BK = 64 if I % 64 == 0 else 32
+    _expert_gemm_kernel[(blocks, triton.cdiv(H, BN))](
+        inter, pairs, block_expert, dn[0], dn[1], dn[2], route, out, T * K, K, H, I, inter.stride(0), out.stride(0),
+        dn[5], dn[6], GATED=False, A_BY_TOKEN=False, BITS=dn[3], HAS_OFFSET=dn[4], BLOCK_N=BN, BLOCK_K=BK, **common)
+    return out.view(T, K, H).sum(1)
