@@ -96,9 +96,9 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
 void MoE::check(int tokens, const int64_t* ids) const {
     if (tokens < 0) throw std::invalid_argument("MoE: negative token count");
     for (int64_t i = 0; i < (int64_t)tokens * cfg_.top_k; i++)
-        if (ids[i] < 0 || ids[i] >= cfg_.experts)
+        if (ids[i] < -1 || ids[i] >= cfg_.experts)  // -1: the pair is computed elsewhere (GPU experts)
             throw std::invalid_argument("MoE: expert id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
-                                        " is outside [0, " + std::to_string(cfg_.experts) + ")");
+                                        " is outside [0, " + std::to_string(cfg_.experts) + ") (-1 skips a pair)");
 }
 
 void MoE::forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
@@ -161,7 +161,8 @@ void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {
 void MoE::group_by_expert(int tokens, const int64_t* ids) {
     const int K = cfg_.top_k, E = cfg_.experts;
     std::fill(expert_start_.begin(), expert_start_.end(), 0);
-    for (int s = 0; s < tokens * K; s++) expert_start_[ids[s] + 1]++;
+    for (int s = 0; s < tokens * K; s++)
+        if (ids[s] >= 0) expert_start_[ids[s] + 1]++;
     active_.clear();
     for (int e = 0; e < E; e++) {
         if (expert_start_[e + 1]) active_.push_back(e);
@@ -169,6 +170,10 @@ void MoE::group_by_expert(int tokens, const int64_t* ids) {
     }
     std::copy(expert_start_.begin(), expert_start_.end() - 1, fill_.begin());
     for (int s = 0; s < tokens * K; s++) {
+        if (ids[s] < 0) {  // skipped pair: contributes nothing
+            slot_pair_[s] = -1;
+            continue;
+        }
         const int p = fill_[ids[s]]++;
         pair_token_[p] = s / K;
         pair_slot_[p] = s;
@@ -299,8 +304,10 @@ void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
         float* acc = &s_.x_f32[(size_t)t * H];  // the input row is no longer needed
         std::fill(acc, acc + H, 0.f);
         for (int k = 0; k < K; k++) {
+            const int p = slot_pair_[t * K + k];
+            if (p < 0) continue;
             const float w = weights[t * K + k];
-            const float* src = &s_.y_pairs[(size_t)slot_pair_[t * K + k] * H];
+            const float* src = &s_.y_pairs[(size_t)p * H];
             for (int i = 0; i < H; i++) acc[i] += w * src[i];
         }
         if (dtype == Dtype::F32) std::copy(acc, acc + H, (float*)y + (size_t)t * H);

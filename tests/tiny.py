@@ -161,3 +161,37 @@ def reference_rules(family: str, tmp_path) -> Path:
     path = tmp_path / f"{family}-reference.yaml"
     path.write_text(text.replace("KExpertsCPU", "KExpertsTorch").replace("KLinearCPU", "KLinearTorch"))
     return path
+
+
+GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
+             "mixtral": "Mixtral.yaml"}
+
+
+def kernel_device() -> str:
+    """Where the Triton kernels run in this session: 'cuda', or 'cpu' under Triton's interpreter
+    (Triton >= 3.9; older interpreters fail on NumPy 2.4). Skips the test when neither works."""
+    import pytest
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import triton
+    except ImportError:
+        pytest.skip("needs CUDA, or Triton (>= 3.9) for its CPU interpreter: pip install 'triton>=3.9'")
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter fails on this NumPy; needs CUDA or Triton >= 3.9")
+    return "cpu"
+
+
+def gpu_rules(family: str, tmp_path, device: str, experts_extra: str = "") -> Path:
+    """The shipped GPU rule file, its cuda placements moved to `device` ('cpu' runs the Triton
+    kernels in the interpreter); `experts_extra` is YAML added to the experts rule's kwargs."""
+    from ktransformers.loader import RULES_DIR
+    text = (RULES_DIR / GPU_RULES[family]).read_text()
+    if device != "cuda":
+        text = text.replace("cuda", device)
+    if experts_extra:
+        text = text.replace("      out_device:", f"      {experts_extra}\n      out_device:")
+    path = tmp_path / f"{family}-gpu.yaml"
+    path.write_text(text)
+    return path

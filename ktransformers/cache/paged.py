@@ -45,6 +45,19 @@ class ForwardBatch:
     positions: torch.Tensor
     slots: torch.Tensor
     read_slots: list[torch.Tensor]
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def slot_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots int32 [B, max_len] padded with 0, lens int32 [B]) of every sequence's history,
+        on the cache's device; built once per step (the GPU attention kernels read it)."""
+        if "table" not in self._tables:
+            device = self.read_slots[0].device
+            lens = [len(s) for s in self.read_slots]
+            table = torch.zeros(len(lens), max(lens), dtype=torch.int32, device=device)
+            for i, s in enumerate(self.read_slots):
+                table[i, :lens[i]] = s
+            self._tables["table"] = (table, torch.tensor(lens, dtype=torch.int32, device=device))
+        return self._tables["table"]
 
     @property
     def num_tokens(self) -> int:

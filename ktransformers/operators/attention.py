@@ -17,7 +17,7 @@ them once per chunk (k_nope, v = c W_kv_bᵀ), cheaper for many query tokens, un
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..kernels.cpu import attend_gqa_decode, rope_write_attend_gqa
-from .base import BaseInjectedModule, Placement, adopt_children
+from .base import BaseInjectedModule, Placement, adopt_children, choices
 from .registry import OPERATORS
 
 
@@ -57,14 +57,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.bmm(torch.softmax(scores, dim=-1), v)
 
 
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionOptions(Placement):
+    # auto: the Triton kernels on CUDA devices, the torch reference (and C++ decode) on the CPU
+    backend: str = field(default="auto", metadata=choices(lambda: list(BACKENDS)))
+
+
 class _CachedAttention(BaseInjectedModule):
     """Shared plumbing: per-sequence spans of the packed step, cache write, history read."""
+
+    Options = AttentionOptions
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
         adopt_children(self, orig_module)
         self.layer_idx = orig_module.layer_idx
         self.scaling = float(orig_module.scaling)
+        self.triton = False  # decided by load(): the Triton kernels read the cache
+
+    def _choose_backend(self) -> None:
+        from ..kernels.triton.common import require, triton_available
+        backend = self.options.backend
+        if backend == "triton":
+            require(self.device, f"{self.key}: backend triton")
+        self.triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda" and triton_available())
+
+    def _decode_all(self, queries: tuple[torch.Tensor, ...], batch) -> torch.Tensor:
+        """Every sequence's one new token at once (Triton backend): [B, ...] outputs."""
+        raise NotImplementedError
 
     def _run(self, token_entries: list[torch.Tensor], queries: tuple[torch.Tensor, ...], batch_rows: int,
              seq_len: int) -> torch.Tensor:
@@ -82,6 +105,8 @@ class _CachedAttention(BaseInjectedModule):
             raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of shape "
                              f"[1, {batch.num_tokens}, H], got [{batch_rows}, {seq_len}, H]")
         ctx.cache.write(self.layer_idx, batch, *token_entries)
+        if self.triton and all(q == 1 for q in batch.q_lens):
+            return self._decode_all(queries, batch)
         for i, first, q_len, start in batch.spans():
             rows = slice(first, first + q_len)
             outputs.append(self._attend_cached(tuple(q[rows] for q in queries), batch, i, start))
@@ -93,7 +118,7 @@ class _CachedAttention(BaseInjectedModule):
 
 
 @dataclass(frozen=True)
-class MLAOptions(Placement):
+class MLAOptions(AttentionOptions):
     absorb_for_prefill: bool = False  # attend in latent space for many-token chunks too (less memory)
 
 
@@ -115,6 +140,7 @@ class KDeepseekV2Attention(_CachedAttention):
         w = self.weights.load(f"{self.key}.kv_b_proj.weight", self.device, torch.float32, shape=(h * (n + v), r))
         w = w.view(h, n + v, r)
         self.w_uk, self.w_uv = w[:, :n].contiguous(), w[:, n:].contiguous()  # [h, n, r], [h, v, r]
+        self._choose_backend()
 
     def unload(self) -> None:
         self.w_uk = self.w_uv = None
@@ -141,8 +167,35 @@ class KDeepseekV2Attention(_CachedAttention):
         out = out.to(hidden_states.dtype).reshape(B, S, h * self.v_dim)
         return self.o_proj(out), None
 
+    def _decode_all(self, queries, batch) -> torch.Tensor:
+        """Triton: every sequence's query against its latent history in place, in latent space."""
+        from ..kernels.triton.attention import decode_attention
+        q_nope, q_rot = queries
+        r = self.kv_lora_rank
+        (latent,) = self.context.cache.layers[self.layer_idx]  # [slots, r + p]
+        slots, lens = batch.slot_table()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk)
+        o_lat = decode_attention(q_lat, latent[:, None, :r], None, slots, lens, self.scaling, q2=q_rot,
+                                 k2=latent[:, None, r:])
+        return torch.einsum("thr,hvr->thv", o_lat, self.w_uv)
+
+    def _attend_triton(self, q_nope, q_rot, history, start: int) -> torch.Tensor:
+        """Triton prefill: causal flash attention over the expanded keys/values (k_rot shared by
+        every head), or in latent space with absorb_for_prefill."""
+        from ..kernels.triton.attention import prefill_attention
+        c, k_rot = history.float().split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.options.absorb_for_prefill:
+            q_lat = torch.einsum("qhn,hnr->qhr", q_nope.float(), self.w_uk)
+            o_lat = prefill_attention(q_lat, c[:, None], c[:, None], start, self.scaling, q2=q_rot, k2=k_rot[:, None])
+            return torch.einsum("qhr,hvr->qhv", o_lat, self.w_uv)
+        kv = torch.einsum("lr,hkr->lhk", c, torch.cat([self.w_uk, self.w_uv], dim=1))  # [L, h, n + v]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return prefill_attention(q_nope, k_nope, v, start, self.scaling, q2=q_rot, k2=k_rot[:, None])
+
     def _attend(self, q_nope, q_rot, history, start: int) -> torch.Tensor:
         """q_nope [q, h, n], q_rot [q, h, p], history [L, r + p] -> [q, h, v] (float32 math)."""
+        if self.triton:
+            return self._attend_triton(q_nope, q_rot, history, start)
         q_len, L = q_nope.shape[0], history.shape[0]
         mask = causal_mask(q_len, start, L, None, history.device)
         c, k_rot = history.float().split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -178,7 +231,16 @@ class KGQAAttention(_CachedAttention):
         self._runtime = None  # the CPU runtime, for the C++ decode path (set by load() on the CPU)
 
     def load(self) -> None:
-        self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" else None
+        self._choose_backend()
+        self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
+
+    def _decode_all(self, queries, batch) -> torch.Tensor:
+        """Triton: every sequence's query against its K/V history in place."""
+        from ..kernels.triton.attention import decode_attention
+        (q,) = queries
+        k_cache, v_cache = self.context.cache.layers[self.layer_idx]
+        slots, lens = batch.slot_table()
+        return decode_attention(q, k_cache, v_cache, slots, lens, self.scaling, window=self.window or 0)
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,
@@ -190,6 +252,11 @@ class KGQAAttention(_CachedAttention):
 
     def _attend_cached(self, queries, batch, i: int, start: int) -> torch.Tensor:
         (q,) = queries
+        if self.triton:  # prefill: the causal kernel reads the history in place by slot
+            from ..kernels.triton.attention import prefill_attention
+            k_cache, v_cache = self.context.cache.layers[self.layer_idx]
+            slots = batch.read_slots[i].to(torch.int32)
+            return prefill_attention(q, k_cache, v_cache, start, self.scaling, window=self.window or 0, slots=slots)
         caches = self._cpp_cache() if q.shape[0] == 1 else None
         if caches is not None:  # decode: the C++ kernel reads the history in place by slot
             return attend_gqa_decode(self._runtime, q[0].float(), *caches, batch.read_slots[i], self.scaling)[None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +134,80 @@ class KExpertsCPU:
             x = x.float()
         return self.kernel.forward(x, ids, weights).to(self.dtype)
 
+    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Queue the experts on the CPU threads and return at once; call the result to wait for y."""
+        if self.kernel is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        y = self.kernel.submit(x, ids, weights)
+        runtime = self.kernel.runtime
+
+        def wait() -> torch.Tensor:
+            runtime.sync()
+            return y.to(self.dtype)
+        return wait
+
+
+@EXPERT_OPS.register("KExpertsGPU")
+class KExpertsGPU:
+    """Experts resident on a CUDA device, computed by the Triton fused-MoE kernel: projections
+    stored as Q4_0/Q4_K/Q8_0 become int4/int8 codes losslessly, others bf16. `only` (a list of
+    expert ids) keeps a subset (hot experts); ids of experts not held are skipped."""
+
+    def __init__(self, spec: ExpertSpec, device: torch.device, only: list[int] | None = None):
+        from ..kernels.triton.common import require
+        require(device, f"{spec.key}: KExpertsGPU")
+        self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
+        self.only = None if only is None else sorted(int(e) for e in only)
+        self.gate_up = self.down = None
+        self.local = None  # global expert id -> index here, or -1 (when holding a subset)
+
+    def _projections(self, weights, names: tuple[str, ...], shape: tuple[int, int, int]):
+        from ..kernels.triton.fused_moe import stack_group_weights
+        from ..weights.ggml_quants import GROUP_AFFINE_TYPES
+        keep = self.only
+        stored = [weights.raw_stacked(f"{self.key}.{n}_proj") for n in names]
+        affine = {int(t) for t in GROUP_AFFINE_TYPES}
+        if all(st is not None and st[1].shape == shape and int(st[1].ggml_type) in affine for st in stored) and \
+                len({int(st[1].ggml_type) for st in stored}) == 1:
+            E = shape[0]
+            parts = []
+            for raw, info in stored:
+                raw = torch.as_tensor(np.asarray(raw).reshape(E, -1))
+                if keep is not None:
+                    raw = raw[keep]
+                parts.append((raw.contiguous(), int(info.ggml_type), (raw.shape[0], *shape[1:])))
+            return stack_group_weights(parts).to(self.device)
+        dense = [weights.load(f"{self.key}.{n}_proj", dtype=torch.bfloat16, shape=shape) for n in names]
+        w = torch.cat(dense, 1) if len(dense) > 1 else dense[0]
+        if keep is not None:
+            w = w[keep]
+        return w.contiguous().to(self.device)
+
+    def load(self, weights, context) -> None:
+        E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
+        self.gate_up = self._projections(weights, ("gate", "up"), (E, I, H))
+        self.down = self._projections(weights, ("down",), (E, H, I))
+        if self.only is not None:
+            local = torch.full((E,), -1, dtype=torch.int64)
+            local[self.only] = torch.arange(len(self.only))
+            self.local = local.to(self.device)
+
+    def unload(self) -> None:
+        self.gate_up = self.down = self.local = None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from ..kernels.triton.fused_moe import fused_moe
+        if self.gate_up is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        if self.local is not None:
+            ids = self.local[ids]
+        return fused_moe(x, ids, weights, self.gate_up, self.down).to(self.dtype)
+
+
+EXPERT_OPS.register("KExpertsMarlin")(KExpertsGPU)  # upstream's name for GPU experts
+
 
 @dataclass(frozen=True)
 class ExpertsOptions(Placement):
@@ -140,6 +215,30 @@ class ExpertsOptions(Placement):
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
+    # hot experts: this many of the layer's experts also live on a GPU (KExpertsGPU) and the
+    # router's choices are split between it and the CPU op (when the phase's op runs on the CPU)
+    num_gpu_experts: int = 0
+    gpu_experts_device: str | None = device_field(None)  # default: out_device when CUDA, else cuda
+    expert_counts_file: str | None = None  # JSON of routing counts (bench/calibrate); without it: uniform
+
+
+def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list[int]:
+    """The `n` most routed experts of layer `key` by a counts file ({key: [count per expert]}),
+    ties (and no file: uniform counts) broken by the lower id."""
+    if not 0 <= n <= experts:
+        raise ValueError(f"{key}: num_gpu_experts must lie in [0, {experts}], got {n}")
+    counts = [0] * experts
+    if counts_file:
+        import json
+        try:
+            with open(counts_file) as f:
+                table = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{key}: cannot read expert_counts_file {counts_file!r}: {e}") from None
+        counts = table.get(key, counts)
+        if len(counts) != experts:
+            raise ValueError(f"{key}: {counts_file} has {len(counts)} counts for {experts} experts")
+    return sorted(sorted(range(experts), key=lambda e: (-counts[e], e))[:n])
 
 
 @register_operator("KTransformersExperts")
@@ -159,18 +258,56 @@ class KTransformersExperts(BaseInjectedModule):
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
             spec, torch.device(o.generate_device))
+        self.hot = None  # KExpertsGPU over the hot experts, with their mask [E] on its device
+        if o.num_gpu_experts:
+            device = o.gpu_experts_device or (o.out_device if o.out_device.startswith("cuda") else "cuda")
+            ids = hot_experts(key, o.num_gpu_experts, E, o.expert_counts_file)
+            self.hot = KExpertsGPU(spec, torch.device(device), only=ids)
+            self.hot_mask = torch.zeros(E, dtype=torch.bool)
+            self.hot_mask[ids] = True
 
     def load(self) -> None:
         for op in {id(op): op for op in self.ops.values()}.values():
             op.load(self.weights, self.run_context())
+        if self.hot is not None:
+            self.hot.load(self.weights, self.run_context())
+            self.hot_mask = self.hot_mask.to(self.hot.device)
 
     def unload(self) -> None:
         for op in self.ops.values():
             op.unload()
+        if self.hot is not None:
+            self.hot.unload()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.submit(hidden_states, top_k_index, top_k_weights)()
+
+    def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Start the experts and return a function that waits for y [T, H] on out_device. A CPU op
+        runs on its threads meanwhile (the caller computes shared experts, the hot experts run
+        on the GPU); other ops finish before this returns."""
         op = self.ops[self.phase]
         if not getattr(op, "checks_routing", False):  # the C++ ops check shapes and ids themselves
             check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
-        y = op.forward(hidden_states.to(op.device), top_k_index.to(op.device), top_k_weights.to(op.device))
-        return y.to(self.options.out_device, hidden_states.dtype)
+        out, dtype = torch.device(self.options.out_device), hidden_states.dtype
+        split = self.hot is not None and op.device.type == "cpu"
+        ids = top_k_index
+        if split:  # pairs of hot experts go to the GPU; the CPU op skips them (id -1)
+            check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+            on_gpu = self.hot_mask[top_k_index.to(self.hot.device)]
+            ids = top_k_index.masked_fill(on_gpu.to(top_k_index.device), -1)
+        args = (hidden_states.to(op.device), ids.to(op.device), top_k_weights.to(op.device))
+        if hasattr(op, "submit"):
+            pending = op.submit(*args)
+        else:
+            y = op.forward(*args)
+            pending = lambda: y  # noqa: E731
+        gpu_y = None
+        if split:
+            dev = self.hot.device
+            gpu_y = self.hot.forward(hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+
+        def wait() -> torch.Tensor:
+            y = pending().to(out, dtype)
+            return y if gpu_y is None else y + gpu_y.to(out, dtype)
+        return wait

@@ -20,7 +20,8 @@ from .registry import LINEAR_OPS, register_operator
 class KLinearTorch:
     """Reference linear: a dense weight in the model's dtype, F.linear."""
 
-    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype,
+                 options=None):
         self.key, self.in_features, self.out_features = key, in_features, out_features
         self.device, self.dtype = device, dtype
         self.weight: torch.Tensor | None = None
@@ -54,7 +55,8 @@ class KLinearCPU:
     """The C++ CPU linear on the stored GGML blocks (zero-copy); bias added in torch. Types the
     kernels do not compute on are dequantized once to bf16 and computed on as such."""
 
-    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype,
+                 options=None):
         if device.type != "cpu":
             raise ValueError(f"{key}: KLinearCPU runs on the CPU, not {device}")
         self.key, self.in_features, self.out_features, self.device, self.dtype = key, in_features, out_features, device, dtype
@@ -93,10 +95,120 @@ class KLinearCPU:
         return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
 
 
+class _TritonLinear:
+    """Shared by the GPU linears: a weight in a Triton kernel's format on a CUDA device, bias in
+    torch. Subclasses say how to build the weight (`_convert`) and which kernel runs it."""
+
+    kind = ""
+
+    def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype,
+                 options=None):
+        from ..kernels.triton.common import require
+        require(device, f"{key}: {type(self).__name__}")
+        self.key, self.in_features, self.out_features, self.device, self.dtype = key, in_features, out_features, device, dtype
+        self.requantize = bool(getattr(options, "requantize", False))
+        self.weight = None  # the kernel's weight object, or a dense bf16 tensor (F.linear)
+        self.bias: torch.Tensor | None = None
+
+    def _dense(self, weights) -> torch.Tensor:
+        return weights.load(f"{self.key}.weight", dtype=torch.float32, shape=(self.out_features, self.in_features))
+
+    def _stored(self, weights):
+        """(raw bytes, ggml type) of the weight in HF row order, or None when not stored as one GGML tensor."""
+        name = f"{self.key}.weight"
+        stored = weights.raw_stacked(name)
+        if stored is None or stored[1].shape != (self.out_features, self.in_features):
+            return None
+        raw, info = stored
+        perm = weights.stored_row_order(name)
+        if perm is not None:  # undo llama's Q/K row interleave on whole rows of blocks
+            raw = torch.from_numpy(np.asarray(raw).reshape(self.out_features, -1))[torch.argsort(perm)].contiguous()
+        return raw, int(info.ggml_type)
+
+    def load(self, weights, has_bias: bool, context) -> None:
+        w = self._convert(weights)
+        self.weight = w.to(self.device) if not isinstance(w, torch.Tensor) else w.to(self.device, torch.bfloat16)
+        shape = (self.out_features,)
+        self.bias = weights.load(f"{self.key}.bias", self.device, torch.float32, shape) if has_bias else None
+
+    def unload(self) -> None:
+        self.weight = self.bias = None
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            raise RuntimeError(f"{self.key}: linear op used before load()")
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if isinstance(self.weight, torch.Tensor):
+            y = F.linear(flat.to(self.weight.dtype), self.weight).float()
+        else:
+            y = self._gemm(flat)
+        if self.bias is not None:
+            y = y.float() + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
+
+
+@LINEAR_OPS.register("KLinearMarlin")
+class KLinearMarlin(_TritonLinear):
+    """int4 group-quantized weights (Triton GEMM): GGUF Q4_0/Q4_K converted losslessly (per-32
+    scale + offset), Q8_0 kept as int8; any other type stays dense bf16 unless `requantize: true`
+    asks for int4 (lossy)."""
+
+    def _convert(self, weights):
+        from ..kernels.triton import quant_linear as ql
+        from ..weights.ggml_quants import GROUP_AFFINE_TYPES
+        stored = self._stored(weights)
+        if stored is not None and stored[1] in {int(t) for t in GROUP_AFFINE_TYPES}:
+            return ql.from_ggml(stored[0], stored[1], (self.out_features, self.in_features))
+        if self.requantize and self.in_features % ql.GROUP == 0:
+            return ql.quantize_int4(self._dense(weights))
+        return self._dense(weights)
+
+    def _gemm(self, x):
+        from ..kernels.triton.quant_linear import group_gemm
+        return group_gemm(x, self.weight, torch.float32)
+
+
+@LINEAR_OPS.register("KLinearQ8")
+class KLinearQ8(KLinearMarlin):
+    """int8 weights with per-32 scales: GGUF Q8_0 as stored, other types re-quantized to int8."""
+
+    def _convert(self, weights):
+        from ..kernels.triton import quant_linear as ql
+        from ..weights.ggml_quants import GGMLType
+        stored = self._stored(weights)
+        if stored is not None and stored[1] == int(GGMLType.Q8_0):
+            return ql.from_ggml(stored[0], stored[1], (self.out_features, self.in_features))
+        if self.in_features % ql.GROUP:
+            return self._dense(weights)
+        return ql.quantize_int8(self._dense(weights))
+
+
+@LINEAR_OPS.register("KLinearFP8")
+class KLinearFP8(_TritonLinear):
+    """FP8 e4m3 weights with 128x128 block scales: DeepSeek-V3's native FP8 safetensors as
+    stored; other weights quantized to that format at load."""
+
+    def _convert(self, weights):
+        from ..kernels.triton.fp8 import FP8Weight, quantize_fp8
+        stored = weights.fp8_blocks(f"{self.key}.weight")
+        if stored is not None and tuple(stored[0].shape) == (self.out_features, self.in_features):
+            return FP8Weight(stored[0].contiguous(), stored[1].float().contiguous())
+        return quantize_fp8(self._dense(weights))
+
+    def _gemm(self, x):
+        from ..kernels.triton.fp8 import fp8_gemm
+        return fp8_gemm(x, self.weight, torch.float32)
+
+
 @dataclass(frozen=True)
 class LinearOptions(Placement):
     prefill_op: str = field(default="KLinearTorch", metadata=choices(LINEAR_OPS.names))
     generate_op: str = field(default="KLinearTorch", metadata=choices(LINEAR_OPS.names))
+    requantize: bool = False  # KLinearMarlin: re-quantize weights of other types to int4 (lossy)
 
 
 @register_operator("KTransformersLinear")
@@ -116,7 +228,8 @@ class KTransformersLinear(BaseInjectedModule):
         self.ops["generate"] = self.ops["prefill"] if same else self._make_op(o.generate_op, o.generate_device)
 
     def _make_op(self, name: str, device: str):
-        return LINEAR_OPS.get(name)(self.key, self.in_features, self.out_features, torch.device(device), self.dtype)
+        return LINEAR_OPS.get(name)(self.key, self.in_features, self.out_features, torch.device(device), self.dtype,
+                                    options=self.options)
 
     def load(self) -> None:
         for op in {id(op): op for op in self.ops.values()}.values():

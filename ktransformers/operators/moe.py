@@ -30,8 +30,12 @@ class KMoEBlock(BaseInjectedModule):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         _, top_k_weights, top_k_index = self.gate(x)
-        y = self.experts(x, top_k_index, top_k_weights).to(x.device, x.dtype)
-        return (y + self._shared(x)).reshape(shape)
+        submit = getattr(self.experts, "submit", None)
+        if submit is None:  # HF's own experts module (reference rule files)
+            return (self.experts(x, top_k_index, top_k_weights) + self._shared(x)).reshape(shape)
+        wait = submit(x, top_k_index, top_k_weights)  # CPU experts run on their threads meanwhile
+        shared = self._shared(x)
+        return (wait().to(x.device, x.dtype) + shared).reshape(shape)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | int:
         if hasattr(self, "shared_experts"):  # DeepSeek

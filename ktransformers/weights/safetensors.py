@@ -123,6 +123,16 @@ class SafetensorsSource(WeightSource):
         self.consumed.add(name)
         return self._get(stored_name, file).contiguous().view(torch.uint8).numpy().reshape(-1)
 
+    def fp8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if name not in self._files:
+            return None
+        stored_name, file = self._files[name]
+        scale_file = self._scales.get(stored_name)
+        if scale_file is None or self._handle(file).get_slice(stored_name).get_dtype() != "F8_E4M3":
+            return None
+        self.consumed.add(name)
+        return self._get(stored_name, file), self._get(stored_name + "_scale_inv", scale_file).float()
+
     def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         stored_name, file = self._entry(name)
         tensor = self._get(stored_name, file)

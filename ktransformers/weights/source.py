@@ -161,6 +161,11 @@ class WeightSource(ABC):
         """For a tensor stored with its rows reordered: stored row i is HF row order[i]; else None."""
         return None
 
+    def fp8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(float8_e4m3fn weight, float32 block scale_inv) when `name` is stored that way (DeepSeek-V3's
+        FP8 safetensors), else None."""
+        return None
+
     def raw_stacked(self, name: str) -> tuple[np.ndarray, TensorInfo] | None:
         """The stored bytes of `name` as one array with its info: zero-copy when stored whole,
         the parts' bytes concatenated once when it is a stack of per-expert tensors of one type,

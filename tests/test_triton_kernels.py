@@ -1,0 +1,187 @@
+"""The Triton GPU kernels against their torch references, on fresh random inputs over shape
+grids: on CUDA when present, else in Triton's interpreter on the CPU (same kernel code)."""
+import pytest
+import torch
+from tiny import kernel_device
+
+from ktransformers.operators.experts import moe_reference
+from ktransformers.weights import ggml_quants as gq
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return kernel_device()
+
+
+def tol(dev: str) -> float:
+    return 2e-2 if dev == "cuda" else 1e-5  # bf16 tensor-core dots on the GPU, float32 in the interpreter
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_group_affine_is_lossless():
+    for t in gq.GROUP_AFFINE_TYPES:
+        raw = gq.random_blocks(t, 48, gen(int(t)))
+        shape = (6, 48 * gq.FORMATS[t].block_elems // 6)
+        codes, scale, offset = gq.group_affine(raw, t, shape)
+        w = codes.float().reshape(shape[0], -1, 32) * scale[..., None]
+        if offset is not None:
+            w = w + offset[..., None]
+        assert torch.equal(w.reshape(shape), gq.dequantize(raw, t, shape)), t.name
+    with pytest.raises(ValueError, match="Q6_K has no group-affine form"):
+        gq.group_affine(gq.random_blocks("Q6_K", 1), "Q6_K", (1, 256))
+    with pytest.raises(ValueError, match="expected 144 bytes"):
+        gq.group_affine(gq.random_blocks("Q4_K", 2), "Q4_K", (1, 256))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
+@pytest.mark.parametrize("M", [1, 3, 17, 128])
+def test_group_gemm(dev, fmt, M):
+    from ktransformers.kernels.triton import quant_linear as ql
+    for N, K in ((96, 256), (200, 1024)):
+        g = gen(M * N + K)
+        if fmt in ("int4", "int8"):
+            dense = torch.randn(N, K, generator=g)
+            w = (ql.quantize_int4 if fmt == "int4" else ql.quantize_int8)(dense)
+            ref_w = w.dequantize()
+            assert rel_err(ref_w, dense) < (0.1 if fmt == "int4" else 0.01)  # the re-quantization is close
+        else:
+            t = gq.ggml_type(fmt)
+            raw = gq.random_blocks(t, N * K // gq.FORMATS[t].block_elems, g)
+            w = ql.from_ggml(raw, t, (N, K))
+            ref_w = gq.dequantize(raw, t, (N, K))
+            assert torch.equal(w.dequantize(), ref_w)
+        x = torch.randn(M, K, generator=g)
+        y = ql.group_gemm(x.to(dev), w.to(dev), torch.float32)
+        err = rel_err(y.cpu(), x @ ref_w.T)
+        assert err < tol(dev), f"{fmt} M={M} N={N} K={K}: {err:.2e}"
+    with pytest.raises(ValueError, match=r"x must be \[M, 1024\]"):
+        ql.group_gemm(torch.randn(2, 512, device=dev), w.to(dev))
+
+
+@pytest.mark.parametrize("M", [1, 20, 130])
+def test_fp8_gemm(dev, M):
+    from ktransformers.kernels.triton import fp8
+    for N, K in ((256, 512), (200, 300)):
+        g = gen(M + N)
+        dense = torch.randn(N, K, generator=g)
+        w = fp8.quantize_fp8(dense)
+        assert rel_err(w.dequantize(), dense) < 0.05
+        x = torch.randn(M, K, generator=g)
+        y = fp8.fp8_gemm(x.to(dev), w.to(dev), torch.float32)
+        assert rel_err(y.cpu(), x @ w.dequantize().T) < tol(dev)
+
+
+def _histories(lens, S, seed):
+    perm = torch.randperm(S, generator=gen(seed))
+    out, o = [], 0
+    for L in lens:
+        out.append(perm[o:o + L].to(torch.int32))
+        o += L
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,lens,window", [
+    (8, 2, 64, [5, 70], 0), (4, 4, 32, [1, 33, 200], 0), (6, 2, 128, [130], 40), (16, 1, 64, [300, 2], 0)])
+def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window):
+    from ktransformers.kernels.triton import attention as A
+    S, g = 600, gen(sum(lens))
+    k, v = torch.randn(S, kv_heads, dim, generator=g), torch.randn(S, kv_heads, dim, generator=g)
+    read = _histories(lens, S, 1)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    slots, n = A.slot_table(read, dev)
+    out = A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, dim ** -0.5, window=window).cpu()
+    for b, idx in enumerate(read):
+        ref = A.attention_reference(q[b:b + 1], k[idx.long()], v[idx.long()], len(idx) - 1, dim ** -0.5, window=window)
+        assert rel_err(out[b], ref[0]) < tol(dev), f"sequence {b}"
+
+
+@pytest.mark.parametrize("heads,rank,rope,lens", [(5, 48, 16, [7, 150]), (16, 512, 64, [1, 40, 333])])
+def test_decode_attention_mla_latent(dev, heads, rank, rope, lens):
+    """MLA decode in latent space over the [slots, r + p] cache: k1 = c, k2 = k_rot, v = c."""
+    from ktransformers.kernels.triton import attention as A
+    S, g = 800, gen(rank)
+    cache = torch.randn(S, rank + rope, generator=g)
+    read = _histories(lens, S, 2)
+    q_lat, q_rot = torch.randn(len(lens), heads, rank, generator=g), torch.randn(len(lens), heads, rope, generator=g)
+    slots, n = A.slot_table(read, dev)
+    c = cache.to(dev)
+    out = A.decode_attention(q_lat.to(dev), c[:, None, :rank], None, slots, n, 0.1, q2=q_rot.to(dev),
+                             k2=c[:, None, rank:]).cpu()
+    for b, idx in enumerate(read):
+        hist = cache[idx.long()]
+        ref = A.attention_reference(q_lat[b:b + 1], hist[:, None, :rank], hist[:, None, :rank], len(idx) - 1, 0.1,
+                                    q2=q_rot[b:b + 1], k2=hist[:, None, rank:])
+        assert rel_err(out[b], ref[0]) < tol(dev)
+
+
+@pytest.mark.parametrize("tq,start,heads,kv_heads,dim,window", [
+    (40, 0, 4, 2, 32, 0), (17, 50, 6, 3, 64, 0), (70, 10, 2, 1, 16, 25), (130, 0, 4, 4, 128, 0)])
+def test_prefill_attention(dev, tq, start, heads, kv_heads, dim, window):
+    from ktransformers.kernels.triton import attention as A
+    L, g = start + tq, gen(tq + start)
+    k, v = torch.randn(L, kv_heads, dim, generator=g), torch.randn(L, kv_heads, dim, generator=g)
+    q = torch.randn(tq, heads, dim, generator=g)
+    ref = A.attention_reference(q, k, v, start, 0.2, window=window)
+    out = A.prefill_attention(q.to(dev), k.to(dev), v.to(dev), start, 0.2, window=window).cpu()
+    assert rel_err(out, ref) < tol(dev)
+    # the same history scattered over cache slots, read in place
+    S = 3 * L
+    slots = torch.randperm(S, generator=g)[:L]
+    kc, vc = torch.randn(S, kv_heads, dim, generator=g), torch.randn(S, kv_heads, dim, generator=g)
+    kc[slots], vc[slots] = k, v
+    out = A.prefill_attention(q.to(dev), kc.to(dev), vc.to(dev), start, 0.2, window=window,
+                              slots=slots.to(torch.int32).to(dev)).cpu()
+    assert rel_err(out, ref) < tol(dev)
+
+
+def test_prefill_attention_mla_expanded(dev):
+    """MLA prefill: per-head k_nope and v, one rotated key shared by every head (head stride 0)."""
+    from ktransformers.kernels.triton import attention as A
+    for tq, start, h, n, p, dv in ((20, 9, 3, 32, 16, 24), (64, 0, 4, 128, 64, 128)):
+        L, g = start + tq, gen(tq)
+        kn, kr, v = (torch.randn(L, h, n, generator=g), torch.randn(L, 1, p, generator=g),
+                     torch.randn(L, h, dv, generator=g))
+        qn, qr = torch.randn(tq, h, n, generator=g), torch.randn(tq, h, p, generator=g)
+        out = A.prefill_attention(qn.to(dev), kn.to(dev), v.to(dev), start, 0.3, q2=qr.to(dev), k2=kr.to(dev)).cpu()
+        assert rel_err(out, A.attention_reference(qn, kn, v, start, 0.3, q2=qr, k2=kr)) < tol(dev)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (3, 7, 3), (17, 5, 2), (64, 9, 4)])
+def test_fused_moe(dev, fmt, T, E, K):
+    from ktransformers.kernels.triton import fused_moe as fm
+    H, I = 256, 256
+    g = gen(T * E + K)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    if fmt == "bf16":
+        gu = (0.05 * torch.randn(E, 2 * I, H, generator=g)).bfloat16()
+        dn = (0.05 * torch.randn(E, H, I, generator=g)).bfloat16()
+        gu_ref, dn_ref, gu_w, dn_w = gu.float(), dn.float(), gu.to(dev), dn.to(dev)
+    else:
+        t = gq.ggml_type(fmt)
+        per = gq.FORMATS[t].block_elems
+        raws = [gq.random_blocks(t, E * I * H // per, g) for _ in range(3)]
+        gu_w = fm.stack_group_weights([(raws[0], t, (E, I, H)), (raws[1], t, (E, I, H))]).to(dev)
+        dn_w = fm.stack_group_weights([(raws[2], t, (E, H, I))]).to(dev)
+        gu_ref = torch.cat([gq.dequantize(raws[0], t, (E, I, H)), gq.dequantize(raws[1], t, (E, I, H))], 1)
+        dn_ref = gq.dequantize(raws[2], t, (E, H, I))
+        assert torch.equal(gu_w.dequantize().cpu(), gu_ref)
+    ref = moe_reference(x, ids, w, gu_ref, dn_ref)
+    y = fm.fused_moe(x.to(dev), ids.to(dev), w.to(dev), gu_w, dn_w).cpu()
+    assert rel_err(y, ref) < tol(dev), fmt
+    # pairs marked -1 (experts held elsewhere) contribute nothing
+    skip = (ids % 2 == 1) & (torch.arange(T)[:, None] % 3 != 0)
+    y = fm.fused_moe(x.to(dev), ids.masked_fill(skip, -1).to(dev), w.to(dev), gu_w, dn_w).cpu()
+    ref = moe_reference(x, ids, w.masked_fill(skip, 0), gu_ref, dn_ref)
+    assert rel_err(y, ref) < tol(dev)
