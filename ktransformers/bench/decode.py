@@ -69,7 +69,7 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     from ..engine.generate import Engine
     from ..loader import load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
-                        cpu_infer=args.threads, tokenizer=False)
+                        cpu_infer=args.threads, tokenizer=False, default_device=args.device)
     engine = Engine(loaded.model, None, cache_lens=args.prompt + args.decode + 16, page_size=256,
                     chunk_size=max(args.prompt, 1))
     gen = torch.Generator().manual_seed(0)
@@ -81,9 +81,13 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
         seq = engine.new_sequence()
         t0 = time.perf_counter()
         engine.prefill(seq, prompt)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         for token in steps:
             engine.decode(seq, token)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         engine.release(seq)
         runs.append({"prefill_s": t1 - t0, "decode_s": t2 - t1})
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model_path")
     p.add_argument("--optimize_config_path")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cpu", help="default device of the model (cuda: the shipped GPU rule file "
+                   "when --optimize_config_path is not given, bf16 weights)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--decode", type=int, default=64, help="decode steps")
     p.add_argument("--repeats", type=int, default=3)

@@ -127,7 +127,8 @@ class _TritonLinear:
 
     def load(self, weights, has_bias: bool, context) -> None:
         w = self._convert(weights)
-        self.weight = w.to(self.device) if not isinstance(w, torch.Tensor) else w.to(self.device, torch.bfloat16)
+        # a dense fallback keeps the model's dtype (bf16 on GPUs; float32 models stay exact)
+        self.weight = w.to(self.device) if not isinstance(w, torch.Tensor) else w.to(self.device, self.dtype)
         shape = (self.out_features,)
         self.bias = weights.load(f"{self.key}.bias", self.device, torch.float32, shape) if has_bias else None
 
@@ -143,7 +144,7 @@ class _TritonLinear:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if isinstance(self.weight, torch.Tensor):
-            y = F.linear(flat.to(self.weight.dtype), self.weight).float()
+            y = F.linear(flat.to(self.weight.dtype), self.weight)
         else:
             y = self._gemm(flat)
         if self.bias is not None:

@@ -1,0 +1,103 @@
+"""The shipped GPU rule files end to end on tiny models: Marlin/Q8 linears, the Triton attention
+over the paged caches, CPU experts with their output on the GPU, hot experts on the GPU.
+On CUDA as shipped; without CUDA, with their cuda placements moved to the CPU so that Triton's
+interpreter runs the same kernels (that is how CI checks the wiring)."""
+import pytest
+import torch
+from test_models import q4_k_m
+from tiny import FAMILIES, gpu_rules, kernel_device, reference_rules, tiny_model
+
+from ktransformers import optimize_and_load_gguf
+from ktransformers.engine.generate import Engine
+from ktransformers.loader import build_skeleton
+from ktransformers.operators.experts import KTransformersExperts, hot_experts
+from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.gguf_write import converter_type, write_gguf
+
+pytestmark = pytest.mark.triton
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return kernel_device()
+
+
+def load(path, config, rules, dev):
+    model = build_skeleton(config, torch.bfloat16 if dev == "cuda" else torch.float32)
+    optimize_and_load_gguf(model, rules, path, config)
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids.to(model.get_input_embeddings().weight.device), use_cache=False).logits.float().cpu()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("types", ["Q4_K_M", "Q8_0"])
+def test_gpu_rules_match_the_reference(tmp_path, dev, family, types):
+    """Logits through the GPU rule file equal the torch-reference rules on the same GGUF (CPU
+    experts round activations to int8; the GPU computes in bf16)."""
+    hf = tiny_model(family, layers=2)
+    chooser = q4_k_m if types == "Q4_K_M" else converter_type(GGMLType.Q8_0)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=chooser)
+    ref = load(tmp_path / "m.gguf", hf.config, reference_rules(family, tmp_path), "cpu")
+    ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    err = rel_err(logits(ours, ids), logits(ref, ids))
+    assert err < (3e-2 if dev == "cuda" else 1e-2), f"{family} {types}: {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_gpu_cached_decode_equals_full_recompute(tmp_path, dev, family):
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
+    ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    full = logits(ours, torch.tensor([ids]))[0]
+    engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=7)
+    assert engine.cache.device.type == dev
+    seq = engine.new_sequence()
+    got = [engine.prefill(seq, ids[:17])[0]] + [engine.decode(seq, t)[0] for t in ids[17:-1]]
+    err = rel_err(torch.stack(got).cpu(), full[16:-1])
+    assert err < (3e-2 if dev == "cuda" else 1e-3), f"{family}: cached vs full {err:.2e}"
+    # two sequences of different lengths decoded in one step: as when alone
+    other = engine.new_sequence()
+    engine.prefill(other, ids[:5])
+    both = engine.step([seq, other], [[ids[-1]], [ids[5]]])
+    alone = full[5] if dev != "cuda" else None
+    if alone is not None:
+        assert rel_err(both[1].cpu(), alone) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_hot_experts_split_equals_all_cpu(tmp_path, dev, family):
+    """num_gpu_experts: the hot experts' pairs run on the GPU kernel, the rest on the CPU; the
+    summed output equals all experts on the CPU."""
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=converter_type(GGMLType.Q8_0))
+    all_cpu = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
+    split = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev, f"num_gpu_experts: 3\n      gpu_experts_device: {dev}"), dev)
+    layers = [m for m in split.modules() if isinstance(m, KTransformersExperts)]
+    assert layers and all(int(m.hot_mask.sum()) == 3 for m in layers)
+    calls = []
+    for m in layers:
+        m.hot.forward = (lambda f: lambda *a: calls.append(1) or f(*a))(m.hot.forward)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(7))
+    err = rel_err(logits(split, ids), logits(all_cpu, ids))
+    assert calls and err < (3e-2 if dev == "cuda" else 1e-2), f"{err:.2e}"
+
+
+def test_hot_expert_choice(tmp_path):
+    counts = tmp_path / "counts.json"
+    counts.write_text('{"model.layers.1.mlp.experts": [5, 9, 9, 1, 0, 7]}')
+    assert hot_experts("model.layers.1.mlp.experts", 3, 6, str(counts)) == [1, 2, 5]
+    assert hot_experts("model.layers.2.mlp.experts", 2, 6, str(counts)) == [0, 1]  # not counted: uniform
+    with pytest.raises(ValueError, match="num_gpu_experts must lie in"):
+        hot_experts("x", 7, 6, None)
+    with pytest.raises(ValueError, match="has 6 counts for 4 experts"):
+        hot_experts("model.layers.1.mlp.experts", 1, 4, str(counts))
