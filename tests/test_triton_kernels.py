@@ -185,3 +185,36 @@ def test_fused_moe(dev, fmt, T, E, K):
     y = fm.fused_moe(x.to(dev), ids.masked_fill(skip, -1).to(dev), w.to(dev), gu_w, dn_w).cpu()
     ref = moe_reference(x, ids, w.masked_fill(skip, 0), gu_ref, dn_ref)
     assert rel_err(y, ref) < tol(dev)
+
+
+def test_dequantize_for_cublas(dev):
+    """The many-row path's one-pass dequantization (int4/int8 and FP8) to bf16 Wᵀ."""
+    from ktransformers.kernels.triton import fp8
+    from ktransformers.kernels.triton import quant_linear as ql
+    g = gen(11)
+    for t in ("Q4_K", "Q8_0"):
+        raw = gq.random_blocks(t, 96 * 512 // gq.FORMATS[gq.ggml_type(t)].block_elems, g)
+        w = ql.from_ggml(raw, gq.ggml_type(t), (96, 512))
+        got = ql.dequantize_t(w.to(dev)).cpu().float()
+        ref = gq.dequantize(raw, t, (96, 512)).T
+        # one bf16 step apart at most (the interpreter truncates to bf16 where the GPU rounds)
+        assert torch.allclose(got, ref, rtol=2 ** -7, atol=0), t
+    w = fp8.quantize_fp8(torch.randn(200, 300, generator=g))
+    assert torch.allclose(fp8.dequantize_t(w.to(dev)).cpu().float(), w.dequantize().T, rtol=2 ** -7, atol=0)
+
+
+def test_align_is_sync_free_and_complete(dev):
+    """Every live pair lands once in its expert's padded run; dropped (-1) pairs nowhere."""
+    from ktransformers.kernels.triton.fused_moe import align
+    g = gen(12)
+    for T, E, K, bm in ((1, 8, 2, 16), (37, 6, 3, 16), (100, 9, 4, 64)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        ids[torch.rand(T, K, generator=g) < 0.2] = -1
+        pairs, block_expert = align(ids.to(dev), E, bm)
+        pairs, block_expert = pairs.cpu().long(), block_expert.cpu().long()
+        flat = ids.reshape(-1)
+        live = pairs[pairs < T * K]
+        assert sorted(live.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()
+        expert_of_row = block_expert.repeat_interleave(bm)[: len(pairs)]
+        assert torch.equal(flat[live], expert_of_row[pairs < T * K])
+        assert (block_expert <= E).all()

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_f32
+from .common import dot_f32, sm_count
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -125,7 +125,7 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     BLOCK_T = 32
     # splits: enough programs to fill the GPU, each at least a few blocks of the history
     programs = B * Hkv * triton.cdiv(group, 16)
-    sms = torch.cuda.get_device_properties(q1.device).multi_processor_count if q1.device.type == "cuda" else 2
+    sms = sm_count(q1.device)
     splits = max(1, min(triton.cdiv(span, 4 * BLOCK_T), triton.cdiv(2 * sms, programs)))
     tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
     splits = triton.cdiv(span, tokens_per_split)

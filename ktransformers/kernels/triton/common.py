@@ -1,6 +1,7 @@
 """What every Triton kernel module shares: whether Triton runs here, and the dot-product dtype."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,6 +38,22 @@ def require(device: torch.device | str, what: str) -> None:
                          "(or on the CPU under TRITON_INTERPRET=1, for tests)")
 
 
+# Feed tl.dot float32 instead of bf16 under the interpreter, whose bf16 dot is wrong (Triton 3.6-3.9).
+# Fixed at import, like Triton's own choice of interpreter (made when a kernel is decorated).
+DOT_F32 = interpreting()
+
+
 def dot_f32() -> bool:
-    """Feed tl.dot float32 instead of bf16: the interpreter's bf16 dot is wrong (Triton 3.6)."""
-    return interpreting()
+    return DOT_F32
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a small number under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -91,26 +91,29 @@ ExpertProjection = "torch.Tensor | StackedGroupWeight"
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the T*K pairs by expert, each expert's run padded to a multiple of block_m.
-    Returns (pairs int32 [P]: flat pair index t*K+k, or T*K for padding; block_expert int32 [P/block_m])."""
+    """Sort the T*K pairs by expert, each expert's run padded to a multiple of block_m, without a
+    host sync (so a CUDA graph can hold it): sizes are the worst case for T*K pairs.
+    Returns (pairs int32 [P]: flat pair index t*K+k, or T*K for padding; block_expert int32
+    [P/block_m]: the block's expert, or `experts` for a block past the last one)."""
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
+    max_blocks = n // block_m + min(experts, n) + 1
     key = torch.where(flat < 0, experts, flat)  # pairs not on this GPU sort last and are dropped
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
-    firsts = torch.cumsum(counts, 0) - counts
-    total = int(padded.sum())
-    pairs = torch.full((max(total, block_m),), n, dtype=torch.int32, device=ids.device)
+    padded[experts] = 0
+    ends = torch.cumsum(padded, 0)
+    starts, firsts = ends - padded, torch.cumsum(counts, 0) - counts
     sorted_key = key[order]
-    live = sorted_key < experts
-    e = sorted_key[live]
-    rank = torch.arange(n, device=ids.device)[live] - firsts[e]
-    pairs[starts[e] + rank] = order[live].to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(experts, device=ids.device, dtype=torch.int32),
-                                           padded // block_m)
-    return pairs, block_expert
+    rank = torch.arange(n, device=ids.device) - firsts[sorted_key]
+    dump = max_blocks * block_m  # where the dropped pairs are written
+    where = torch.where(sorted_key < experts, starts[sorted_key] + rank, dump)
+    pairs = torch.full((dump + 1,), n, dtype=torch.int32, device=ids.device)
+    pairs.scatter_(0, where, order.to(torch.int32))
+    block_start = torch.arange(max_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(ends[:experts].contiguous(), block_start, right=True).to(torch.int32)
+    return pairs[:dump], block_expert
 
 
 @triton.jit
@@ -129,7 +132,7 @@ def _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn, N, n_total, s_
 
 @triton.jit
 def _expert_gemm_kernel(a_ptr, pairs_ptr, block_expert_ptr, w_ptr, scale_ptr, offset_ptr, route_ptr, out_ptr,
-                        num_pairs, top_k, N, K, s_a, s_out, s_we, s_se,
+                        num_pairs, num_experts, top_k, N, K, s_a, s_out, s_we, s_se,
                         GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
@@ -137,6 +140,8 @@ def _expert_gemm_kernel(a_ptr, pairs_ptr, block_expert_ptr, w_ptr, scale_ptr, of
     else out[pair, n] = route[pair] * (a W_eᵀ). a's row is the pair's token (A_BY_TOKEN) or the pair."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e >= num_experts:  # a block past the last expert's run (sizes are the worst case)
+        return
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     live = pairs < num_pairs
     a_row = (pairs // top_k) if A_BY_TOKEN else pairs
@@ -197,8 +202,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
                          f"x [T, {H}]")
     BLOCK_M = 16 if T * K <= 64 * E else 64
     pairs, block_expert = align(ids, E, BLOCK_M)
-    if block_expert.numel() == 0:
-        return torch.zeros(T, H, device=x.device, dtype=torch.float32)
     x = x.contiguous()
     act_dtype = torch.float32 if x.device.type == "cpu" else torch.bfloat16
     inter = torch.empty(T * K, I, device=x.device, dtype=act_dtype)
@@ -209,10 +212,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     blocks = block_expert.numel()
     BN, BK = 64, (64 if H % 64 == 0 else 32)
     _expert_gemm_kernel[(blocks, triton.cdiv(I, BN))](
-        x, pairs, block_expert, gu[0], gu[1], gu[2], route, inter, T * K, K, I, H, x.stride(0), inter.stride(0),
+        x, pairs, block_expert, gu[0], gu[1], gu[2], route, inter, T * K, E, K, I, H, x.stride(0), inter.stride(0),
         gu[5], gu[6], GATED=True, A_BY_TOKEN=True, BITS=gu[3], HAS_OFFSET=gu[4], BLOCK_N=BN, BLOCK_K=BK, **common)
     BK = 64 if I % 64 == 0 else 32
     _expert_gemm_kernel[(blocks, triton.cdiv(H, BN))](
-        inter, pairs, block_expert, dn[0], dn[1], dn[2], route, out, T * K, K, H, I, inter.stride(0), out.stride(0),
+        inter, pairs, block_expert, dn[0], dn[1], dn[2], route, out, T * K, E, K, H, I, inter.stride(0), out.stride(0),
         dn[5], dn[6], GATED=False, A_BY_TOKEN=False, BITS=dn[3], HAS_OFFSET=dn[4], BLOCK_N=BN, BLOCK_K=BK, **common)
     return out.view(T, K, H).sum(1)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import dot_f32
+from .common import dot_f32, sm_count
 
 GROUP = 32
 
@@ -161,10 +161,34 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, 
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, offset_ptr, out_ptr, N, K,
+                    BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [K, N] bf16 = Wᵀ, one (BLOCK_K x BLOCK_N) tile per program."""
+    k0 = tl.program_id(0) * BLOCK_K
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, N, BITS, HAS_OFFSET, BLOCK_K, BLOCK_N,
+                           GROUP_SIZE)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rk[:, None] * N + rn[None, :], w.to(tl.bfloat16), mask=(rk < K)[:, None] & (rn < N)[None, :])
+
+
+def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
+    """Wᵀ [K, N] in bf16 on the weight's device (for the many-row path: one pass, then cuBLAS)."""
+    K, N = w.in_features, w.out_features
+    out = torch.empty(K, N, device=w.codes.device, dtype=torch.bfloat16)
+    BLOCK_K = 64 if K % 64 == 0 else 32
+    offset = w.offset if w.offset is not None else w.scale
+    _dequant_kernel[(K // BLOCK_K, triton.cdiv(N, 128))](w.codes, w.scale, offset, out, N, K, BITS=w.bits,
+                                                         HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
+                                                         BLOCK_N=128, BLOCK_K=BLOCK_K)
+    return out
+
+
+# Above this many rows the GEMM is compute-bound: dequantize the weight once to bf16 and let cuBLAS
+# multiply (its tensor-core GEMM beats dequantizing inside every tile of a Triton GEMM).
+DENSE_ROWS = 64
 
 
 def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -177,6 +201,8 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     x = x.contiguous()
     M = x.shape[0]
     out_dtype = out_dtype or x.dtype
+    if M > DENSE_ROWS and x.device.type == "cuda":
+        return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
     BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
     if M <= 16:
         BLOCK_M, BLOCK_N = 16, 64
@@ -188,7 +214,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     k_blocks = K // BLOCK_K
     splits = 1
     if M <= 64:  # few rows: split K until the machine is busy
-        splits = max(1, min(k_blocks // 2, 2 * _sm_count(x.device) // max(tiles, 1)))
+        splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
     k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
     splits = triton.cdiv(K, k_per_split)
     atomic = splits > 1
