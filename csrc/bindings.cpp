@@ -103,6 +103,30 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              });
 
+    py::class_<MoEHostCall, std::shared_ptr<MoEHostCall>>(m, "MoEHostCall", py::module_local())
+        .def(py::init([](std::shared_ptr<MoE> moe, std::shared_ptr<Runtime> rt, int tokens, uintptr_t ids,
+                         uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
+                 if (tokens < 1) throw std::invalid_argument("MoEHostCall: tokens must be positive");
+                 auto call = std::make_shared<MoEHostCall>();
+                 call->moe = moe;
+                 call->runtime = rt;
+                 call->tokens = tokens;
+                 call->ids = cptr<int64_t>(ids);
+                 call->weights = cptr<float>(weights);
+                 call->x = cptr<void>(x);
+                 call->y = (void*)y;
+                 call->dtype = dtype_of(dtype);
+                 return call;
+             }))
+        .def_property_readonly("address", [](MoEHostCall& c) { return (uintptr_t)&c; })
+        .def("take_error", [](MoEHostCall& c) {
+                 std::string e;
+                 std::swap(e, c.error);
+                 return e;
+             });
+    m.attr("moe_host_submit") = (uintptr_t)&moe_host_submit;
+    m.attr("moe_host_wait") = (uintptr_t)&moe_host_wait;
+
     py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int in_features, int out_features, int type, uintptr_t weight,
                          size_t weight_bytes, int max_tokens) {

@@ -315,4 +315,23 @@ void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
     });
 }
 
+void moe_host_submit(void* data) {
+    auto* call = static_cast<MoEHostCall*>(data);
+    try {
+        call->moe->submit(call->tokens, call->ids, call->weights, call->x, call->y, call->dtype);
+    } catch (const std::exception& e) {
+        if (call->error.empty()) call->error = e.what();
+    }
+}
+
+void moe_host_wait(void* data) {
+    auto* call = static_cast<MoEHostCall*>(data);
+    try {
+        call->runtime->sync();
+    } catch (const std::exception& e) {
+        if (call->error.empty()) call->error = e.what();
+    }
+}
+
 }  // namespace kt
+

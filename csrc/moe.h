@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "int8.h"
@@ -84,4 +85,24 @@ class MoE {
     std::vector<int> fill_;                    // scratch for group_by_expert
 };
 
+// One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
+// waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc
+// enqueue on a GPU stream, so that a stream (and a CUDA graph captured from it) runs the CPU
+// experts in order with its kernels. No Python runs in them; a failure is kept in `error` (the
+// first one) for the caller to raise after the stream is done.
+struct MoEHostCall {
+    std::shared_ptr<MoE> moe;
+    std::shared_ptr<Runtime> runtime;
+    int tokens = 0;
+    const int64_t* ids = nullptr;
+    const float* weights = nullptr;
+    const void* x = nullptr;
+    void* y = nullptr;
+    Dtype dtype = Dtype::F32;
+    std::string error;
+};
+void moe_host_submit(void* call);  // MoE::submit of the call (returns at once)
+void moe_host_wait(void* call);    // waits for the runtime's queued jobs
+
 }  // namespace kt
+

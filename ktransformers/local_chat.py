@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"model's tokenizer files")
         if args.mode == "long_context":
             _absorb_prefill(loaded.model)
-        engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size)
+        engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
+                        use_cuda_graph=args.use_cuda_graph)
         gen_config = getattr(loaded.model, "generation_config", None)
         # a model that says nothing about sampling gets a usual chat default, not temperature 1
         overrides = {} if getattr(gen_config, "temperature", None) is not None else {"temperature": 0.7, "top_p": 0.9}

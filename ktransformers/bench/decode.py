@@ -71,7 +71,7 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
                         cpu_infer=args.threads, tokenizer=False, default_device=args.device)
     engine = Engine(loaded.model, None, cache_lens=args.prompt + args.decode + 16, page_size=256,
-                    chunk_size=max(args.prompt, 1))
+                    chunk_size=max(args.prompt, 1), use_cuda_graph=not args.no_cuda_graph)
     gen = torch.Generator().manual_seed(0)
     vocab = config.vocab_size
     runs = []
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, default=64, help="decode steps")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU (no CUDA graphs)")
     p.add_argument("--llama-python", default=os.environ.get("KT_LLAMA_PYTHON"),
                    help="python with llama-cpp-python installed (default: this one, or $KT_LLAMA_PYTHON)")
     p.add_argument("--stream-gib", type=float, default=2.0)

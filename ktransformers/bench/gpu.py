@@ -59,7 +59,8 @@ LINEAR_SHAPES = {"dsv3.q_b": (24576, 1536), "dsv3.o": (7168, 16384), "dsv3.mlp_u
 
 
 def linear_rows(hbm: float, tokens=(1, 16, 512)) -> list[dict]:
-    from ..kernels.triton import fp8, quant_linear as ql
+    from ..kernels.triton import fp8
+    from ..kernels.triton import quant_linear as ql
     rows = []
     for name, (N, K) in LINEAR_SHAPES.items():
         gen = torch.Generator().manual_seed(N + K)

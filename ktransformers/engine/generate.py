@@ -131,7 +131,8 @@ class Engine:
     RunContext, which the attention operators read."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, cache_lens: int = 4096, page_size: int = 256,
-                 chunk_size: int = 512, cache: PagedCache | None = None):
+                 chunk_size: int = 512, cache: PagedCache | None = None, use_cuda_graph: bool = False,
+                 max_batch: int = 8):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.model, self.tokenizer, self.chunk_size = model, tokenizer, chunk_size
@@ -150,6 +151,12 @@ class Engine:
         self.cpu_decode = self.cache.device.type == "cpu"
         self.torch_threads = torch.get_num_threads()
         self.last_prefill_tokens = 0
+        self.on_cuda = self.cache.device.type == "cuda"
+        # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
+        self.graphs = None
+        if use_cuda_graph and self.on_cuda:
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, max_batch)
 
     def _attention_layers(self) -> list:
         """Every layer's cached attention operator, sharing the engine's run context."""
@@ -175,19 +182,30 @@ class Engine:
     def step(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed `new_tokens[i]` to `seqs[i]` in one forward; logits of each one's last token [n, V]."""
         batch = self.cache.prepare(seqs, [len(t) for t in new_tokens])
+        try:
+            if self.graphs is not None and len(seqs) <= self.graphs.max_batch and all(len(t) == 1 for t in new_tokens):
+                logits = self.graphs.run(batch, [t[0] for t in new_tokens])
+            else:
+                logits = self._eager_step(batch, new_tokens)
+            if self.on_cuda:  # CPU experts ran from the stream: raise what they failed with
+                torch.cuda.current_stream().synchronize()
+                self.context.check_host_errors()
+        except BaseException:
+            for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
+                self.cache.truncate(s, start)
+            raise
+        for s, tokens in zip(seqs, new_tokens):
+            self._tokens.setdefault(s.seq_id, []).extend(tokens)
+        return logits
+
+    def _eager_step(self, batch, new_tokens: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long,
                            device=self.embed.weight.device)[None]
         self.context.batch = batch
         try:
             hidden = self._decoder(ids, batch.positions.to(ids.device)[None])
-        except BaseException:
-            for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
-                self.cache.truncate(s, start)
-            raise
         finally:
             self.context.batch = None
-        for s, tokens in zip(seqs, new_tokens):
-            self._tokens.setdefault(s.seq_id, []).extend(tokens)
         last = torch.tensor(batch.q_lens).cumsum(0) - 1
         return self.model.lm_head(hidden[0, last.to(hidden.device)]).float()
 

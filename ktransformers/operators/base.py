@@ -98,6 +98,7 @@ class RunContext:
     def __init__(self, cpu_threads: int | None = None):
         self.cpu_threads = cpu_threads
         self._cpu = None
+        self._staging = None
         self.cache = None  # a cache.PagedCache
         self.batch = None  # the cache.ForwardBatch of the forward in flight
 
@@ -106,6 +107,18 @@ class RunContext:
             from ..kernels.cpu import CPURuntime
             self._cpu = CPURuntime(self.cpu_threads)
         return self._cpu
+
+    def host_staging(self):
+        """Pinned buffers and host calls that run CPU experts in order with a CUDA stream."""
+        if self._staging is None:
+            from ..kernels.cuda_host import HostStaging
+            self._staging = HostStaging(self.cpu_runtime(), pinned=torch.cuda.is_available())
+        return self._staging
+
+    def check_host_errors(self) -> None:
+        """Raise what a CPU job run from a CUDA stream failed with (call after the stream ran)."""
+        if self._staging is not None:
+            self._staging.check_errors()
 
 
 class BaseInjectedModule(nn.Module):

@@ -113,6 +113,7 @@ class KExpertsCPU:
 
     def load(self, weights, context) -> None:
         from ..kernels.cpu import MoEKernel
+        self.context = context
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
@@ -138,6 +139,9 @@ class KExpertsCPU:
         """Queue the experts on the CPU threads and return at once; call the result to wait for y."""
         if self.kernel is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
+        if x.device.type == "cuda":  # in order with the GPU stream (and inside CUDA graphs)
+            from ..kernels.cuda_host import submit_on_stream
+            return submit_on_stream(self.kernel, self.context.host_staging(), x, ids, weights, self.dtype)
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         y = self.kernel.submit(x, ids, weights)
@@ -293,10 +297,13 @@ class KTransformersExperts(BaseInjectedModule):
         split = self.hot is not None and op.device.type == "cpu"
         ids = top_k_index
         if split:  # pairs of hot experts go to the GPU; the CPU op skips them (id -1)
-            check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+            if hidden_states.device.type != "cuda":  # (on a GPU stream the C++ kernel checks the ids)
+                check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
             on_gpu = self.hot_mask[top_k_index.to(self.hot.device)]
             ids = top_k_index.masked_fill(on_gpu.to(top_k_index.device), -1)
-        args = (hidden_states.to(op.device), ids.to(op.device), top_k_weights.to(op.device))
+        # a CPU op fed from a GPU stream takes the GPU tensors (it stages them itself)
+        where = hidden_states.device if op.device.type == "cpu" and hidden_states.device.type == "cuda" else op.device
+        args = (hidden_states.to(where), ids.to(where), top_k_weights.to(where))
         if hasattr(op, "submit"):
             pending = op.submit(*args)
         else:
