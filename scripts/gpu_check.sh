@@ -45,8 +45,9 @@ if has bench-moe; then
 fi
 if has e2e; then
   python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --layers "${E2E_LAYERS:-4}" --vocab 32000 --out /tmp/q3.gguf > /dev/null
-  for dev in cuda cpu; do
-    python3 -m ktransformers.bench.decode --gguf_path /tmp/q3.gguf --device $dev --threads "$THREADS" --no-peer \
+  for variant in "--device cuda" "--device cuda --no-cuda-graph" "--device cpu"; do
+    echo "# bench.decode $variant" | tee -a "$OUT/bench_decode.txt"
+    python3 -m ktransformers.bench.decode --gguf_path /tmp/q3.gguf $variant --threads "$THREADS" --no-peer \
         --prompt 512 --decode 64 2>>"$OUT/bench_decode.err" | tee -a "$OUT/bench_decode.txt"
   done
 fi

@@ -122,8 +122,11 @@ def test_bad_input_raises_before_touching_memory(runtime):
     x, w = torch.randn(2, H), torch.rand(2, K)
     with pytest.raises(ValueError, match=r"expert id 4 at position 1 is outside \[0, 4\)"):
         kernel.forward(x, torch.tensor([[0, 4], [1, 2]]), w)
-    with pytest.raises(ValueError, match=r"expert id -1 at position 3"):
-        kernel.submit(x, torch.tensor([[0, 1], [2, -1]]), w)  # checked before the job is queued
+    with pytest.raises(ValueError, match=r"expert id -2 at position 3"):
+        kernel.submit(x, torch.tensor([[0, 1], [2, -2]]), w)  # checked before the job is queued
+    # -1 skips a pair (its expert runs elsewhere, e.g. on the GPU): as if its weight were 0
+    skipped = kernel.forward(x, torch.tensor([[0, 1], [2, -1]]), w)
+    assert torch.equal(skipped, kernel.forward(x, torch.tensor([[0, 1], [2, 3]]), w * torch.tensor([[1.0, 1], [1, 0]])))
     with pytest.raises(ValueError, match=r"\[2, 2\]"):
         kernel.forward(x, torch.tensor([[0, 1]]), w[:1])
     with pytest.raises(ValueError, match=r"x must be a CPU tensor \[T, 256\]"):
