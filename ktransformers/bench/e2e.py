@@ -1,0 +1,155 @@
+"""Hybrid GPU + CPU end to end: prefill at several prompt lengths and decode, against the decode
+roofline of the same run and llama.cpp (experts on the CPU, `-ot exps=CPU`) on the same file.
+
+    python -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3.gguf  # 48 layers
+    python -m ktransformers.bench.e2e --gguf_path /tmp/q3.gguf --threads 16 [--llama-bench PATH]
+
+Ours: the shipped GPU rule file for the architecture (or --optimize_config_path), bf16 on the GPU,
+CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
+--chunk_size); decode tok/s over --decode steps after a 512-token prompt.
+Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
+bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
+device-copy bandwidth); the floor time is the sum, and `ratio` = measured / roofline tok/s.
+llama.cpp: `llama-bench -ngl 99 -ot exps=CPU -fa 1 -ub 2048 -b 2048` on the same file and threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def roofline_bytes(files, config) -> tuple[float, float]:
+    """(CPU bytes, GPU bytes) one decode step reads: expert tensors top_k/E (RAM), the rest (GPU)."""
+    experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                   if getattr(config, k, None))
+    cpu = gpu = 0.0
+    for name, info in files.tensors.items():
+        if name == "token_embd.weight":
+            gpu += info.data.nbytes / info.shape[0]
+        elif "_exps." in name:
+            cpu += info.data.nbytes * config.num_experts_per_tok / experts
+        else:
+            gpu += info.data.nbytes
+    return cpu, gpu
+
+
+def gpu_copy_gbps() -> float:
+    from .gpu import copy_gbps
+    return copy_gbps()
+
+
+def measure_ours(args, config) -> dict:
+    from ..engine.generate import Engine
+    from ..loader import load_model
+    loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
+                        cpu_infer=args.threads, tokenizer=False, default_device="cuda")
+    longest = max(args.prompts)
+    engine = Engine(loaded.model, None, cache_lens=longest + args.decode + 256, page_size=256,
+                    chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
+    gen = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    prefill = {}
+    for P in [args.prompts[0]] + list(args.prompts):  # the first length twice: warm-up
+        times = []
+        for _ in range(args.repeats):
+            prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
+            seq = engine.new_sequence()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.prefill(seq, prompt)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            engine.release(seq)
+        prefill[P] = P / statistics.median(times)
+    decode = []
+    for _ in range(args.repeats):
+        seq = engine.new_sequence()
+        engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
+        steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
+        engine.decode(seq, steps[0])  # (the first step captures the graph)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for token in steps[1:]:
+            engine.decode(seq, token)
+        torch.cuda.synchronize()
+        decode.append((args.decode - 1) / (time.perf_counter() - t0))
+        engine.release(seq)
+    return {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
+
+
+def measure_llama(args) -> dict | None:
+    if not args.llama_bench:
+        return None
+    cmd = [args.llama_bench, "-m", str(args.gguf_path), "-ngl", "99", "-ot", "exps=CPU", "-t", str(args.threads),
+           "-fa", "1", "-ub", "2048", "-b", "2048", "-p", ",".join(map(str, args.prompts)), "-n", str(args.decode),
+           "-r", str(args.repeats), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(f"llama-bench failed: {out.stderr.strip().splitlines()[-3:]}")
+        return None
+    rows = json.loads(out.stdout)
+    prefill = {r["n_prompt"]: r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]}
+    decode = next((r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"]), None)
+    return {"prefill": prefill, "decode": decode, "build": rows[0].get("build_commit", "")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf_path", required=True)
+    p.add_argument("--model_path")
+    p.add_argument("--optimize_config_path")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--chunk_size", type=int, default=8192)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--llama-bench", help="path of llama.cpp's llama-bench (CUDA build) to run beside ours")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.e2e needs a CUDA device")
+    if not Path(args.gguf_path).exists():
+        p.error(f"--gguf_path {args.gguf_path} does not exist")
+    from ..loader import load_config
+    from ..weights.gguf import GGUFFileSet
+    from .moe import stream_gbps
+    files = GGUFFileSet(args.gguf_path)
+    config = load_config(args.model_path, args.gguf_path, files)
+    cpu_bytes, gpu_bytes = roofline_bytes(files, config)
+    ours = measure_ours(args, config)
+    cpu_bw = stream_gbps(ours.pop("loaded").model.kt_context.cpu_runtime(), 2.0)
+    gpu_bw = gpu_copy_gbps()
+    floor_s = cpu_bytes / (cpu_bw * 1e9) + gpu_bytes / (gpu_bw * 1e9)
+    roof = 1 / floor_s
+    peer = measure_llama(args)
+    rows = [dict(engine="ktransformers", **ours)] + ([dict(engine="llama.cpp", **peer)] if peer else [])
+    head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
+            f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s) + {gpu_bytes / 1e6:.0f} MB from the GPU "
+            f"({gpu_bw:.0f} GB/s): roofline {roof:.1f} tok/s")
+    if args.json:
+        for r in rows:
+            print(json.dumps({**r, "roofline_tok_s": roof, "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw,
+                              "layers": config.num_hidden_layers, "threads": args.threads}))
+        return
+    print(head)
+    cols = "".join(f" {'prefill@' + str(P):>13}" for P in args.prompts)
+    print(f"{'engine':<14}{cols} {'decode tok/s':>13} {'of roofline':>12}")
+    for r in rows:
+        pre = "".join(f" {r['prefill'].get(P, float('nan')):>13.1f}" for P in args.prompts)
+        dec = r["decode"] or float("nan")
+        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {dec / roof:>12.2f}")
+    if peer:
+        print("ours / llama.cpp: " + ", ".join(f"prefill@{P} {ours['prefill'][P] / peer['prefill'][P]:.2f}x"
+                                                for P in args.prompts if peer['prefill'].get(P))
+              + (f", decode {ours['decode'] / peer['decode']:.2f}x" if peer["decode"] else ""))
+
+
+if __name__ == "__main__":
+    main()
