@@ -20,6 +20,7 @@ if [ "${PART:-build}" = build ]; then
       && cmake --build build -j16 --target llama-bench > /tmp/llama_build.log 2>&1; echo "llama build rc $?" >> /tmp/llama_build.log ) &
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
   python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3-48.gguf | tail -2
+  [ -n "${TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -8
   wait
   tail -3 /tmp/llama_build.log; tail -3 /tmp/llama_cmake.log
   ls -la /tmp/llama/llama.cpp/build/bin/ 2>&1 | tail -3
