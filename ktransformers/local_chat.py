@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=300)
     p.add_argument("--cpu_infer", type=int, default=None, help="threads of the CPU kernels (default: all cores)")
     p.add_argument("--use_cuda_graph", type=_bool, default=True, help="capture decode in CUDA graphs (GPU only)")
+    p.add_argument("--prefill_gpu_threshold", type=int, default=None,
+                   help="prefill chunks of at least this many tokens stream the experts to the GPU "
+                        "(default: the rule file's prefill_gpu_threshold; 0 turns it off)")
     p.add_argument("--prompt_file", help="answer the text of this file once, then exit")
     p.add_argument("--prompt", help="answer this text once, then exit")
     p.add_argument("--mode", choices=("normal", "long_context"), default="normal",
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                             cpu_infer=args.cpu_infer)
+        if args.prefill_gpu_threshold is not None:
+            loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
         if loaded.tokenizer is None:
             raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path with the "
                              f"model's tokenizer files")

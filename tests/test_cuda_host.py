@@ -79,3 +79,27 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
             assert sorted(engine.graphs.graphs) == [1, 2]
     err = ((results[0] - results[1]).norm() / results[0].norm()).item()
     assert err < 1e-2, f"graph vs eager {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layerwise_prefill_equals_cpu_experts(tmp_path):
+    """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
+    (next layer prefetched) and give what the CPU experts give."""
+    family = "qwen3_moe"
+    hf = tiny_model(family, layers=3)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
+    layers = [m for m in model.modules() if getattr(m, "layerwise", None) is not None]
+    assert len(layers) == 3 and layers[0].layerwise.next is layers[1].layerwise
+    ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    results = []
+    for threshold in (0, 8):
+        engine.context.prefill_gpu_threshold = threshold
+        seq = engine.new_sequence()
+        results.append(engine.prefill(seq, ids).float().cpu())
+        engine.release(seq)
+    err = ((results[0] - results[1]).norm() / results[0].norm()).item()
+    assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"

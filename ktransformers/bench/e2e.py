@@ -50,6 +50,8 @@ def measure_ours(args, config) -> dict:
     from ..loader import load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
                         cpu_infer=args.threads, tokenizer=False, default_device="cuda")
+    if args.prefill_gpu_threshold is not None:
+        loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
     longest = max(args.prompts)
     engine = Engine(loaded.model, None, cache_lens=longest + args.decode + 256, page_size=256,
                     chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk_size", type=int, default=8192)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prefill_gpu_threshold", type=int, help="override the rule file's (0: CPU experts only)")
     p.add_argument("--llama-bench", help="path of llama.cpp's llama-bench (CUDA build) to run beside ours")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -152,6 +152,7 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
+        self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
         if use_cuda_graph and self.on_cuda:
@@ -169,6 +170,17 @@ class Engine:
         for m in layers:
             m.context = self.context
         return layers
+
+    def _chain_layerwise_prefill(self) -> None:
+        """Each MoE layer that may stream its experts to the GPU prefetches the next one's."""
+        from ..operators.experts import KTransformersExperts
+        chain = [m.layerwise for m in self.model.modules()
+                 if isinstance(m, KTransformersExperts) and m.layerwise is not None]
+        for a, b in zip(chain, chain[1:]):
+            a.next = b
+        for m in self.model.modules():
+            if isinstance(m, KTransformersExperts):
+                m.context = self.context
 
     def _set_phase(self, phase: str) -> None:
         if phase != self._phase:

@@ -43,6 +43,17 @@ def launch_host_func(fn: int, data: int, stream: torch.cuda.Stream | None = None
         raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
 
 
+def register_host(data: torch.Tensor) -> bool:
+    """Page-lock a CPU tensor's memory in place (cudaHostRegister, read-only: it may be a file
+    mapping) so GPU copies from it run at the link's full speed. False where that is not possible
+    (no CUDA, or the driver refuses): copies then go through the driver's staging buffers."""
+    if not torch.cuda.is_available() or data.device.type != "cpu" or data.numel() == 0:
+        return False
+    read_only = 8  # cudaHostRegisterReadOnly
+    err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), read_only)
+    return int(err) == 0
+
+
 def call_host_func(fn: int, data: int) -> None:
     """Run the C function `fn(data)` now, on this thread (what the stream would run)."""
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.c_void_p(data))

@@ -99,6 +99,7 @@ class RunContext:
         self.cpu_threads = cpu_threads
         self._cpu = None
         self._staging = None
+        self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)
         self.cache = None  # a cache.PagedCache
         self.batch = None  # the cache.ForwardBatch of the forward in flight
 

@@ -213,6 +213,60 @@ class KExpertsGPU:
 EXPERT_OPS.register("KExpertsMarlin")(KExpertsGPU)  # upstream's name for GPU experts
 
 
+class LayerwisePrefill:
+    """Long prompts on the GPU although the experts live in RAM: the layer's expert tensors, as
+    stored (GGML blocks, 4-6 bits a weight), are copied to the GPU on a copy stream — the next
+    layer's while this one computes (double buffer) — dequantized there to bf16 and run by the
+    fused-MoE kernel. Worth it when the prompt is long enough that compute, not the copy, is
+    the cost (`prefill_gpu_threshold` tokens). The stored bytes are page-locked in place when the
+    driver allows it (cudaHostRegister), so copies run at the link's full speed."""
+
+    def __init__(self, spec: ExpertSpec, device: torch.device):
+        self.spec, self.key, self.device = spec, spec.key, device
+        self.parts: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []  # (bytes, ggml type, shape)
+        self.next: LayerwisePrefill | None = None  # the following MoE layer, prefetched while this one runs
+        self._pending = None  # (event, gpu byte tensors) of a copy in flight
+        self._stream = None
+
+    def load(self, weights) -> None:
+        from ..kernels.cuda_host import register_host
+        E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
+        for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+            stored = weights.raw_stacked(f"{self.key}.{proj}_proj")
+            if stored is None or stored[1].shape != shape:
+                raise ValueError(f"{self.key}: layer-wise prefill needs the {proj} experts stored as one GGML tensor")
+            data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
+            register_host(data)
+            self.parts.append((data, int(stored[1].ggml_type), shape))
+
+    def _copy(self):
+        """Start copying this layer's bytes to the GPU on the copy stream; (event, tensors)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            on_gpu = [data.to(self.device, non_blocking=True) for data, _, _ in self.parts]
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event, on_gpu
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..weights.ggml_quants import dequantize_on_device
+        event, on_gpu = self._pending or self._copy()
+        self._pending = None
+        torch.cuda.current_stream(self.device).wait_event(event)
+        if self.next is not None:  # the next layer's copy runs while this layer computes
+            self.next._pending = self.next._copy()
+        (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
+        gate_up = torch.cat([dequantize_on_device(g, tg, sg), dequantize_on_device(u, tu, su)], 1)
+        return gate_up, dequantize_on_device(d, td, sd)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from ..kernels.triton.fused_moe import fused_moe
+        gate_up, down = self._weights()
+        return fused_moe(x.to(self.device), ids.to(self.device), weights.to(self.device), gate_up, down)
+
+
 @dataclass(frozen=True)
 class ExpertsOptions(Placement):
     prefill_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
@@ -224,6 +278,9 @@ class ExpertsOptions(Placement):
     num_gpu_experts: int = 0
     gpu_experts_device: str | None = device_field(None)  # default: out_device when CUDA, else cuda
     expert_counts_file: str | None = None  # JSON of routing counts (bench/calibrate); without it: uniform
+    # prefill chunks of at least this many tokens stream the layer's stored experts to the GPU and
+    # compute there (LayerwisePrefill; 0: never); --prefill_gpu_threshold overrides it
+    prefill_gpu_threshold: int = 0
 
 
 def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list[int]:
@@ -269,6 +326,14 @@ class KTransformersExperts(BaseInjectedModule):
             self.hot = KExpertsGPU(spec, torch.device(device), only=ids)
             self.hot_mask = torch.zeros(E, dtype=torch.bool)
             self.hot_mask[ids] = True
+        self.layerwise = None  # LayerwisePrefill, when prefill chunks may run on the GPU
+        if o.prefill_gpu_threshold and o.out_device.startswith("cuda"):
+            self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device))
+
+    def _threshold(self) -> int:
+        ctx = self.context
+        override = getattr(ctx, "prefill_gpu_threshold", None) if ctx is not None else None
+        return self.options.prefill_gpu_threshold if override is None else override
 
     def load(self) -> None:
         for op in {id(op): op for op in self.ops.values()}.values():
@@ -276,6 +341,8 @@ class KTransformersExperts(BaseInjectedModule):
         if self.hot is not None:
             self.hot.load(self.weights, self.run_context())
             self.hot_mask = self.hot_mask.to(self.hot.device)
+        if self.layerwise is not None:
+            self.layerwise.load(self.weights)
 
     def unload(self) -> None:
         for op in self.ops.values():
@@ -291,6 +358,11 @@ class KTransformersExperts(BaseInjectedModule):
         runs on its threads meanwhile (the caller computes shared experts, the hot experts run
         on the GPU); other ops finish before this returns."""
         op = self.ops[self.phase]
+        threshold = self._threshold() if self.layerwise is not None else 0
+        if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
+            y = self.layerwise.forward(hidden_states, top_k_index, top_k_weights)
+            out_y = y.to(self.options.out_device, hidden_states.dtype)
+            return lambda: out_y
         if not getattr(op, "checks_routing", False):  # the C++ ops check shapes and ids themselves
             check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
         out, dtype = torch.device(self.options.out_device), hidden_states.dtype
