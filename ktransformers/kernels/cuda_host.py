@@ -45,13 +45,20 @@ def launch_host_func(fn: int, data: int, stream: torch.cuda.Stream | None = None
 
 def register_host(data: torch.Tensor) -> bool:
     """Page-lock a CPU tensor's memory in place (cudaHostRegister, read-only: it may be a file
-    mapping) so GPU copies from it run at the link's full speed. False where that is not possible
-    (no CUDA, or the driver refuses): copies then go through the driver's staging buffers."""
+    mapping; whole pages around it) so GPU copies from it run at the link's full speed. False
+    where that is not possible (no CUDA, pages already registered by a neighbour, the driver
+    refuses): copies from it then go through the driver's staging buffers, just slower."""
     if not torch.cuda.is_available() or data.device.type != "cpu" or data.numel() == 0:
         return False
+    page = 4096
+    start = data.data_ptr() // page * page
+    end = -(-(data.data_ptr() + data.numel() * data.element_size()) // page) * page
+    cudart = torch.cuda.cudart()
     read_only = 8  # cudaHostRegisterReadOnly
-    err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), read_only)
-    return int(err) == 0
+    if int(cudart.cudaHostRegister(start, end - start, read_only)) != 0:
+        cudart.cudaGetLastError()  # a failed call leaves a sticky error for the next launch check: clear it
+        return False
+    return True
 
 
 def call_host_func(fn: int, data: int) -> None:
