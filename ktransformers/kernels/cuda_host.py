@@ -24,15 +24,20 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_host_func():
+def _driver_fn(name: str, argtypes: tuple | list):
+    """A function of the CUDA driver library (libcuda.so.1) returning a CUresult."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
         raise RuntimeError(f"the CUDA driver library (libcuda.so.1) is not loadable: {e}") from None
-    fn = lib.cuLaunchHostFunc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn = getattr(lib, name)
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
+
+
+def _launch_host_func():
+    return _driver_fn("cuLaunchHostFunc", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))
 
 
 def launch_host_func(fn: int, data: int, stream: torch.cuda.Stream | None = None) -> None:
@@ -53,12 +58,11 @@ def register_host(data: torch.Tensor) -> bool:
     page = 4096
     start = data.data_ptr() // page * page
     end = -(-(data.data_ptr() + data.numel() * data.element_size()) // page) * page
-    cudart = torch.cuda.cudart()
-    read_only = 8  # cudaHostRegisterReadOnly
-    if int(cudart.cudaHostRegister(start, end - start, read_only)) != 0:
-        cudart.cudaGetLastError()  # a failed call leaves a sticky error for the next launch check: clear it
-        return False
-    return True
+    torch.cuda.init()  # the primary context, current on this thread
+    # the driver API (a refusal there leaves no sticky runtime error behind)
+    rc = _driver_fn("cuMemHostRegister_v2", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint))(
+        ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_uint(8))  # CU_MEMHOSTREGISTER_READ_ONLY
+    return rc == 0
 
 
 def call_host_func(fn: int, data: int) -> None:
