@@ -48,23 +48,6 @@ def launch_host_func(fn: int, data: int, stream: torch.cuda.Stream | None = None
         raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
 
 
-def register_host(data: torch.Tensor) -> bool:
-    """Page-lock a CPU tensor's memory in place (cudaHostRegister, read-only: it may be a file
-    mapping; whole pages around it) so GPU copies from it run at the link's full speed. False
-    where that is not possible (no CUDA, pages already registered by a neighbour, the driver
-    refuses): copies from it then go through the driver's staging buffers, just slower."""
-    if not torch.cuda.is_available() or data.device.type != "cpu" or data.numel() == 0:
-        return False
-    page = 4096
-    start = data.data_ptr() // page * page
-    end = -(-(data.data_ptr() + data.numel() * data.element_size()) // page) * page
-    torch.cuda.init()  # the primary context, current on this thread
-    # the driver API (a refusal there leaves no sticky runtime error behind)
-    rc = _driver_fn("cuMemHostRegister_v2", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint))(
-        ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_uint(8))  # CU_MEMHOSTREGISTER_READ_ONLY
-    return rc == 0
-
-
 def call_host_func(fn: int, data: int) -> None:
     """Run the C function `fn(data)` now, on this thread (what the stream would run)."""
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.c_void_p(data))

@@ -218,8 +218,8 @@ class LayerwisePrefill:
     stored (GGML blocks, 4-6 bits a weight), are copied to the GPU on a copy stream — the next
     layer's while this one computes (double buffer) — dequantized there to bf16 and run by the
     fused-MoE kernel. Worth it when the prompt is long enough that compute, not the copy, is
-    the cost (`prefill_gpu_threshold` tokens). The stored bytes are page-locked in place when the
-    driver allows it (cudaHostRegister), so copies run at the link's full speed."""
+    the cost (`prefill_gpu_threshold` tokens). (Copies are from pageable memory: page-locking the
+    mapped file in place with cuMemHostRegister made copies fail on the GPU host; to revisit.)"""
 
     def __init__(self, spec: ExpertSpec, device: torch.device):
         self.spec, self.key, self.device = spec, spec.key, device
@@ -229,14 +229,12 @@ class LayerwisePrefill:
         self._stream = None
 
     def load(self, weights) -> None:
-        from ..kernels.cuda_host import register_host
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
             stored = weights.raw_stacked(f"{self.key}.{proj}_proj")
             if stored is None or stored[1].shape != shape:
                 raise ValueError(f"{self.key}: layer-wise prefill needs the {proj} experts stored as one GGML tensor")
             data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
-            register_host(data)
             self.parts.append((data, int(stored[1].ggml_type), shape))
 
     def _copy(self):
