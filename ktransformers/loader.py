@@ -89,10 +89,13 @@ def default_rule_file(config: PretrainedConfig, gpu: bool = False) -> Path:
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
                optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None,
-               tokenizer: bool = True) -> LoadedModel:
+               tokenizer: bool = True, cache_lens: int | None = None,
+               memory_budget: dict[str, int] | None = None) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
     the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels;
-    `tokenizer=False` skips building the tokenizer (benchmarks feed token ids)."""
+    `tokenizer=False` skips building the tokenizer (benchmarks feed token ids). Before loading,
+    the bytes each device will hold (with a KV cache of `cache_lens` tokens when given) are checked
+    against `memory_budget` ({'cuda:0': bytes, 'cpu': bytes}; default: what is free now)."""
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     weights = GGUFSource(gguf_path) if is_gguf(gguf_path) else None  # the GGUF's header, read once
@@ -104,7 +107,11 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     model = build_skeleton(config, dtype)
     rule_file = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
     rules = load_rules(rule_file)
-    check_experts_placed(plan_rows(model, rules, default_device), rule_file)
+    rows = plan_rows(model, rules, default_device)
+    check_experts_placed(rows, rule_file)
+    if weights is not None:
+        from .optimize.memory import check_budget, plan_memory
+        check_budget(plan_memory(model, rows, weights, config, dtype, cache_lens=cache_lens), memory_budget)
     plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
                                   progress=progress, cpu_infer=cpu_infer)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"--model_path {str(model_path)!r} is not a directory")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
-                            cpu_infer=args.cpu_infer)
+                            cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
         if args.prefill_gpu_threshold is not None:
             loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
         if loaded.tokenizer is None:

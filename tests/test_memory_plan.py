@@ -1,0 +1,90 @@
+"""Memory planning: the bytes each device will hold, computed before loading, and the refusal
+when a device's budget is exceeded."""
+import math
+
+import pytest
+import torch
+from test_models import q4_k_m
+from tiny import GPU_RULES, RULES, tiny_model
+
+from ktransformers import load_model
+from ktransformers.loader import RULES_DIR, build_skeleton
+from ktransformers.optimize.__main__ import main as optimize_main
+from ktransformers.optimize.inject import plan
+from ktransformers.optimize.memory import MemoryBudgetError, check_budget, parse_memory, plan_memory
+from ktransformers.optimize.rules import load_rules
+from ktransformers.weights.ggml_quants import GGMLType, tensor_nbytes
+from ktransformers.weights.gguf import GGUFSource
+from ktransformers.weights.gguf_write import write_gguf
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mem") / "m.gguf"
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(path, hf.config, hf.state_dict(), types=q4_k_m)
+    return path, hf.config
+
+
+def memory(path, config, rule_file, cache_lens=1000):
+    model = build_skeleton(config, torch.bfloat16)
+    rows = plan(model, load_rules(RULES_DIR / rule_file))
+    return plan_memory(model, rows, GGUFSource(path), config, torch.bfloat16, cache_lens=cache_lens)
+
+
+def stored_bytes(path, pattern):
+    src = GGUFSource(path)
+    return sum(tensor_nbytes(t.ggml_type, math.prod(t.shape)) for n, t in src.files.tensors.items() if pattern in n)
+
+
+def test_cpu_rules_count_the_mapped_file(qwen3):
+    path, config = qwen3
+    kinds = memory(path, config, RULES["qwen3_moe"]).per_device_kind()
+    assert set(kinds) == {"cpu"}
+    assert kinds["cpu"]["experts (mapped file)"] == stored_bytes(path, "_exps.")
+    head_dim = config.head_dim
+    assert kinds["cpu"]["KV cache"] == 2 * config.num_key_value_heads * head_dim * 1024 * config.num_hidden_layers * 2
+
+
+def test_gpu_rules_put_dense_parts_and_cache_on_the_gpu(qwen3):
+    path, config = qwen3
+    kinds = memory(path, config, GPU_RULES["qwen3_moe"]).per_device_kind()
+    assert kinds["cpu"] == {"experts (mapped file)": stored_bytes(path, "_exps.")}
+    gpu = kinds["cuda:0"]
+    assert gpu["KV cache"] > 0 and gpu["graph buffers"] > 0 and gpu["layer-wise prefill buffers"] > 0
+    # Q4_K attention projections become int4 + 8 bytes of scale/offset per 32 weights
+    src = GGUFSource(path)
+    q4 = [t for n, t in src.files.tensors.items() if n.startswith("blk.") and "attn_q." in n]
+    assert all(t.ggml_type == GGMLType.Q4_K for t in q4)
+    assert gpu["weights"] >= sum(math.prod(t.shape) * 0.75 for t in q4)
+
+
+def test_budget_refusal_names_the_device_and_what_to_do(qwen3):
+    path, config = qwen3
+    mem = memory(path, config, GPU_RULES["qwen3_moe"])
+    need = mem.per_device()["cuda:0"]
+    check_budget(mem, {"cuda:0": need, "cpu": 1 << 40})  # exactly enough
+    with pytest.raises(MemoryBudgetError, match=r"cuda:0 needs .* but has 1.00 MiB free: lower --cache_lens"):
+        check_budget(mem, {"cuda:0": 1 << 20, "cpu": 1 << 40})
+    # the CPU kernels' experts are mapped file pages: not counted against RAM
+    check_budget(memory(path, config, RULES["qwen3_moe"], cache_lens=16), {"cpu": 1 << 20})
+
+
+def test_load_model_refuses_before_loading(qwen3):
+    path, _ = qwen3
+    with pytest.raises(MemoryBudgetError, match=r"^the model does not fit: cpu needs"):
+        load_model(path, tokenizer=False, progress=False, cache_lens=1 << 20, memory_budget={"cpu": 1 << 20})
+
+
+def test_parse_memory():
+    assert parse_memory("0:20GiB, 1:512MiB,cpu:1TB") == {"cuda:0": 20 << 30, "cuda:1": 512 << 20, "cpu": 10**12}
+    assert parse_memory("cuda:2=1.5GiB") == {"cuda:2": int(1.5 * (1 << 30))}
+    with pytest.raises(ValueError, match="cannot read memory budget 'x:3'"):
+        parse_memory("x:3")
+
+
+def test_dry_run_prints_the_memory_plan(qwen3, capsys):
+    path, _ = qwen3
+    assert optimize_main(["--gguf_path", str(path), "--dry-run", "--cache_lens", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "memory (KV cache of 512 tokens" in out and "experts (mapped file)" in out
