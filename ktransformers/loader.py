@@ -109,6 +109,14 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     rules = load_rules(rule_file)
     rows = plan_rows(model, rules, default_device)
     check_experts_placed(rows, rule_file)
+    if weights is not None and model_path is not None and uses_fp8_linears(rows):
+        # FP8 rule files: the dense part from the HF checkpoint (FP8 as stored), the experts from the GGUF
+        from .weights.combined import CombinedSource
+        from .weights.safetensors import SafetensorsSource
+        if not any(Path(model_path).glob("*.safetensors")):
+            raise ValueError(f"rule file {rule_file} keeps linears in FP8: --model_path {model_path} must hold the "
+                             f"model's (FP8) safetensors; the routed experts come from --gguf_path")
+        weights = CombinedSource(SafetensorsSource(model_path, config.model_type), weights)
     if weights is not None:
         from .optimize.memory import check_budget, plan_memory
         check_budget(plan_memory(model, rows, weights, config, dtype, cache_lens=cache_lens), memory_budget)
@@ -124,6 +132,10 @@ def check_architecture(config: PretrainedConfig, files: GGUFFileSet) -> None:
         raise ValueError(f"--gguf_path {files.path!r} holds a {arch!r} model but the config is "
                          f"{config.model_type!r} (GGUF architecture {arch_of(config)!r}); pass the matching "
                          f"--model_path, or none to take the config from the GGUF")
+
+
+def uses_fp8_linears(rows: list[PlanRow]) -> bool:
+    return any(r.kwargs.get(f"{phase}_op") == "KLinearFP8" for r in rows for phase in ("prefill", "generate"))
 
 
 def check_experts_placed(rows: list[PlanRow], rule_file) -> None:

@@ -102,3 +102,44 @@ def test_hot_expert_choice(tmp_path):
         hot_experts("x", 7, 6, None)
     with pytest.raises(ValueError, match="has 6 counts for 4 experts"):
         hot_experts("model.layers.1.mlp.experts", 1, 4, str(counts))
+
+
+def test_deepseek_fp8_rule_file(tmp_path, dev):
+    """DeepSeek-V3-Chat-fp8.yaml: dense linears from the FP8 checkpoint kept FP8 (KLinearFP8), routed
+    experts from the GGUF on the CPU kernels; equals the torch-reference ops on the same two sources."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from test_safetensors import to_fp8_blocks
+
+    from ktransformers import load_model
+    from ktransformers.kernels.triton.fp8 import FP8Weight
+    from ktransformers.loader import RULES_DIR
+    from ktransformers.weights.combined import CombinedSource
+    from ktransformers.weights.gguf import GGUFSource
+    from ktransformers.weights.safetensors import SafetensorsSource
+
+    hf = tiny_model("deepseek_v3", layers=2)
+    ckpt = tmp_path / "hf"
+    hf.save_pretrained(ckpt)  # per-expert names, as DeepSeek's own checkpoint
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    fp8 = {}
+    for name, t in stored.items():
+        if t.dim() == 2 and "proj" in name and "layernorm" not in name:
+            fp8[name], fp8[name + "_scale_inv"] = to_fp8_blocks(t.float())
+        else:
+            fp8[name] = t
+    save_file(fp8, ckpt / "model.safetensors", metadata={"format": "pt"})
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=converter_type(GGMLType.Q8_0))
+    rules = tmp_path / "fp8.yaml"
+    text = (RULES_DIR / "DeepSeek-V3-Chat-fp8.yaml").read_text()
+    rules.write_text(text if dev == "cuda" else text.replace("cuda", dev))
+    ours = load_model(tmp_path / "m.gguf", ckpt, rules, default_device=dev, tokenizer=False, progress=False).model
+    q_b = ours.model.layers[1].self_attn.q_b_proj.ops["generate"]
+    assert isinstance(q_b.weight, FP8Weight) and q_b.weight.weight.dtype == torch.float8_e4m3fn
+    ref = build_skeleton(hf.config, torch.float32)
+    both = CombinedSource(SafetensorsSource(ckpt, "deepseek_v3"), GGUFSource(tmp_path / "m.gguf"))
+    optimize_and_load_gguf(ref, reference_rules("deepseek_v3", tmp_path), both, hf.config)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(10))
+    err = rel_err(logits(ours, ids), logits(ref, ids))
+    assert err < (5e-2 if dev == "cuda" else 1e-2), f"{err:.2e}"

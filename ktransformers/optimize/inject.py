@@ -164,7 +164,8 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
     """HF checkpoints keep DeepSeek's multi-token-prediction layers after the last layer; GGUF drops them."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
     n, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0) or 0
-    is_mtp = isinstance(weights, SafetensorsSource) and match is not None and n <= int(match[1]) < n + mtp
+    dense = getattr(weights, "dense", weights)  # a CombinedSource's dense part may be the HF checkpoint
+    is_mtp = isinstance(dense, SafetensorsSource) and match is not None and n <= int(match[1]) < n + mtp
     return is_mtp or bool(_ROTARY.search(name))
 
 
