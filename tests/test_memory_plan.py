@@ -88,3 +88,24 @@ def test_dry_run_prints_the_memory_plan(qwen3, capsys):
     assert optimize_main(["--gguf_path", str(path), "--dry-run", "--cache_lens", "512"]) == 0
     out = capsys.readouterr().out
     assert "memory (KV cache of 512 tokens" in out and "experts (mapped file)" in out
+
+
+def test_calibrate_counts_routing_of_the_demo_model(tmp_path):
+    """python -m ktransformers.calibrate writes per-layer routing counts that hot experts read."""
+    from ktransformers.calibrate import main as calibrate
+    from ktransformers.operators.experts import hot_experts
+    out = tmp_path / "counts.json"
+    assert calibrate(["--prompt", "The Python tutorial explains lists.", "--prompt", "Modules are files.",
+                      "--out", str(out), "--cpu_infer", "2"]) == 0
+    import json
+    counts = json.loads(out.read_text())
+    from ktransformers.demo import DEMO_HF_DIR
+    config = json.loads((DEMO_HF_DIR / "config.json").read_text())
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    assert len(counts) == moe_layers
+    key, per_expert = next(iter(counts.items()))
+    assert key.endswith(".mlp.experts") and len(per_expert) == config["n_routed_experts"]
+    totals = {sum(v) for v in counts.values()}
+    assert len(totals) == 1 and totals.pop() % config["num_experts_per_tok"] == 0  # every token counted K times
+    top = hot_experts(key, 2, len(per_expert), str(out))
+    assert sorted(per_expert, reverse=True)[:2] == sorted((per_expert[e] for e in top), reverse=True)
