@@ -49,20 +49,24 @@ print(json.dumps({"version": llama_cpp.__version__, "rows": rows}))
 """
 
 
-def decode_bytes(files, config) -> int:
-    """Bytes one decode step reads from the GGUF `files`: dense tensors whole, expert tensors
-    top_k/E of them, one embedding row (not the table)."""
+def step_bytes(files, config) -> tuple[float, float]:
+    """(expert bytes, other bytes) one decode step reads from the GGUF `files`: expert tensors
+    top_k/E of them, dense tensors whole, one embedding row (not the table)."""
     experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                    if getattr(config, k, None))
-    total = 0.0
+    expert_bytes = dense = 0.0
     for name, info in files.tensors.items():
         if name == "token_embd.weight":
-            total += info.data.nbytes / info.shape[0]
+            dense += info.data.nbytes / info.shape[0]
         elif "_exps." in name:
-            total += info.data.nbytes * config.num_experts_per_tok / experts
+            expert_bytes += info.data.nbytes * config.num_experts_per_tok / experts
         else:
-            total += info.data.nbytes
-    return int(total)
+            dense += info.data.nbytes
+    return expert_bytes, dense
+
+
+def decode_bytes(files, config) -> int:
+    return int(sum(step_bytes(files, config)))
 
 
 def measure_ours(args, config) -> tuple[list[dict], object]:

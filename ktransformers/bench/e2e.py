@@ -25,21 +25,6 @@ from pathlib import Path
 import torch
 
 
-def roofline_bytes(files, config) -> tuple[float, float]:
-    """(CPU bytes, GPU bytes) one decode step reads: expert tensors top_k/E (RAM), the rest (GPU)."""
-    experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                   if getattr(config, k, None))
-    cpu = gpu = 0.0
-    for name, info in files.tensors.items():
-        if name == "token_embd.weight":
-            gpu += info.data.nbytes / info.shape[0]
-        elif "_exps." in name:
-            cpu += info.data.nbytes * config.num_experts_per_tok / experts
-        else:
-            gpu += info.data.nbytes
-    return cpu, gpu
-
-
 def gpu_copy_gbps() -> float:
     from .gpu import copy_gbps
     return copy_gbps()
@@ -122,10 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gguf_path {args.gguf_path} does not exist")
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
+    from .decode import step_bytes
     from .moe import stream_gbps
     files = GGUFFileSet(args.gguf_path)
     config = load_config(args.model_path, args.gguf_path, files)
-    cpu_bytes, gpu_bytes = roofline_bytes(files, config)
+    cpu_bytes, gpu_bytes = step_bytes(files, config)  # experts from RAM, the rest from the GPU
     ours = measure_ours(args, config)
     cpu_bw = stream_gbps(ours.pop("loaded").model.kt_context.cpu_runtime(), 2.0)
     gpu_bw = gpu_copy_gbps()

@@ -114,6 +114,16 @@ def _experts_bytes(op: str, stored: int, numel: int, dtype_bytes: int, types: li
     return numel * dtype_bytes
 
 
+def _phase_ops(kwargs: dict, default_op: str):
+    """The distinct (op, device) pairs of an operator's prefill and generate phases."""
+    seen = []
+    for phase in ("prefill", "generate"):
+        pair = (kwargs.get(f"{phase}_op", default_op), kwargs.get(f"{phase}_device", "cpu"))
+        if pair not in seen:
+            seen.append(pair)
+    return seen
+
+
 def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, cache_lens: int | None = None,
                 page_size: int = 256, max_batch: int = 8) -> MemoryPlan:
     """The bytes each device holds under `rows` (optimize.inject.plan of `model`, on meta)."""
@@ -146,13 +156,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
         op_name = row.operator.rsplit(".", 1)[-1] if row is not None else "default"
         if op_name == "KTransformersLinear":
             ggml_type, stored = _stored(weights, name)
-            seen = set()
-            for phase in ("prefill", "generate"):
-                op = kw.get(f"{phase}_op", "KLinearTorch")
-                dev = kw.get(f"{phase}_device", "cpu")
-                if (op, dev) in seen:
-                    continue
-                seen.add((op, dev))
+            for op, dev in _phase_ops(kw, "KLinearTorch"):
                 what = "weights (mapped file)" if op == "KLinearCPU" and stored else "weights"
                 mem.add(dev, what, _linear_bytes(op, ggml_type, stored, numel, dbytes, bool(kw.get("requantize"))))
         elif op_name == "KTransformersExperts":
@@ -163,13 +167,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             stored = sum(n for _, n in infos)
             types = [t for t, _ in infos if t is not None]
             numel = sum(q.numel() for n, q in model.named_parameters() if n.startswith(row.name + "."))
-            seen = set()
-            for phase in ("prefill", "generate"):
-                op = kw.get(f"{phase}_op", "KExpertsTorch")
-                dev = kw.get(f"{phase}_device", "cpu")
-                if (op, dev) in seen:
-                    continue
-                seen.add((op, dev))
+            for op, dev in _phase_ops(kw, "KExpertsTorch"):
                 what = "experts (mapped file)" if op == "KExpertsCPU" and stored else "experts"
                 mem.add(dev, what, _experts_bytes(op, stored, numel, dbytes, types))
                 if op == "KExpertsCPU" and kw.get("int8_prefill"):

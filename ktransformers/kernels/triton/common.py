@@ -57,3 +57,20 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, out_dtype: torch.dtype):
+    """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows, K is split across programs until
+    the GPU is busy (float32 atomics into a zeroed output). Returns (grid, k_per_split, atomic, y)."""
+    M = x.shape[0]
+    tiles = -(-M // BLOCK_M) * -(-N // BLOCK_N)
+    k_blocks = -(-K // BLOCK_K)
+    splits = 1
+    if M <= 64:
+        splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
+    k_per_split = -(-k_blocks // splits) * BLOCK_K
+    splits = -(-K // k_per_split)
+    atomic = splits > 1
+    y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
+         else torch.empty(M, N, device=x.device, dtype=out_dtype))
+    return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split, atomic, y

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_f32, sm_count
+from .common import dot_f32, split_k
 
 FP8_BLOCK = 128
 
@@ -119,17 +119,7 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype | None = None
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
     BLOCK_K = FP8_BLOCK
     BLOCK_M, BLOCK_N = (16, 64) if M <= 16 else ((64, 64) if M <= 64 else (128, 128))
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
-    k_blocks = triton.cdiv(K, BLOCK_K)
-    splits = 1
-    if M <= 64:
-        splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
-    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
-    splits = triton.cdiv(K, k_per_split)
-    atomic = splits > 1
-    y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
-         else torch.empty(M, N, device=x.device, dtype=out_dtype))
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
+    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     _fp8_gemm_kernel[grid](x, w.weight, w.scale_inv, y, M, N, K, x.stride(0), y.stride(0), w.scale_inv.stride(0),
                            k_per_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_BLOCK=FP8_BLOCK,
                            ATOMIC=atomic, DOT_F32=dot_f32(), num_warps=4,

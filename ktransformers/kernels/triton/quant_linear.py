@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import dot_f32, sm_count
+from .common import dot_f32, split_k
 
 GROUP = 32
 
@@ -210,17 +210,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
         BLOCK_M, BLOCK_N = 64, 64
     else:
         BLOCK_M, BLOCK_N = 128, 64
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
-    k_blocks = K // BLOCK_K
-    splits = 1
-    if M <= 64:  # few rows: split K until the machine is busy
-        splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
-    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
-    splits = triton.cdiv(K, k_per_split)
-    atomic = splits > 1
-    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic else torch.empty(M, N, device=x.device,
-                                                                                           dtype=out_dtype)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
+    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     offset = w.offset if w.offset is not None else w.scale
     _group_gemm_kernel[grid](x, w.codes, w.scale, offset, y, M, N, K, x.stride(0), y.stride(0), k_per_split,
                              BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
