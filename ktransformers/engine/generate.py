@@ -237,6 +237,16 @@ class Engine:
     def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:
         """Bring `seq` to hold `prompt_ids` (reusing the longest cached common prefix, always
         recomputing at least the last token) in chunks; logits after the last token [1, V]."""
+        begin = self.prefill_start(seq, prompt_ids)
+        logits = None
+        while begin < len(prompt_ids):
+            logits, begin = self.prefill_chunk(seq, prompt_ids, begin)
+        return logits
+
+    def prefill_start(self, seq: Sequence, prompt_ids: list[int]) -> int:
+        """Keep the longest prefix of `prompt_ids` that `seq` already holds (never the whole prompt:
+        the last token is recomputed for its logits) and forget the rest; the position from which
+        the prompt must be computed (`last_prefill_tokens` says how many tokens that leaves)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) > self.cache.capacity:
@@ -250,11 +260,18 @@ class Engine:
             self.cache.truncate(seq, keep)
             self._tokens[seq.seq_id] = cached[:keep]
         self.last_prefill_tokens = len(prompt_ids) - keep
+        return keep
+
+    def prefill_chunk(self, seq: Sequence, prompt_ids: list[int], begin: int) -> tuple[torch.Tensor, int]:
+        """Compute one chunk (`chunk_size` tokens) of the prompt from `begin`: (logits after it [1, V],
+        the next begin)."""
         self._set_phase("prefill")
-        logits = None
-        for begin in range(keep, len(prompt_ids), self.chunk_size):
-            logits = self.step([seq], [prompt_ids[begin:begin + self.chunk_size]])
-        return logits
+        end = min(len(prompt_ids), begin + self.chunk_size)
+        return self.step([seq], [prompt_ids[begin:end]]), end
+
+    def cached_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens whose entries `seq` holds in the cache."""
+        return self._tokens.get(seq.seq_id, [])
 
     def decode(self, seq: Sequence, token: int) -> torch.Tensor:
         self._set_phase("generate")

@@ -1,0 +1,85 @@
+"""python -m ktransformers.server: serve a model over OpenAI- and Ollama-compatible HTTP APIs.
+
+    python -m ktransformers.server --gguf_path M.gguf [--model_path DIR] [--optimize_config_path R.yaml]
+        [--host 127.0.0.1] [--port 10002] [--max_batch_size 8] [--cache_lens 8192] [--api_key KEY]
+
+Without model flags it serves the bundled demo model. Binds to 127.0.0.1 unless --host says
+otherwise. Needs the server extra: pip install -e ".[server]".
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ktransformers.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_path", help="HF directory (config, tokenizer); optional when the GGUF carries them")
+    p.add_argument("--gguf_path", help="GGUF file or directory (default: the bundled demo model)")
+    p.add_argument("--optimize_config_path", help="rule file (default: the shipped one for the architecture)")
+    p.add_argument("--model_name", help="the name clients use (default: the GGUF's file name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=10002)
+    p.add_argument("--max_batch_size", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max_queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--cache_lens", type=int, default=8192, help="KV cache token slots, shared by all requests")
+    p.add_argument("--chunk_size", type=int, default=512, help="prefill tokens per step")
+    p.add_argument("--max_new_tokens", type=int, default=512, help="default max_tokens")
+    p.add_argument("--cpu_infer", type=int, help="CPU kernel threads")
+    p.add_argument("--device", help="device of the non-expert parts (default: cuda if present)")
+    p.add_argument("--api_key", help="require Authorization: Bearer KEY")
+    p.add_argument("--no_prefix_cache", action="store_true", help="do not keep finished requests' cache for reuse")
+    return p
+
+
+def make_server(args):
+    """(app, scheduler) for parsed arguments; loads the model."""
+    import torch
+
+    from ..engine.generate import Engine
+    from ..engine.sampling import SamplingParams
+    from ..loader import load_model
+    from .app import create_app
+    from .scheduler import Scheduler
+    gguf_path, model_path = args.gguf_path, args.model_path
+    if gguf_path is None:
+        from ..demo import DEMO_GGUF, DEMO_HF_DIR
+        gguf_path, model_path = DEMO_GGUF, model_path or DEMO_HF_DIR
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
+                        cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
+    if loaded.tokenizer is None:
+        raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path")
+    engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
+                    use_cuda_graph=device.startswith("cuda"), max_batch=args.max_batch_size)
+    scheduler = Scheduler(engine, loaded.tokenizer, max_batch=args.max_batch_size, max_queue=args.max_queue,
+                          prefix_cache=not args.no_prefix_cache)
+    from pathlib import Path
+    name = args.model_name or Path(str(gguf_path)).stem
+    defaults = SamplingParams.from_generation_config(getattr(loaded.model, "generation_config", None))
+    app = create_app(scheduler, name, args.api_key, args.max_new_tokens, defaults)
+    return app, scheduler
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print('error: the server needs its extra: pip install -e ".[server]"', file=sys.stderr)
+        return 2
+    try:
+        app, scheduler = make_server(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, chat page /)", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        scheduler.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Continuous batching: requests join and leave the running batch at step boundaries.
+
+One thread owns the engine. Each iteration it
+  1. drops cancelled requests (their cache pages are freed) and admits waiting ones up to
+     `max_batch` (a request whose prompt shares a prefix with a finished one takes over that
+     sequence's cache: the prefix cache),
+  2. computes one prefill chunk of one request still reading its prompt (so a long prompt
+     does not stall the others: decode steps go on between its chunks),
+  3. runs one decode step for every other running request at once (one forward: the CPU experts
+     see every token of the step together) and samples each one's next token.
+Text reaches each request's asyncio queue through its event loop (thread-safe).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.paged import CacheFullError, Sequence
+from ..engine.generate import eos_token_ids
+from ..engine.sampling import Sampler, SamplingParams
+from ..engine.streaming import StopMatcher, StreamDecoder
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the scheduler accepts (HTTP 429)."""
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress. Events put on `events` (in `loop`):
+    ("text", str), then ("done", finish_reason) or ("error", message)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens tokens whatever the model says (benchmarks)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+    # progress, owned by the scheduler thread
+    seq: Sequence | None = None
+    begin: int | None = None  # next prompt position to compute; None once the prompt is in
+    next_token: int | None = None  # sampled, not yet fed
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    finish_reason: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+
+    def emit(self, kind: str, payload) -> None:
+        if self.loop is not None and self.events is not None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class PrefixPool:
+    """Finished sequences kept with their cache, least recently used first: a new prompt that
+    shares a prefix with one takes it over (the engine recomputes only the rest)."""
+
+    def __init__(self, engine, max_seqs: int = 32):
+        self.engine, self.max_seqs = engine, max_seqs
+        self._seqs: OrderedDict[int, Sequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def take(self, prompt_ids: list[int]) -> Sequence | None:
+        best, best_len = None, 0
+        for seq in self._seqs.values():
+            cached = self.engine.cached_tokens(seq)
+            n = 0
+            for a, b in zip(cached, prompt_ids):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = seq, n
+        if best is not None:
+            del self._seqs[best.seq_id]
+        return best
+
+    def put(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        while len(self._seqs) > self.max_seqs:
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        if not self._seqs:
+            return False
+        _, seq = self._seqs.popitem(last=False)
+        self.engine.release(seq)
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+
+class Scheduler:
+    def __init__(self, engine, tokenizer, max_batch: int = 8, max_queue: int = 64, prefix_cache: bool = True,
+                 prefix_cache_seqs: int = 32):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.pool = PrefixPool(engine, prefix_cache_seqs) if prefix_cache else None
+        self.eos_ids = eos_token_ids(engine.model, tokenizer)
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._pending = 0  # submitted, not yet admitted (read by the HTTP side for 429)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="kt-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- the HTTP side ---------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.engine.cache.capacity
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"{self._pending} requests are waiting (--max_queue {self.max_queue}); retry later")
+            self._pending += 1
+        self._inbox.put(request)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def free_pages(self) -> int:
+        """Pages free in the cache, counting those the prefix cache holds (it gives them back on demand)."""
+        held = sum(len(s.pages) for s in self.pool._seqs.values()) if self.pool is not None else 0
+        return len(self.engine.cache._free) + held
+
+    # -- the scheduler thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            self._take_inbox()
+            if not self.running and not self._waiting:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._iteration()
+            except Exception as e:  # a failed step ends the requests it touched, not the server
+                traceback.print_exc()
+                for r in list(self.running):
+                    self._finish(r, None, error=f"{type(e).__name__}: {e}")
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                r = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._waiting.append(r)
+
+    def _iteration(self) -> None:
+        engine = self.engine
+        for r in [r for r in self.running if r.cancelled]:
+            self._finish(r, "cancelled")
+        while self._waiting and len(self.running) < self.max_batch:
+            r = self._waiting.popleft()
+            with self._lock:
+                self._pending -= 1
+            if r.cancelled:
+                continue
+            r.seq = (self.pool.take(r.prompt_ids) if self.pool is not None else None) or engine.new_sequence()
+            try:
+                r.begin = engine.prefill_start(r.seq, r.prompt_ids)
+            except (CacheFullError, ValueError) as e:
+                engine.release(r.seq)
+                r.emit("error", str(e))
+                continue
+            r.cached_tokens = r.begin
+            self.running.append(r)
+        reading = next((r for r in self.running if r.begin is not None), None)
+        if reading is not None:  # one chunk of one prompt per iteration
+            n = min(engine.chunk_size, len(reading.prompt_ids) - reading.begin)
+            if self._make_room(reading.seq, n):
+                logits, reading.begin = engine.prefill_chunk(reading.seq, reading.prompt_ids, reading.begin)
+                if reading.begin >= len(reading.prompt_ids):
+                    reading.begin = None
+                    reading.t_first = time.perf_counter()
+                    self._accept(reading, logits[-1])
+            else:
+                self._finish(reading, None, error="the KV cache is full (--cache_lens): the prompt does not fit now")
+        decoding = [r for r in self.running if r.begin is None and r.next_token is not None]
+        for r in [r for r in decoding if not self._make_room(r.seq, 1)]:
+            decoding.remove(r)
+            self._finish(r, "length")
+        if decoding:
+            engine._set_phase("generate")
+            logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding])
+            self.steps += 1
+            for r, row in zip(decoding, logits):
+                self._accept(r, row)
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        cache = self.engine.cache
+        while not cache.can_grow(seq, n):
+            if self.pool is None or not self.pool.evict_one():
+                return False
+        return True
+
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's next token from its logits [V], stream its text, finish when due."""
+        if not hasattr(r, "_sampler"):
+            r._sampler = Sampler(r.params)
+            r._decoder = StreamDecoder(self.tokenizer)
+            r._stopper = StopMatcher(r.stop) if r.stop else None
+            r._history = list(r.prompt_ids)
+        token = int(r._sampler(logits.float().cpu()[None], [r._history])[0])
+        r.tokens.append(token)
+        r._history.append(token)
+        if token in self.eos_ids and not r.ignore_eos:
+            self._finish(r, "stop")
+            return
+        text = r._decoder.push(token)
+        if r._stopper is not None:
+            text, stopped = r._stopper.push(text)
+            if text:
+                r.emit("text", text)
+            if stopped:
+                self._finish(r, "stop", flush=False)
+                return
+        elif text:
+            r.emit("text", text)
+        if len(r.tokens) >= r.max_tokens:
+            self._finish(r, "length")
+            return
+        r.next_token = token
+
+    def _finish(self, r: Request, reason: str | None, error: str | None = None, flush: bool = True) -> None:
+        r.finish_reason, r.t_done = reason, time.perf_counter()
+        if r in self.running:
+            self.running.remove(r)
+        if reason in ("stop", "length") and flush and hasattr(r, "_decoder"):
+            tail = r._decoder.flush()
+            if r._stopper is not None:
+                text, stopped = r._stopper.push(tail)
+                tail = text if stopped else text + r._stopper.flush()
+            if tail:
+                r.emit("text", tail)
+        if r.seq is not None:
+            keep = self.pool is not None and reason in ("stop", "length")
+            self.pool.put(r.seq) if keep else self.engine.release(r.seq)
+        r.emit("error", error) if error else r.emit("done", reason)

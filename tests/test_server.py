@@ -1,0 +1,200 @@
+"""The server on loopback with the bundled demo model: the official openai client (chat,
+completions, streaming, stop), Ollama-shaped requests, malformed ones, 16 concurrent greedy
+streams equal to each alone, a disconnect that leaks no cache pages, prefix-cache reuse, 429."""
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from ktransformers.server.__main__ import build_parser, make_server  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, *flags):
+        port = free_port()
+        args = build_parser().parse_args(["--port", str(port), "--cache_lens", "4096", "--cpu_infer", "2",
+                                          "--model_name", "demo", *flags])
+        self.app, self.scheduler = make_server(args)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Running("--max_batch_size", "16")
+    yield s
+    s.stop()
+
+
+def chat(srv, text, **kw):
+    return srv.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": text}],
+                                              temperature=0, **kw)
+
+
+def test_openai_chat_and_completions(srv):
+    r = chat(srv, "The Python tutorial", max_tokens=12)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    c = srv.client.completions.create(model="demo", prompt="A module is a file", max_tokens=10, temperature=0)
+    assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens <= 10
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+
+
+def test_streaming_equals_non_streaming(srv):
+    full = chat(srv, "Lists in Python", max_tokens=16).choices[0].message.content
+    stream = chat(srv, "Lists in Python", max_tokens=16, stream=True, stream_options={"include_usage": True})
+    pieces, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == full and reasons[-1] in ("stop", "length") and usage.completion_tokens > 0
+
+
+def test_stop_strings_cut_the_text(srv):
+    base = chat(srv, "The interpreter", max_tokens=24).choices[0].message.content
+    cut = base.strip().split()[2] if len(base.split()) > 3 else None
+    if cut is None:
+        pytest.skip("the demo answer is too short to pick a stop word from")
+    r = chat(srv, "The interpreter", max_tokens=24, stop=[cut])
+    assert cut not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert base.startswith(r.choices[0].message.content)
+
+
+def test_ollama_endpoints(srv):
+    g = httpx.post(srv.url + "/api/generate", json={"model": "demo", "prompt": "Functions", "stream": False,
+                                                     "options": {"temperature": 0, "num_predict": 8}}, timeout=60)
+    body = g.json()
+    assert g.status_code == 200 and body["done"] and body["response"] and body["eval_count"] <= 8
+    with httpx.stream("POST", srv.url + "/api/chat", timeout=60, json={
+            "model": "demo", "messages": [{"role": "user", "content": "Classes"}],
+            "options": {"temperature": 0, "num_predict": 8}}) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] and lines[-1]["done_reason"] in ("stop", "length")
+    assert "".join(x["message"]["content"] for x in lines) != ""
+    tags = httpx.get(srv.url + "/api/tags").json()
+    assert tags["models"][0]["name"] == "demo"
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+
+
+def test_malformed_requests_get_clear_errors(srv):
+    bad_json = httpx.post(srv.url + "/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    missing = httpx.post(srv.url + "/v1/chat/completions", json={"model": "demo"})
+    assert missing.status_code == 422 and missing.json()["error"]["param"] == "messages"
+    temp = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                               "temperature": -1})
+    assert temp.status_code == 422 and "temperature" in temp.json()["error"]["message"]
+    long = httpx.post(srv.url + "/v1/completions", json={"prompt": "word " * 100, "max_tokens": 5000})
+    assert long.status_code == 400 and "exceed the context" in long.json()["error"]["message"]
+    unknown = httpx.post(srv.url + "/v1/completions", json={"model": "gpt-x", "prompt": "a"})
+    assert unknown.status_code == 404 and "gpt-x" in unknown.json()["error"]["message"]
+    ollama = httpx.post(srv.url + "/api/generate", json={"prompt": 3})
+    assert ollama.status_code == 422 and isinstance(ollama.json()["error"], str)
+
+
+def test_concurrent_greedy_streams_equal_alone(srv):
+    prompts = [f"Topic {i}: the standard library" for i in range(16)]
+
+    def run(p):
+        out = chat(srv, p, max_tokens=16, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+    alone = [run(p) for p in prompts[:4]]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, prompts))
+    assert together[:4] == alone
+    assert all(together)
+
+
+def test_disconnect_mid_stream_frees_the_pages(srv):
+    sched = srv.scheduler
+    pages = sched.engine.cache.num_pages
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 2000,
+            "temperature": 0.8, "stream": True}) as r:
+        it = r.iter_lines()
+        got = [next(it) for _ in range(6)]  # a few events, then hang up
+    assert any(line.startswith("data: ") for line in got)
+    deadline = time.time() + 20
+    while (sched.running or sched.free_pages() != pages) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not sched.running and sched.free_pages() == pages
+
+
+def test_prefix_cache_reuses_a_repeated_prompt(srv):
+    text = " ".join(f"The section {i} of the tutorial covers data structures." for i in range(60))
+
+    def first_token_seconds():
+        t0 = time.perf_counter()
+        stream = srv.client.completions.create(model="demo", prompt=text, max_tokens=4, temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+        first, usage = None, None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+            usage = chunk.usage or usage
+        return first, usage
+    cold, cold_usage = first_token_seconds()
+    warm, warm_usage = first_token_seconds()
+    assert cold_usage.prompt_tokens > 500
+    assert warm_usage.prompt_tokens_details.cached_tokens == warm_usage.prompt_tokens - 1
+    assert warm < cold
+
+
+def test_full_queue_answers_429_and_api_key():
+    s = Running("--max_batch_size", "1", "--max_queue", "1", "--api_key", "sekret")
+    try:
+        headers = {"Authorization": "Bearer sekret"}
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/v1/models", headers=headers).status_code == 200
+        body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3500, "temperature": 0.9,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as first:
+            next(first.iter_lines())  # running
+            waiting = threading.Thread(target=lambda: httpx.post(s.url + "/v1/chat/completions", headers=headers,
+                                                                   json={**body, "stream": False}, timeout=120))
+            waiting.start()
+            deadline = time.time() + 10
+            while s.scheduler._pending < 1 and time.time() < deadline:
+                time.sleep(0.01)
+            third = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers)
+            assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+        waiting.join(timeout=120)
+    finally:
+        s.stop()
+
+
+def test_web_page_is_served(srv):
+    page = httpx.get(srv.url + "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "<form" in page.text
