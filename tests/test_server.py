@@ -173,24 +173,35 @@ def test_prefix_cache_reuses_a_repeated_prompt(srv):
 
 
 def test_full_queue_answers_429_and_api_key():
+    """One running + one waiting fill a server of --max_batch_size 1 --max_queue 1: a third
+    request at that time gets 429 (in OpenAI's error shape); the API key guards /v1."""
     s = Running("--max_batch_size", "1", "--max_queue", "1", "--api_key", "sekret")
     try:
         headers = {"Authorization": "Bearer sekret"}
         assert httpx.get(s.url + "/v1/models").status_code == 401
         assert httpx.get(s.url + "/v1/models", headers=headers).status_code == 200
-        body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3500, "temperature": 0.9,
+        body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3000, "temperature": 0.9,
                 "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as first:
-            next(first.iter_lines())  # running
-            waiting = threading.Thread(target=lambda: httpx.post(s.url + "/v1/chat/completions", headers=headers,
-                                                                   json={**body, "stream": False}, timeout=120))
-            waiting.start()
-            deadline = time.time() + 10
-            while s.scheduler._pending < 1 and time.time() < deadline:
-                time.sleep(0.01)
-            third = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers)
-            assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
-        waiting.join(timeout=120)
+        hang_up = threading.Event()
+        statuses = []
+
+        def client():
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    hang_up.wait(30)  # keep the request alive (running or waiting) until the 429 is seen
+                else:
+                    statuses.append(json.loads(r.read())["error"]["type"])
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while 429 not in statuses and time.time() < deadline:
+            time.sleep(0.02)
+        hang_up.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert statuses.count(429) == 1 and statuses.count(200) == 2 and "rate_limit_error" in statuses
     finally:
         s.stop()
 
