@@ -77,6 +77,7 @@ class _CachedAttention(BaseInjectedModule):
         self.layer_idx = orig_module.layer_idx
         self.scaling = float(orig_module.scaling)
         self.triton = False  # decided by load(): the Triton kernels read the cache
+        self.batched_decode = False  # _decode_all also serves several sequences on the torch path
 
     def _choose_backend(self) -> None:
         from ..kernels.triton.common import require, triton_available
@@ -105,7 +106,8 @@ class _CachedAttention(BaseInjectedModule):
             raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of shape "
                              f"[1, {batch.num_tokens}, H], got [{batch_rows}, {seq_len}, H]")
         ctx.cache.write(self.layer_idx, batch, *token_entries)
-        if self.triton and all(q == 1 for q in batch.q_lens):
+        one_each = all(q == 1 for q in batch.q_lens)
+        if one_each and (self.triton or (len(batch.q_lens) > 1 and self.batched_decode)):
             return self._decode_all(queries, batch)
         for i, first, q_len, start in batch.spans():
             rows = slice(first, first + q_len)
@@ -134,6 +136,7 @@ class KDeepseekV2Attention(_CachedAttention):
         self.nope_dim, self.rope_dim, self.v_dim = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
         self.rope_interleave = bool(getattr(config, "rope_interleave", False))
         self.w_uk = self.w_uv = None
+        self.batched_decode = True
 
     def load(self) -> None:
         h, n, v, r = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
@@ -168,12 +171,24 @@ class KDeepseekV2Attention(_CachedAttention):
         return self.o_proj(out), None
 
     def _decode_all(self, queries, batch) -> torch.Tensor:
-        """Triton: every sequence's query against its latent history in place, in latent space."""
-        from ..kernels.triton.attention import decode_attention
+        """Every sequence's query against its latent history, in latent space: the Triton kernel
+        reads the cache in place; the torch path gathers the histories padded to the longest and
+        masks the padding (one batched computation instead of a loop over sequences)."""
         q_nope, q_rot = queries
         r = self.kv_lora_rank
         (latent,) = self.context.cache.layers[self.layer_idx]  # [slots, r + p]
         slots, lens = batch.slot_table()
+        if not self.triton:
+            history = latent[slots.long()].float()  # [B, L, r + p]
+            c, k_rot = history.split([r, self.rope_dim], dim=-1)
+            q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), self.w_uk)
+            scores = (torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_rot.float(), k_rot.transpose(1, 2)))
+            scores = scores.mul_(self.scaling)
+            padding = torch.arange(slots.shape[1], device=slots.device)[None, :] >= lens[:, None]
+            scores.masked_fill_(padding[:, None, :], float("-inf"))
+            o_lat = torch.bmm(torch.softmax(scores, dim=-1), c)  # [B, h, r]
+            return torch.einsum("bhr,hvr->bhv", o_lat, self.w_uv)
+        from ..kernels.triton.attention import decode_attention
         q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk)
         o_lat = decode_attention(q_lat, latent[:, None, :r], None, slots, lens, self.scaling, q2=q_rot,
                                  k2=latent[:, None, r:])

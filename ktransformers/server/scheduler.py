@@ -215,10 +215,12 @@ class Scheduler:
             self._finish(r, "length")
         if decoding:
             engine._set_phase("generate")
-            logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding])
+            logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding]).float().cpu()
             self.steps += 1
-            for r, row in zip(decoding, logits):
-                self._accept(r, row)
+            argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
+            for r, row, best in zip(decoding, logits, argmax):
+                plain = r.params.greedy and r.params.repetition_penalty == 1
+                self._accept(r, row, best if plain else None)
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         cache = self.engine.cache
@@ -227,14 +229,16 @@ class Scheduler:
                 return False
         return True
 
-    def _accept(self, r: Request, logits: torch.Tensor) -> None:
-        """Sample r's next token from its logits [V], stream its text, finish when due."""
+    def _accept(self, r: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """Sample r's next token from its logits [V] (or take `token`, already chosen), stream its
+        text, finish when due."""
         if not hasattr(r, "_sampler"):
             r._sampler = Sampler(r.params)
             r._decoder = StreamDecoder(self.tokenizer)
             r._stopper = StopMatcher(r.stop) if r.stop else None
             r._history = list(r.prompt_ids)
-        token = int(r._sampler(logits.float().cpu()[None], [r._history])[0])
+        if token is None:
+            token = int(r._sampler(logits.float().cpu()[None], [r._history])[0])
         r.tokens.append(token)
         r._history.append(token)
         if token in self.eos_ids and not r.ignore_eos:

@@ -1,0 +1,118 @@
+"""The server under concurrent load: total output tok/s, time to first token and inter-token
+latency at several concurrencies (streaming OpenAI chat requests of a fixed length).
+
+    python -m ktransformers.bench.serve [--gguf_path M.gguf] [--concurrency 1 4 8 16] [--max_tokens 64]
+
+Starts the server as its own process (`python -m ktransformers.server`, as deployed: the clients'
+JSON parsing does not share its interpreter) on a free loopback port (the bundled demo model unless
+--gguf_path), then for each concurrency C runs C clients, each sending --requests requests one
+after another (`ignore_eos`, so every answer has --max_tokens tokens). Prints per C: total output
+tok/s (all tokens / wall time), median TTFT, median inter-token latency, and the speed-up over C=1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """(ttft seconds, gaps between content chunks, content chunks) of one streaming chat request."""
+    import httpx
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    times = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    if not times:
+        return float("nan"), [], 0
+    return times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)
+
+
+def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    def client(i: int):
+        return [one_request(url, f"Request {i}.{k}: write about Python modules.", max_tokens) for k in range(requests)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = [r for rs in pool.map(client, range(concurrency)) for r in rs]
+    wall = time.perf_counter() - t0
+    tokens = concurrency * requests * max_tokens
+    gaps = [g for _, gs, _ in results for g in gs]
+    return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
+            "itl_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf_path")
+    p.add_argument("--model_path")
+    p.add_argument("--optimize_config_path")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--cpu_infer", type=int)
+    p.add_argument("--cache_lens", type=int, default=8192)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import httpx
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ktransformers.server", "--port", str(port), "--cache_lens", str(args.cache_lens),
+           "--max_batch_size", str(max(args.concurrency)), "--max_queue", str(4 * max(args.concurrency))]
+    for key in ("gguf_path", "model_path", "optimize_config_path", "cpu_infer"):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key}", str(getattr(args, key))]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("the server did not start in 600 s")
+            time.sleep(0.2)
+        one_request(url, "warm-up", 8)
+        rows = [run_level(url, c, args.requests, args.max_tokens) for c in args.concurrency]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    base = rows[0]["tok_s"]
+    if not args.json:
+        print(f"{'concurrency':>11} {'requests':>8} {'tok/s':>9} {'x C=' + str(rows[0]['concurrency']):>7} "
+              f"{'TTFT ms':>9} {'ITL ms':>8}")
+    for r in rows:
+        r["speedup"] = r["tok_s"] / base
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"{r['concurrency']:>11} {r['requests']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
+                  f"{r['ttft_ms']:>9.1f} {r['itl_ms']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
