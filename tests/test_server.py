@@ -209,3 +209,32 @@ def test_full_queue_answers_429_and_api_key():
 def test_web_page_is_served(srv):
     page = httpx.get(srv.url + "/")
     assert page.status_code == 200 and "/v1/chat/completions" in page.text and "<form" in page.text
+
+
+def test_web_page_chats_in_headless_chromium(srv):
+    """The page at / in Debian's Chromium (headless, driven by Selenium): type, send, see the reply stream in."""
+    import shutil
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        browser.get(srv.url + "/")
+        box = browser.find_element(By.ID, "input")
+        box.send_keys("Tell me about Python lists")
+        browser.find_element(By.ID, "send").click()
+        reply = WebDriverWait(browser, 60).until(
+            lambda b: b.find_element(By.CSS_SELECTOR, "#reply-1[data-done='1']"))
+        assert reply.text.strip(), "the reply stayed empty"
+        assert "Tell me about Python lists" in browser.find_element(By.ID, "log").text
+    finally:
+        browser.quit()
