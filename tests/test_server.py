@@ -238,3 +238,30 @@ def test_web_page_chats_in_headless_chromium(srv):
         assert "Tell me about Python lists" in browser.find_element(By.ID, "log").text
     finally:
         browser.quit()
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_prefix_pages_come_back_from_ram_and_disk(tmp_path, tier):
+    """A small KV cache: other prompts push a finished request's sequence out; its full pages go to
+    RAM (or, with no RAM budget, to disk) and a repeat of its prompt gets them back."""
+    flags = ["--cache_lens", "1024", "--prefix_cache_dir", str(tmp_path)]
+    flags += ["--prefix_cache_ram", "0"] if tier == "disk" else []
+    s = Running(*flags)
+    try:
+        def ask(text):
+            r = s.client.completions.create(model="demo", prompt=text, max_tokens=4, temperature=0)
+            return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+        a = " ".join(f"Paragraph {i} explains how the import system finds modules." for i in range(45))
+        first, cached, n = ask(a)
+        assert n > 512 and cached == 0
+        for k in range(3):  # fill the 4 pages with other prompts: a's sequence is evicted
+            ask(" ".join(f"Other {k}.{i}: classes and instances in detail." for i in range(45)))
+        store = s.scheduler.pool.store
+        assert len(store) >= 1
+        again, cached, _ = ask(a)
+        assert again == first and cached == 512  # two full pages of 256 back from the lower tier
+        assert store.hits[tier] >= 1
+        if tier == "disk":
+            assert list(tmp_path.glob("*.pt"))
+    finally:
+        s.stop()

@@ -150,6 +150,35 @@ class PagedCache:
         return ForwardBatch(list(seqs), list(q_lens), starts, torch.cat(positions), torch.cat(slots).to(self.device),
                             read_slots)
 
+    def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        table = torch.tensor(pages, dtype=torch.long)
+        return (table[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(self.device)
+
+    def export_pages(self, seq: Sequence, n_pages: int) -> list[list[torch.Tensor]]:
+        """Copies (on the CPU) of every layer's entries in the first `n_pages` pages of `seq`."""
+        if not 0 < n_pages <= len(seq.pages):
+            raise ValueError(f"cannot export {n_pages} pages of a sequence holding {len(seq.pages)}")
+        slots = self._page_slots(seq.pages[:n_pages])
+        return [[buffer.index_select(0, slots).cpu() for buffer in layer] for layer in self.layers]
+
+    def import_pages(self, seq: Sequence, data: list[list[torch.Tensor]]) -> None:
+        """Fill an empty `seq` with exported pages (as many tokens as they hold). Raises
+        CacheFullError (changing nothing) when there are not enough free pages."""
+        if seq.length or seq.pages:
+            raise ValueError("import_pages needs an empty sequence")
+        tokens = int(data[0][0].shape[0])
+        n_pages = tokens // self.page_size
+        if n_pages * self.page_size != tokens or len(data) != len(self.layers):
+            raise ValueError(f"exported data of {tokens} tokens and {len(data)} layers does not fit this cache")
+        if n_pages > len(self._free):
+            raise CacheFullError(f"{n_pages} pages needed, {len(self._free)} free")
+        seq.pages = [self._free.pop() for _ in range(n_pages)]
+        slots = self._page_slots(seq.pages)
+        for layer, saved in zip(self.layers, data, strict=True):
+            for buffer, values in zip(layer, saved, strict=True):
+                buffer.index_copy_(0, slots, values.to(buffer.device, buffer.dtype))
+        seq.length = tokens
+
     def write(self, layer: int, batch: ForwardBatch, *entries: torch.Tensor) -> None:
         """Store the step's new entries ([N, *entry_shape] each, packed like the batch)."""
         for buffer, value in zip(self.layers[layer], entries, strict=True):

@@ -273,6 +273,12 @@ class Engine:
         """The tokens whose entries `seq` holds in the cache."""
         return self._tokens.get(seq.seq_id, [])
 
+    def adopt(self, seq: Sequence, tokens: list[int]) -> None:
+        """Record that `seq` holds the entries of `tokens` (filled from elsewhere, e.g. a prefix store)."""
+        if len(tokens) != seq.length:
+            raise ValueError(f"{len(tokens)} tokens for a sequence holding {seq.length}")
+        self._tokens[seq.seq_id] = list(tokens)
+
     def decode(self, seq: Sequence, token: int) -> torch.Tensor:
         self._set_phase("generate")
         return self.step([seq], [[token]])

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="device of the non-expert parts (default: cuda if present)")
     p.add_argument("--api_key", help="require Authorization: Bearer KEY")
     p.add_argument("--no_prefix_cache", action="store_true", help="do not keep finished requests' cache for reuse")
+    p.add_argument("--prefix_cache_ram", type=float, default=1.0,
+                   help="GiB of CPU RAM for prefix pages evicted from the KV cache (0: none)")
+    p.add_argument("--prefix_cache_dir", help="directory for prefix pages evicted from RAM (the disk tier)")
+    p.add_argument("--prefix_cache_disk", type=float, default=10.0, help="GiB the disk tier may use")
     return p
 
 
@@ -52,8 +56,11 @@ def make_server(args):
         raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path")
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
                     use_cuda_graph=device.startswith("cuda"), max_batch=args.max_batch_size)
+    from ..cache.prefix import PrefixStore
+    store = PrefixStore(int(args.prefix_cache_ram * (1 << 30)), args.prefix_cache_dir,
+                        int(args.prefix_cache_disk * (1 << 30)))
     scheduler = Scheduler(engine, loaded.tokenizer, max_batch=args.max_batch_size, max_queue=args.max_queue,
-                          prefix_cache=not args.no_prefix_cache)
+                          prefix_cache=not args.no_prefix_cache, prefix_store=store)
     from pathlib import Path
     name = args.model_name or Path(str(gguf_path)).stem
     defaults = SamplingParams.from_generation_config(getattr(loaded.model, "generation_config", None))

@@ -71,10 +71,12 @@ class Request:
 
 class PrefixPool:
     """Finished sequences kept with their cache, least recently used first: a new prompt that
-    shares a prefix with one takes it over (the engine recomputes only the rest)."""
+    shares a prefix with one takes it over (the engine recomputes only the rest). With a
+    PrefixStore, a sequence evicted from the cache leaves its full pages in RAM (then on disk),
+    and a prompt starting with their tokens gets them back in fresh pages."""
 
-    def __init__(self, engine, max_seqs: int = 32):
-        self.engine, self.max_seqs = engine, max_seqs
+    def __init__(self, engine, max_seqs: int = 32, store=None):
+        self.engine, self.max_seqs, self.store = engine, max_seqs, store
         self._seqs: OrderedDict[int, Sequence] = OrderedDict()
 
     def __len__(self) -> int:
@@ -91,9 +93,30 @@ class PrefixPool:
                 n += 1
             if n > best_len:
                 best, best_len = seq, n
+        if self.store is not None:
+            restored = self._restore(prompt_ids, best_len)
+            if restored is not None:
+                return restored
         if best is not None:
             del self._seqs[best.seq_id]
         return best
+
+    def _restore(self, prompt_ids: list[int], better_than: int) -> Sequence | None:
+        """A fresh sequence filled from the store's longest prefix of the prompt, when that beats
+        what the cache itself holds."""
+        n, entry = self.store.longest(prompt_ids, len(prompt_ids) - 1)
+        if entry is None or n <= better_than:
+            return None
+        cache = self.engine.cache
+        need = n // cache.page_size
+        while len(cache._free) < need and self.evict_one():
+            pass
+        if len(cache._free) < need:
+            return None
+        seq = self.engine.new_sequence()
+        cache.import_pages(seq, self.store.load(entry))
+        self.engine.adopt(seq, prompt_ids[:n])
+        return seq
 
     def put(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
@@ -104,6 +127,11 @@ class PrefixPool:
         if not self._seqs:
             return False
         _, seq = self._seqs.popitem(last=False)
+        if self.store is not None:  # its full pages go down a tier
+            tokens = self.engine.cached_tokens(seq)
+            pages = min(len(tokens) // self.engine.cache.page_size, len(seq.pages))
+            if pages:
+                self.store.put(tokens[:pages * self.engine.cache.page_size], self.engine.cache.export_pages(seq, pages))
         self.engine.release(seq)
         return True
 
@@ -114,12 +142,12 @@ class PrefixPool:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, max_batch: int = 8, max_queue: int = 64, prefix_cache: bool = True,
-                 prefix_cache_seqs: int = 32):
+                 prefix_cache_seqs: int = 32, prefix_store=None):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
         self.engine, self.tokenizer = engine, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.pool = PrefixPool(engine, prefix_cache_seqs) if prefix_cache else None
+        self.pool = PrefixPool(engine, prefix_cache_seqs, prefix_store) if prefix_cache else None
         self.eos_ids = eos_token_ids(engine.model, tokenizer)
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._waiting: deque[Request] = deque()
