@@ -29,6 +29,9 @@ class Sequence:
     seq_id: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    # the flat slots of its pages, in order (slots[:length] is its history), kept on the cache's
+    # device as pages come and go, so a step does not recompute them
+    slots: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class PagedCache:
     def free(self, seq: Sequence) -> None:
         """Return a sequence's pages (it may be reused, empty, afterwards)."""
         self._free.extend(reversed(seq.pages))
-        seq.pages, seq.length = [], 0
+        seq.pages, seq.length, seq.slots = [], 0, None
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """Forget the tokens of `seq` from `length` on (keeping a shared prefix), freeing whole pages."""
@@ -107,6 +110,8 @@ class PagedCache:
         self._free.extend(reversed(seq.pages[keep:]))
         del seq.pages[keep:]
         seq.length = length
+        if seq.slots is not None:
+            seq.slots = seq.slots[:keep * self.page_size]
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """How many more pages `seq` needs to hold `n` more tokens."""
@@ -136,19 +141,23 @@ class PagedCache:
                 f"{len(self._free)} are free (capacity {self.capacity} tokens, the longest sequence would hold "
                 f"{longest}); raise --cache_lens or shorten the prompt / --max_new_tokens")
         for s, n in zip(seqs, need):
-            s.pages.extend(self._free.pop() for _ in range(n))
+            if n:
+                self._add_pages(s, [self._free.pop() for _ in range(n)])
         starts = [s.length for s in seqs]
         positions, slots, read_slots = [], [], []
         for s, q, start in zip(seqs, q_lens, starts):
-            pos = torch.arange(start + q)
-            table = torch.tensor(s.pages, dtype=torch.long)
-            seq_slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
-            positions.append(pos[start:])
-            slots.append(seq_slots[start:])
-            read_slots.append(seq_slots.to(self.device))
+            positions.append(torch.arange(start, start + q))
+            slots.append(s.slots[start:start + q])
+            read_slots.append(s.slots[:start + q])
             s.length = start + q
-        return ForwardBatch(list(seqs), list(q_lens), starts, torch.cat(positions), torch.cat(slots).to(self.device),
-                            read_slots)
+        if len(seqs) == 1:
+            return ForwardBatch(list(seqs), list(q_lens), starts, positions[0], slots[0], read_slots)
+        return ForwardBatch(list(seqs), list(q_lens), starts, torch.cat(positions), torch.cat(slots), read_slots)
+
+    def _add_pages(self, seq: Sequence, pages: list[int]) -> None:
+        seq.pages.extend(pages)
+        new = self._page_slots(pages)
+        seq.slots = new if seq.slots is None or seq.slots.numel() == 0 else torch.cat([seq.slots, new])
 
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
         table = torch.tensor(pages, dtype=torch.long)
@@ -172,8 +181,8 @@ class PagedCache:
             raise ValueError(f"exported data of {tokens} tokens and {len(data)} layers does not fit this cache")
         if n_pages > len(self._free):
             raise CacheFullError(f"{n_pages} pages needed, {len(self._free)} free")
-        seq.pages = [self._free.pop() for _ in range(n_pages)]
-        slots = self._page_slots(seq.pages)
+        self._add_pages(seq, [self._free.pop() for _ in range(n_pages)])
+        slots = seq.slots
         for layer, saved in zip(self.layers, data, strict=True):
             for buffer, values in zip(layer, saved, strict=True):
                 buffer.index_copy_(0, slots, values.to(buffer.device, buffer.dtype))
