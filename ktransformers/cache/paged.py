@@ -50,17 +50,33 @@ class ForwardBatch:
     read_slots: list[torch.Tensor]
     _tables: dict = field(default_factory=dict, repr=False)
 
-    def slot_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def slot_table(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int32 [B, max_len] padded with 0, lens int32 [B]) of every sequence's history,
-        on the cache's device; built once per step (the GPU attention kernels read it)."""
+        on the cache's device (or `device`: a layer on another GPU); built once per step and device
+        (the GPU attention kernels read it)."""
         if "table" not in self._tables:
-            device = self.read_slots[0].device
+            home = self.read_slots[0].device
             lens = [len(s) for s in self.read_slots]
-            table = torch.zeros(len(lens), max(lens), dtype=torch.int32, device=device)
+            table = torch.zeros(len(lens), max(lens), dtype=torch.int32, device=home)
             for i, s in enumerate(self.read_slots):
                 table[i, :lens[i]] = s
-            self._tables["table"] = (table, torch.tensor(lens, dtype=torch.int32, device=device))
-        return self._tables["table"]
+            self._tables["table"] = (table, torch.tensor(lens, dtype=torch.int32, device=home))
+        table, lens = self._tables["table"]
+        if device is None or torch.device(device) == table.device:
+            return table, lens
+        key = ("table", str(device))
+        if key not in self._tables:
+            self._tables[key] = (table.to(device), lens.to(device))
+        return self._tables[key]
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """The new tokens' slots on `device` (copied once per step for a layer on another device)."""
+        if self.slots.device == device:
+            return self.slots
+        key = ("slots", str(device))
+        if key not in self._tables:
+            self._tables[key] = self.slots.to(device)
+        return self._tables[key]
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +95,10 @@ class PagedCache:
     `[num_pages * page_size, *entry_shape]` (a flat slot index addresses one token)."""
 
     def __init__(self, num_layers: int, entry_shapes: list[tuple[int, ...]], cache_lens: int, page_size: int = 256,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 layer_devices: list | None = None):
+        """`layer_devices`: where each layer's buffers live when layers are spread over several GPUs
+        (default: all on `device`, which also holds the step's slot bookkeeping)."""
         if cache_lens < 1 or page_size < 1:
             raise ValueError(f"cache_lens ({cache_lens}) and page_size ({page_size}) must be positive")
         self.page_size = page_size
@@ -87,8 +106,10 @@ class PagedCache:
         self.capacity = self.num_pages * page_size
         self.device, self.dtype = torch.device(device), dtype
         slots = self.num_pages * page_size
-        self.layers = [[torch.zeros(slots, *shape, device=self.device, dtype=dtype) for shape in entry_shapes]
-                       for _ in range(num_layers)]
+        devices = [torch.device(d) for d in (layer_devices or [self.device] * num_layers)]
+        if len(devices) != num_layers:
+            raise ValueError(f"layer_devices names {len(devices)} devices for {num_layers} layers")
+        self.layers = [[torch.zeros(slots, *shape, device=d, dtype=dtype) for shape in entry_shapes] for d in devices]
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._next_id = 0
 
@@ -168,7 +189,7 @@ class PagedCache:
         if not 0 < n_pages <= len(seq.pages):
             raise ValueError(f"cannot export {n_pages} pages of a sequence holding {len(seq.pages)}")
         slots = self._page_slots(seq.pages[:n_pages])
-        return [[buffer.index_select(0, slots).cpu() for buffer in layer] for layer in self.layers]
+        return [[buffer.index_select(0, slots.to(buffer.device)).cpu() for buffer in layer] for layer in self.layers]
 
     def import_pages(self, seq: Sequence, data: list[list[torch.Tensor]]) -> None:
         """Fill an empty `seq` with exported pages (as many tokens as they hold). Raises
@@ -185,17 +206,18 @@ class PagedCache:
         slots = seq.slots
         for layer, saved in zip(self.layers, data, strict=True):
             for buffer, values in zip(layer, saved, strict=True):
-                buffer.index_copy_(0, slots, values.to(buffer.device, buffer.dtype))
+                buffer.index_copy_(0, slots.to(buffer.device), values.to(buffer.device, buffer.dtype))
         seq.length = tokens
 
     def write(self, layer: int, batch: ForwardBatch, *entries: torch.Tensor) -> None:
         """Store the step's new entries ([N, *entry_shape] each, packed like the batch)."""
         for buffer, value in zip(self.layers[layer], entries, strict=True):
-            buffer.index_copy_(0, batch.slots, value.to(buffer.dtype).reshape(-1, *buffer.shape[1:]))
+            buffer.index_copy_(0, batch.slots_on(buffer.device),
+                               value.to(buffer.device, buffer.dtype).reshape(-1, *buffer.shape[1:]))
 
     def read(self, layer: int, batch: ForwardBatch, i: int) -> list[torch.Tensor]:
         """Every entry of sequence i's history (this step's tokens included), [L, *entry_shape]."""
-        return [buffer.index_select(0, batch.read_slots[i]) for buffer in self.layers[layer]]
+        return [buffer.index_select(0, batch.read_slots[i].to(buffer.device)) for buffer in self.layers[layer]]
 
 
 class KDeepSeekV3Cache(PagedCache):
@@ -203,23 +225,26 @@ class KDeepSeekV3Cache(PagedCache):
     rotated shared key (`qk_rope_head_dim`) — 576 values a token for DeepSeek-V3, 1/57 of the
     full keys and values of its 128 heads."""
 
-    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16):
+    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
+                 layer_devices: list | None = None):
         self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         super().__init__(config.num_hidden_layers, [(self.kv_lora_rank + self.rope_dim,)], cache_lens, page_size,
-                         device, dtype)
+                         device, dtype, layer_devices)
 
 
 class KGQACache(PagedCache):
     """Keys and values of grouped-query attention (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 
-    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16):
+    def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
+                 layer_devices: list | None = None):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (config.num_key_value_heads, head_dim)
-        super().__init__(config.num_hidden_layers, [shape, shape], cache_lens, page_size, device, dtype)
+        super().__init__(config.num_hidden_layers, [shape, shape], cache_lens, page_size, device, dtype, layer_devices)
 
 
-def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16) -> PagedCache:
+def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
+               layer_devices: list | None = None) -> PagedCache:
     """The cache an architecture's attention reads: latent for MLA models, K/V for the rest."""
     if getattr(config, "kv_lora_rank", None):
-        return KDeepSeekV3Cache(config, cache_lens, page_size, device, dtype)
-    return KGQACache(config, cache_lens, page_size, device, dtype)
+        return KDeepSeekV3Cache(config, cache_lens, page_size, device, dtype, layer_devices)
+    return KGQACache(config, cache_lens, page_size, device, dtype, layer_devices)

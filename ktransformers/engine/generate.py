@@ -142,7 +142,11 @@ class Engine:
         attention = self._attention_layers()
         self.embed = model.get_input_embeddings()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.cache = cache or make_cache(self.config, cache_lens, page_size, attention[0].device, dtype)
+        devices = [a.device for a in attention]
+        self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
+                                         devices if len(set(devices)) > 1 else None)
+        # layers spread over several devices: hidden states (and RoPE tables) move at the boundaries
+        self._layer_devices = devices if len(set(devices)) > 1 else None
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
@@ -155,7 +159,7 @@ class Engine:
         self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
-        if use_cuda_graph and self.on_cuda:
+        if use_cuda_graph and self.on_cuda and self._layer_devices is None:
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_batch)
 
@@ -227,12 +231,20 @@ class Engine:
         base = self.model.model
         hidden = base.embed_tokens(ids)
         position_embeddings = base.rotary_emb(hidden, positions)
-        for layer in base.layers[: self.config.num_hidden_layers]:
+        tables = {hidden.device: position_embeddings}
+        for i, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
+            if self._layer_devices is not None and hidden.device != self._layer_devices[i]:
+                device = self._layer_devices[i]  # a pipeline boundary: the next GPU takes over
+                hidden = hidden.to(device)
+                if device not in tables:
+                    tables[device] = tuple(t.to(device) for t in position_embeddings)
+                positions = positions.to(device)
             hidden = layer(hidden, attention_mask=None, position_ids=positions,
-                           position_embeddings=position_embeddings)
+                           position_embeddings=tables[hidden.device])
             if isinstance(hidden, tuple):  # decoder layers of older releases return (hidden, ...)
                 hidden = hidden[0]
-        return base.norm(hidden)
+        norm_device = next(base.norm.parameters(), hidden).device
+        return base.norm(hidden.to(norm_device))
 
     def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:
         """Bring `seq` to hold `prompt_ids` (reusing the longest cached common prefix, always

@@ -177,7 +177,7 @@ class KDeepseekV2Attention(_CachedAttention):
         q_nope, q_rot = queries
         r = self.kv_lora_rank
         (latent,) = self.context.cache.layers[self.layer_idx]  # [slots, r + p]
-        slots, lens = batch.slot_table()
+        slots, lens = batch.slot_table(latent.device)
         if not self.triton:
             history = latent[slots.long()].float()  # [B, L, r + p]
             c, k_rot = history.split([r, self.rope_dim], dim=-1)
@@ -254,7 +254,7 @@ class KGQAAttention(_CachedAttention):
         from ..kernels.triton.attention import decode_attention
         (q,) = queries
         k_cache, v_cache = self.context.cache.layers[self.layer_idx]
-        slots, lens = batch.slot_table()
+        slots, lens = batch.slot_table(k_cache.device)
         return decode_attention(q, k_cache, v_cache, slots, lens, self.scaling, window=self.window or 0)
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -270,7 +270,7 @@ class KGQAAttention(_CachedAttention):
         if self.triton:  # prefill: the causal kernel reads the history in place by slot
             from ..kernels.triton.attention import prefill_attention
             k_cache, v_cache = self.context.cache.layers[self.layer_idx]
-            slots = batch.read_slots[i].to(torch.int32)
+            slots = batch.read_slots[i].to(k_cache.device, torch.int32)
             return prefill_attention(q, k_cache, v_cache, start, self.scaling, window=self.window or 0, slots=slots)
         caches = self._cpp_cache() if q.shape[0] == 1 else None
         if caches is not None:  # decode: the C++ kernel reads the history in place by slot
