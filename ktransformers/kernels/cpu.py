@@ -97,7 +97,11 @@ def load_extension(isa: str | None = None):
 class CPURuntime:
     """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
 
-    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int = 300):
+    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int | None = None):
+        """`spin_us`: how long idle workers spin before sleeping (default $KT_CPU_SPIN_US or 300):
+        shorter leaves more of a small machine to other threads (a server's HTTP loop)."""
+        if spin_us is None:
+            spin_us = int(os.environ.get("KT_CPU_SPIN_US", "300"))
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
         self.threads = threads or len(os.sched_getaffinity(0))
