@@ -159,7 +159,9 @@ class Engine:
         self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
-        if use_cuda_graph and self.on_cuda and self._layer_devices is None:
+        # (graphs replay what capture saw: only attention that reads the step's slot table from
+        # static buffers — the Triton path — may be captured)
+        if use_cuda_graph and self.on_cuda and self._layer_devices is None and all(a.triton for a in attention):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_batch)
 
@@ -203,8 +205,10 @@ class Engine:
                 logits = self.graphs.run(batch, [t[0] for t in new_tokens])
             else:
                 logits = self._eager_step(batch, new_tokens)
-            if self.on_cuda:  # CPU experts ran from the stream: raise what they failed with
-                torch.cuda.current_stream().synchronize()
+            if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
+                for device in set(self._layer_devices or [self.cache.device]):
+                    if torch.device(device).type == "cuda":
+                        torch.cuda.current_stream(device).synchronize()
                 self.context.check_host_errors()
         except BaseException:
             for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
@@ -239,8 +243,13 @@ class Engine:
                 if device not in tables:
                     tables[device] = tuple(t.to(device) for t in position_embeddings)
                 positions = positions.to(device)
-            hidden = layer(hidden, attention_mask=None, position_ids=positions,
-                           position_embeddings=tables[hidden.device])
+            if self._layer_devices is not None and hidden.device.type == "cuda":
+                with torch.cuda.device(hidden.device):  # kernels and host functions on this GPU's stream
+                    hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                                   position_embeddings=tables[hidden.device])
+            else:
+                hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                               position_embeddings=tables[hidden.device])
             if isinstance(hidden, tuple):  # decoder layers of older releases return (hidden, ...)
                 hidden = hidden[0]
         norm_device = next(base.norm.parameters(), hidden).device

@@ -62,6 +62,7 @@ class HostStaging:
         self.pinned = pinned
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._calls: dict[tuple, object] = {}
+        self._retired: list = []
         self.used: list = []  # the calls enqueued since the last check_errors()
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
@@ -71,8 +72,10 @@ class HostStaging:
         for n in sizes:
             offsets.append(offsets[-1] + (n + 63) // 64 * 64)
         if offsets[-1] > self._buffer.numel():  # grow (outside graph capture: the engine warms up first)
+            # the old buffer stays alive: CUDA graphs captured earlier copy into it, their host calls point at it
+            self._retired.append((self._buffer, self._calls))
             self._buffer = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.pinned)
-            self._calls.clear()
+            self._calls = {}
         b = self._buffer
         x = b[offsets[0]:offsets[0] + sizes[0]].view(dtype).view(tokens, hidden)
         ids = b[offsets[1]:offsets[1] + sizes[1]].view(torch.int64).view(tokens, top_k)
@@ -119,10 +122,11 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     idp.copy_(ids.to(torch.int64), non_blocking=True)
     wp.copy_(weights.to(torch.float32), non_blocking=True)
     ext = kernel.runtime.ext
-    launch_host_func(ext.moe_host_submit, call.address)
+    stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
+    launch_host_func(ext.moe_host_submit, call.address, stream)
     staging.used.append((call, kernel.name))
 
     def wait() -> torch.Tensor:
-        launch_host_func(ext.moe_host_wait, call.address)
+        launch_host_func(ext.moe_host_wait, call.address, stream)
         return yp.to(x.device, non_blocking=True).to(out_dtype)
     return wait

@@ -361,7 +361,8 @@ class KTransformersExperts(BaseInjectedModule):
             y = self.layerwise.forward(hidden_states, top_k_index, top_k_weights)
             out_y = y.to(self.options.out_device, hidden_states.dtype)
             return lambda: out_y
-        if not getattr(op, "checks_routing", False):  # the C++ ops check shapes and ids themselves
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not getattr(op, "checks_routing", False) and not capturing:  # (C++ ops check ids; a graph may not sync)
             check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
         out, dtype = torch.device(self.options.out_device), hidden_states.dtype
         split = self.hot is not None and op.device.type == "cpu"

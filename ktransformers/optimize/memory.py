@@ -189,18 +189,21 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             mem.add(mla.device, "weights", numel * 4)  # W_uk / W_uv kept in float32 for absorption
     for device, need in layerwise.items():
         mem.add(device, "layer-wise prefill buffers", need)
-    if cache_lens:
-        device = next(iter(attention.values())).device if attention else "cpu"
+    if cache_lens:  # each layer's pages live on its attention's device
         capacity = -(-cache_lens // page_size) * page_size
         if getattr(config, "kv_lora_rank", None):
             per_token = config.kv_lora_rank + config.qk_rope_head_dim
         else:
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             per_token = 2 * config.num_key_value_heads * head_dim
-        cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
-        mem.add(device, "KV cache", per_token * capacity * config.num_hidden_layers * cache_dtype)
-        if torch.device(device).type == "cuda":  # CUDA-graph static buffers: slot table + logits per batch size
-            mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
+        layer_devices = [r.device for r in attention.values()] or ["cpu"] * config.num_hidden_layers
+        for device in layer_devices:
+            cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
+            mem.add(device, "KV cache", per_token * capacity * cache_dtype * config.num_hidden_layers
+                    / len(layer_devices))
+        for device in sorted(set(layer_devices)):
+            if torch.device(device).type == "cuda":  # CUDA-graph static buffers: slot table + logits per batch size
+                mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
     return mem
 
 

@@ -51,7 +51,7 @@ class OpenAISampling(_Body):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -73,7 +73,7 @@ class OllamaOptions(_Body):
     top_k: int | None = Field(default=None, ge=0)
     repeat_penalty: float | None = Field(default=None, gt=0)
     num_predict: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: list[str] | None = None
 
 
@@ -157,13 +157,19 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     def chat_ids(messages: list[ChatMessage]) -> list[int]:
         conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
         if getattr(tokenizer, "chat_template", None):
-            return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False))
+            try:
+                return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+            except Exception as e:  # e.g. a template that insists on alternating roles
+                raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
         return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in conversation) + "\nassistant:")
 
     def start(ids: list[int], params: SamplingParams, max_tokens: int | None, stop, ignore_eos: bool = False) -> Request:
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
+        if len(ids) >= scheduler.context_length:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context of "
+                                f"{scheduler.context_length} tokens (--cache_lens)", "messages", "context_length_exceeded")
         max_tokens = max_tokens or min(default_max_tokens, scheduler.context_length - len(ids))
         if len(ids) + max_tokens > scheduler.context_length:
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceed the context "

@@ -97,8 +97,8 @@ class PrefixPool:
             restored = self._restore(prompt_ids, best_len)
             if restored is not None:
                 return restored
-        if best is not None:
-            del self._seqs[best.seq_id]
+        if best is not None and self._seqs.pop(best.seq_id, None) is None:
+            return None  # (evicted while making room for a restore that did not happen)
         return best
 
     def _restore(self, prompt_ids: list[int], better_than: int) -> Sequence | None:
@@ -108,13 +108,18 @@ class PrefixPool:
         if entry is None or n <= better_than:
             return None
         cache = self.engine.cache
+        data = self.store.load(entry)  # before evicting: eviction may push this very entry out of RAM
         need = n // cache.page_size
         while len(cache._free) < need and self.evict_one():
             pass
         if len(cache._free) < need:
             return None
         seq = self.engine.new_sequence()
-        cache.import_pages(seq, self.store.load(entry))
+        try:
+            cache.import_pages(seq, data)
+        except (CacheFullError, ValueError):
+            self.engine.release(seq)
+            return None
         self.engine.adopt(seq, prompt_ids[:n])
         return seq
 
@@ -217,12 +222,13 @@ class Scheduler:
                 self._pending -= 1
             if r.cancelled:
                 continue
-            r.seq = (self.pool.take(r.prompt_ids) if self.pool is not None else None) or engine.new_sequence()
-            try:
+            try:  # a failure here ends this request, not the others
+                r.seq = (self.pool.take(r.prompt_ids) if self.pool is not None else None) or engine.new_sequence()
                 r.begin = engine.prefill_start(r.seq, r.prompt_ids)
-            except (CacheFullError, ValueError) as e:
-                engine.release(r.seq)
-                r.emit("error", str(e))
+            except Exception as e:
+                if r.seq is not None:
+                    engine.release(r.seq)
+                r.emit("error", str(e) if isinstance(e, (CacheFullError, ValueError)) else f"{type(e).__name__}: {e}")
                 continue
             r.cached_tokens = r.begin
             self.running.append(r)
@@ -234,7 +240,7 @@ class Scheduler:
                 if reading.begin >= len(reading.prompt_ids):
                     reading.begin = None
                     reading.t_first = time.perf_counter()
-                    self._accept(reading, logits[-1])
+                    self._accept_one(reading, logits[-1])
             else:
                 self._finish(reading, None, error="the KV cache is full (--cache_lens): the prompt does not fit now")
         decoding = [r for r in self.running if r.begin is None and r.next_token is not None]
@@ -248,7 +254,7 @@ class Scheduler:
             argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
-                self._accept(r, row, best if plain else None)
+                self._accept_one(r, row, best if plain else None)
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         cache = self.engine.cache
@@ -256,6 +262,13 @@ class Scheduler:
             if self.pool is None or not self.pool.evict_one():
                 return False
         return True
+
+    def _accept_one(self, r: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """_accept, a failure ending only this request."""
+        try:
+            self._accept(r, logits, token)
+        except Exception as e:
+            self._finish(r, None, error=f"{type(e).__name__}: {e}")
 
     def _accept(self, r: Request, logits: torch.Tensor, token: int | None = None) -> None:
         """Sample r's next token from its logits [V] (or take `token`, already chosen), stream its

@@ -98,7 +98,7 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     max_blocks = n // block_m + min(experts, n) + 1
-    key = torch.where(flat < 0, experts, flat)  # pairs not on this GPU sort last and are dropped
+    key = torch.where((flat < 0) | (flat >= experts), experts, flat)  # pairs not held here sort last, dropped
     order = torch.argsort(key, stable=True)
     counts_all = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts_all[:experts] + block_m - 1) // block_m * block_m
