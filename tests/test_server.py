@@ -122,6 +122,11 @@ def test_malformed_requests_get_clear_errors(srv):
     assert unknown.status_code == 404 and "gpt-x" in unknown.json()["error"]["message"]
     ollama = httpx.post(srv.url + "/api/generate", json={"prompt": 3})
     assert ollama.status_code == 422 and isinstance(ollama.json()["error"], str)
+    seed = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "seed": 2**70})
+    assert seed.status_code == 422 and seed.json()["error"]["param"] == "seed"
+    full = httpx.post(srv.url + "/v1/completions", json={"prompt": "word " * 5000})  # no max_tokens
+    assert full.status_code == 400 and full.json()["error"]["code"] == 400
+    assert "no room in the context" in full.json()["error"]["message"]
 
 
 def test_concurrent_greedy_streams_equal_alone(srv):
