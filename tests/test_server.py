@@ -270,3 +270,42 @@ def test_prefix_pages_come_back_from_ram_and_disk(tmp_path, tier):
             assert list(tmp_path.glob("*.pt"))
     finally:
         s.stop()
+
+
+def test_prefix_pool_restore_failures_leak_nothing():
+    """A stored prefix that cannot be imported, or a pooled sequence evicted while making room,
+    leaves the pool and the cache consistent (no KeyError, no leaked pages)."""
+    import torch
+
+    from ktransformers.cache.prefix import PrefixStore
+    from ktransformers.demo import DEMO_GGUF, DEMO_HF_DIR
+    from ktransformers.engine.generate import Engine
+    from ktransformers.loader import load_model
+    from ktransformers.server.scheduler import PrefixPool
+    lm = load_model(DEMO_GGUF, DEMO_HF_DIR, cpu_infer=2, progress=False)
+    engine = Engine(lm.model, lm.tokenizer, cache_lens=512, page_size=16)
+    store = PrefixStore(ram_bytes=1 << 30)
+    pool = PrefixPool(engine, store=store)
+    pages = engine.cache.num_pages
+    prompt = list(range(5, 60))
+    seq = engine.new_sequence()
+    engine.prefill(seq, prompt[:20] + [3] * 30)  # shares 20 tokens with the prompt
+    pool.put(seq)
+    # a stored 48-token entry whose data does not fit this cache: the restore fails and falls back
+    store.put(prompt[:48], [[torch.zeros(48, 3)] for _ in engine.cache.layers])
+    taken = pool.take(prompt)
+    assert taken is seq and len(engine.cache._free) + len(seq.pages) == pages  # no pages leaked
+    engine.release(seq)
+    # the pooled sequence evicted while making room: take() gives None, not a KeyError
+    other = engine.new_sequence()
+    engine.prefill(other, prompt[:20] + [4] * 30)
+    pool.put(other)
+    good = engine.cache.export_pages(other, 3)
+    store.put(prompt[:48], good)
+    engine.cache._free, hoard = engine.cache._free[:1], engine.cache._free[1:]  # almost no free pages left
+    restored = pool.take(prompt)  # evicts `other` to make room, then restores the 48 stored tokens
+    engine.cache._free += hoard
+    assert restored is not None and restored is not other and restored.length == 48
+    assert engine.cached_tokens(restored) == prompt[:48] and len(pool) == 0
+    engine.release(restored)
+    assert len(engine.cache._free) == pages

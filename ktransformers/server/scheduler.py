@@ -117,7 +117,7 @@ class PrefixPool:
         seq = self.engine.new_sequence()
         try:
             cache.import_pages(seq, data)
-        except (CacheFullError, ValueError):
+        except Exception:  # (a stored entry that does not fit this cache): compute the prompt instead
             self.engine.release(seq)
             return None
         self.engine.adopt(seq, prompt_ids[:n])
