@@ -133,14 +133,24 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         return error_response(request.url.path, 400 if first.get("type") == "json_invalid" else 422, message,
                               where or None)
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        path = request.url.path
-        if api_key and (path.startswith("/v1/") or path.startswith("/api/")):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
-                                      kind="authentication_error")
-        return await call_next(request)
+    if api_key:  # a plain ASGI wrapper: streamed bodies pass through untouched (no per-chunk hop)
+        inner = app.build_middleware_stack
+
+        def guarded():
+            stack = inner()
+            expected = f"Bearer {api_key}".encode()
+
+            async def asgi(scope, receive, send):
+                path = scope.get("path", "")
+                if scope["type"] == "http" and (path.startswith("/v1/") or path.startswith("/api/")):
+                    if dict(scope.get("headers", [])).get(b"authorization", b"") != expected:
+                        response = error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
+                                                  kind="authentication_error")
+                        await response(scope, receive, send)
+                        return
+                await stack(scope, receive, send)
+            return asgi
+        app.build_middleware_stack = guarded
 
     def sampling(temperature, top_p, top_k, repetition_penalty, seed) -> SamplingParams:
         over = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}

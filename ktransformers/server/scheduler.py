@@ -29,6 +29,11 @@ from ..engine.sampling import Sampler, SamplingParams
 from ..engine.streaming import StopMatcher, StreamDecoder
 
 
+def _put_all(events) -> None:
+    for q, event in events:
+        q.put_nowait(event)
+
+
 class QueueFull(RuntimeError):
     """More requests are waiting than the scheduler accepts (HTTP 429)."""
 
@@ -61,8 +66,14 @@ class Request:
     t_first: float | None = None
     t_done: float | None = None
 
+    outbox: list | None = field(default=None, repr=False)  # the scheduler's, delivered once per iteration
+
     def emit(self, kind: str, payload) -> None:
-        if self.loop is not None and self.events is not None:
+        if self.loop is None or self.events is None:
+            return
+        if self.outbox is not None:
+            self.outbox.append((self, (kind, payload)))
+        else:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
     def cancel(self) -> None:
@@ -155,6 +166,7 @@ class Scheduler:
         self.pool = PrefixPool(engine, prefix_cache_seqs, prefix_store) if prefix_cache else None
         self.eos_ids = eos_token_ids(engine.model, tokenizer)
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._outbox: list = []
         self._waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._pending = 0  # submitted, not yet admitted (read by the HTTP side for 429)
@@ -203,6 +215,22 @@ class Scheduler:
                 traceback.print_exc()
                 for r in list(self.running):
                     self._finish(r, None, error=f"{type(e).__name__}: {e}")
+            finally:
+                self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the iteration's events to their event loops: one wake-up per loop, not per token."""
+        if not self._outbox:
+            return
+        batches: dict = {}
+        for r, event in self._outbox:
+            batches.setdefault(r.loop, []).append((r.events, event))
+        self._outbox.clear()
+        for loop, events in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, events)
+            except RuntimeError:  # that loop is closed (shutting down): nobody is listening
+                pass
 
     def _take_inbox(self) -> None:
         while True:
@@ -210,6 +238,7 @@ class Scheduler:
                 r = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            r.outbox = self._outbox
             self._waiting.append(r)
 
     def _iteration(self) -> None:
