@@ -191,11 +191,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
         mem.add(device, "layer-wise prefill buffers", need)
     if cache_lens:  # each layer's pages live on its attention's device
         capacity = -(-cache_lens // page_size) * page_size
-        if getattr(config, "kv_lora_rank", None):
-            per_token = config.kv_lora_rank + config.qk_rope_head_dim
-        else:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            per_token = 2 * config.num_key_value_heads * head_dim
+        per_token = cache_values_per_token(config)
         layer_devices = [r.device for r in attention.values()] or ["cpu"] * config.num_hidden_layers
         for device in layer_devices:
             cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
@@ -205,6 +201,14 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             if torch.device(device).type == "cuda":  # CUDA-graph static buffers: slot table + logits per batch size
                 mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
     return mem
+
+
+def cache_values_per_token(config) -> int:
+    """Values one layer's cache keeps per token: the MLA latent + rotated key, or GQA's K and V."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim
 
 
 def parse_memory(text: str) -> dict[str, int]:

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from ..weights.ggml_quants import GGMLType
-from .memory import GIB, _group_bytes, _stored, available_memory, parse_memory, size
+from .memory import GIB, _group_bytes, _stored, available_memory, cache_values_per_token, parse_memory, size
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -76,12 +76,7 @@ def layer_bytes(model, config, weights=None, cache_lens: int = 4096, page_size: 
         if name.endswith("self_attn.kv_b_proj.weight"):
             dense[i] += p.numel() * 4  # W_uk / W_uv in float32 for absorption
     capacity = -(-cache_lens // page_size) * page_size
-    if getattr(config, "kv_lora_rank", None):
-        per_token = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_token = 2 * config.num_key_value_heads * head_dim
-    kv = [per_token * capacity * 2] * n
+    kv = [cache_values_per_token(config) * capacity * 2] * n  # bf16
     return dense, expert, kv, outside
 
 
