@@ -4,6 +4,7 @@ import pytest
 import torch
 from tiny import kernel_device
 
+from ktransformers.cache.paged import pad_slots
 from ktransformers.operators.experts import moe_reference
 from ktransformers.weights import ggml_quants as gq
 
@@ -97,7 +98,7 @@ def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window):
     k, v = torch.randn(S, kv_heads, dim, generator=g), torch.randn(S, kv_heads, dim, generator=g)
     read = _histories(lens, S, 1)
     q = torch.randn(len(lens), heads, dim, generator=g)
-    slots, n = A.slot_table(read, dev)
+    slots, n = pad_slots(read, dev)
     out = A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, dim ** -0.5, window=window).cpu()
     for b, idx in enumerate(read):
         ref = A.attention_reference(q[b:b + 1], k[idx.long()], v[idx.long()], len(idx) - 1, dim ** -0.5, window=window)
@@ -112,7 +113,7 @@ def test_decode_attention_mla_latent(dev, heads, rank, rope, lens):
     cache = torch.randn(S, rank + rope, generator=g)
     read = _histories(lens, S, 2)
     q_lat, q_rot = torch.randn(len(lens), heads, rank, generator=g), torch.randn(len(lens), heads, rope, generator=g)
-    slots, n = A.slot_table(read, dev)
+    slots, n = pad_slots(read, dev)
     c = cache.to(dev)
     out = A.decode_attention(q_lat.to(dev), c[:, None, :rank], None, slots, n, 0.1, q2=q_rot.to(dev),
                              k2=c[:, None, rank:]).cpu()

@@ -52,8 +52,8 @@ print(json.dumps({"version": llama_cpp.__version__, "rows": rows}))
 def step_bytes(files, config) -> tuple[float, float]:
     """(expert bytes, other bytes) one decode step reads from the GGUF `files`: expert tensors
     top_k/E of them, dense tensors whole, one embedding row (not the table)."""
-    experts = next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                   if getattr(config, k, None))
+    from ..weights.gguf_config import routed_experts
+    experts = routed_experts(config)
     expert_bytes = dense = 0.0
     for name, info in files.tensors.items():
         if name == "token_embd.weight":

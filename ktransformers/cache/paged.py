@@ -34,6 +34,15 @@ class Sequence:
     slots: torch.Tensor | None = field(default=None, repr=False)
 
 
+def pad_slots(read_slots: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots int32 [B, max_len] padded with 0, lens int32 [B]) from per-sequence slot lists."""
+    lens = [len(s) for s in read_slots]
+    table = torch.zeros(len(lens), max(max(lens), 1), dtype=torch.int32, device=device)
+    for i, s in enumerate(read_slots):
+        table[i, :lens[i]] = s.to(device)
+    return table, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
 @dataclass
 class ForwardBatch:
     """What one forward computes: `q_lens[i]` new tokens of `seqs[i]`, packed in that order.
@@ -55,12 +64,7 @@ class ForwardBatch:
         on the cache's device (or `device`: a layer on another GPU); built once per step and device
         (the GPU attention kernels read it)."""
         if "table" not in self._tables:
-            home = self.read_slots[0].device
-            lens = [len(s) for s in self.read_slots]
-            table = torch.zeros(len(lens), max(lens), dtype=torch.int32, device=home)
-            for i, s in enumerate(self.read_slots):
-                table[i, :lens[i]] = s
-            self._tables["table"] = (table, torch.tensor(lens, dtype=torch.int32, device=home))
+            self._tables["table"] = pad_slots(self.read_slots, self.read_slots[0].device)
         table, lens = self._tables["table"]
         if device is None or torch.device(device) == table.device:
             return table, lens

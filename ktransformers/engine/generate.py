@@ -43,6 +43,16 @@ class GenerationStats:
                 f"eval rate: {rate(self.eval_tokens, self.eval_seconds)} tokens/s"]
 
 
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def eos_token_ids(model, tokenizer) -> set[int]:
     """EOS ids from the model's generation_config and config, and the tokenizer."""
     ids: set[int] = set()
@@ -274,9 +284,7 @@ class Engine:
             raise CacheFullError(f"the prompt has {len(prompt_ids)} tokens but the cache holds {self.cache.capacity} "
                                  f"(--cache_lens); raise --cache_lens or shorten the prompt")
         cached = self._tokens.get(seq.seq_id, [])
-        keep = 0
-        while keep < min(len(cached), len(prompt_ids) - 1) and cached[keep] == prompt_ids[keep]:
-            keep += 1
+        keep = min(common_prefix(cached, prompt_ids), len(prompt_ids) - 1)
         if keep < seq.length:
             self.cache.truncate(seq, keep)
             self._tokens[seq.seq_id] = cached[:keep]

@@ -34,16 +34,12 @@ class DecodeGraphs:
 
     def _fill(self, batch: ForwardBatch, tokens: list[int]) -> None:
         B = len(tokens)
-        lens = [len(s) for s in batch.read_slots]
-        width = max(lens)
-        table = torch.zeros(B, width, dtype=torch.int32)
-        for i, s in enumerate(batch.read_slots):
-            table[i, :lens[i]] = s.cpu()
+        table, lens = batch.slot_table(self.table.device)  # columns past `width` stay stale: lens bounds reads
         self.ids[:B].copy_(torch.tensor(tokens), non_blocking=True)
         self.positions[:B].copy_(batch.positions, non_blocking=True)
         self.slots[:B].copy_(batch.slots, non_blocking=True)
-        self.table[:B, :width].copy_(table, non_blocking=True)
-        self.lens[:B].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.table[:B, :table.shape[1]].copy_(table)
+        self.lens[:B].copy_(lens)
 
     def _forward(self, batch: ForwardBatch, B: int) -> torch.Tensor:
         static = ForwardBatch(batch.seqs, [1] * B, batch.starts, self.positions[:B], self.slots[:B], batch.read_slots)

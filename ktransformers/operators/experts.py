@@ -249,15 +249,16 @@ class LayerwisePrefill:
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..weights.ggml_quants import dequantize_on_device
+        from ..weights.ggml_quants import dequantize
         event, on_gpu = self._pending or self._copy()
         self._pending = None
         torch.cuda.current_stream(self.device).wait_event(event)
         if self.next is not None:  # the next layer's copy runs while this layer computes
             self.next._pending = self.next._copy()
         (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
-        gate_up = torch.cat([dequantize_on_device(g, tg, sg), dequantize_on_device(u, tu, su)], 1)
-        return gate_up, dequantize_on_device(d, td, sd)
+        bf16 = torch.bfloat16
+        gate_up = torch.cat([dequantize(g, tg, sg, bf16), dequantize(u, tu, su, bf16)], 1)
+        return gate_up, dequantize(d, td, sd, bf16)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from ..kernels.triton.fused_moe import fused_moe

@@ -50,6 +50,20 @@ def dense_weights(weights, name: str, shape: tuple[int, ...], dtype: torch.dtype
     return ExpertWeights(data, 0 if as_f32 else 30)
 
 
+def stored_weight(weights, key: str, shape: tuple[int, int]):
+    """(raw bytes, ggml type) of `key`.weight as stored, in HF row order, or None when it is not
+    stored as one GGML tensor of `shape` (the caller then loads it dequantized)."""
+    name = f"{key}.weight"
+    stored = weights.raw_stacked(name)
+    if stored is None or stored[1].shape != shape:
+        return None
+    raw, info = stored
+    perm = weights.stored_row_order(name)
+    if perm is not None:  # undo llama's Q/K row interleave once, on whole rows of blocks
+        raw = torch.from_numpy(np.asarray(raw).reshape(shape[0], -1))[torch.argsort(perm)].contiguous()
+    return raw, int(info.ggml_type)
+
+
 @LINEAR_OPS.register("KLinearCPU")
 class KLinearCPU:
     """The C++ CPU linear on the stored GGML blocks (zero-copy); bias added in torch. Types the
@@ -65,16 +79,12 @@ class KLinearCPU:
 
     def load(self, weights, has_bias: bool, context) -> None:
         from ..kernels.cpu import ACTIVATION_BLOCK, ExpertWeights, LinearKernel
-        name, shape = f"{self.key}.weight", (self.out_features, self.in_features)
-        stored = weights.raw_stacked(name)
-        if stored is None or int(stored[1].ggml_type) not in ACTIVATION_BLOCK or stored[1].shape != shape:
-            data = dense_weights(weights, name, shape, self.dtype)
+        shape = (self.out_features, self.in_features)
+        stored = stored_weight(weights, self.key, shape)
+        if stored is None or stored[1] not in ACTIVATION_BLOCK:
+            data = dense_weights(weights, f"{self.key}.weight", shape, self.dtype)
         else:
-            raw, info = stored
-            perm = weights.stored_row_order(name)
-            if perm is not None:  # undo llama's Q/K row interleave once, on whole rows of blocks
-                raw = torch.from_numpy(np.asarray(raw).reshape(self.out_features, -1))[torch.argsort(perm)].contiguous()
-            data = ExpertWeights(raw, int(info.ggml_type))
+            data = ExpertWeights(*stored)
         self.kernel = LinearKernel(context.cpu_runtime(), in_features=self.in_features, out_features=self.out_features,
                                    weight=data, name=self.key)
         self.bias = weights.load(f"{self.key}.bias", dtype=torch.float32, shape=shape[:1]) if has_bias else None
@@ -114,16 +124,7 @@ class _TritonLinear:
         return weights.load(f"{self.key}.weight", dtype=torch.float32, shape=(self.out_features, self.in_features))
 
     def _stored(self, weights):
-        """(raw bytes, ggml type) of the weight in HF row order, or None when not stored as one GGML tensor."""
-        name = f"{self.key}.weight"
-        stored = weights.raw_stacked(name)
-        if stored is None or stored[1].shape != (self.out_features, self.in_features):
-            return None
-        raw, info = stored
-        perm = weights.stored_row_order(name)
-        if perm is not None:  # undo llama's Q/K row interleave on whole rows of blocks
-            raw = torch.from_numpy(np.asarray(raw).reshape(self.out_features, -1))[torch.argsort(perm)].contiguous()
-        return raw, int(info.ggml_type)
+        return stored_weight(weights, self.key, (self.out_features, self.in_features))
 
     def load(self, weights, has_bias: bool, context) -> None:
         w = self._convert(weights)

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from ..weights.ggml_quants import GGMLType
+from ..weights.gguf_config import routed_experts
 from .memory import GIB, _group_bytes, _stored, available_memory, cache_values_per_token, parse_memory, size
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -53,8 +54,7 @@ def layer_bytes(model, config, weights=None, cache_lens: int = 4096, page_size: 
     the modules outside the layers: {name prefix: bytes}."""
     n = config.num_hidden_layers
     dense, expert, outside = [0.0] * n, [0.0] * n, {}
-    experts_per_layer = next((getattr(config, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                              if getattr(config, k, None)), 1)
+    experts_per_layer = routed_experts(config) or 1
     for name, p in model.named_parameters():
         m = _LAYER.match(name)
         ggml_type, _ = _stored(weights, name)
@@ -103,8 +103,7 @@ def plan_gpus(model, config, budgets: dict[str, int], weights=None, cache_lens: 
                          f"{size(sum(budgets[x] for x in gpus))} given; lower --cache_lens or add GPUs")
     for gpu in gpus:
         free[gpu] -= sum(cost[i] for i in layers[gpu])
-    experts_per_layer = next((getattr(config, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                              if getattr(config, k, None)), 0)
+    experts_per_layer = routed_experts(config)
     hot, used = {}, {}
     for gpu in gpus:
         own = layers[gpu]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import CacheFullError, Sequence
-from ..engine.generate import eos_token_ids
+from ..engine.generate import common_prefix, eos_token_ids
 from ..engine.sampling import Sampler, SamplingParams
 from ..engine.streaming import StopMatcher, StreamDecoder
 
@@ -96,12 +96,7 @@ class PrefixPool:
     def take(self, prompt_ids: list[int]) -> Sequence | None:
         best, best_len = None, 0
         for seq in self._seqs.values():
-            cached = self.engine.cached_tokens(seq)
-            n = 0
-            for a, b in zip(cached, prompt_ids):
-                if a != b:
-                    break
-                n += 1
+            n = common_prefix(self.engine.cached_tokens(seq), prompt_ids)
             if n > best_len:
                 best, best_len = seq, n
         if self.store is not None:

@@ -33,37 +33,34 @@ class CombinedSource(WeightSource):
         return ([k for k in self.dense.keys() if not self.pattern.search(k)]
                 + [k for k in self.experts.keys() if self.pattern.search(k)])
 
-    def info(self, name):
+    def _call(self, method: str, name: str, *args):
+        """`method(name, *args)` of the source that holds `name`."""
         name = self._resolve(name)
-        return self._pick(name).info(name)
+        return getattr(self._pick(name), method)(name, *args)
+
+    def info(self, name):
+        return self._call("info", name)
 
     def raw(self, name):
-        name = self._resolve(name)
-        return self._pick(name).raw(name)
+        return self._call("raw", name)
 
     def _load_stored(self, name, dtype=None):
-        name = self._resolve(name)
-        return self._pick(name)._load_stored(name, dtype)
+        return self._call("_load_stored", name, dtype)
 
     def has(self, name: str) -> bool:
-        name = self._resolve(name)
-        return self._pick(name).has(name)
+        return self._call("has", name)
 
     def load(self, name, device="cpu", dtype=None, shape=None):
-        name = self._resolve(name)
-        return self._pick(name).load(name, device, dtype, shape)
+        return self._call("load", name, device, dtype, shape)
 
     def raw_stacked(self, name):
-        name = self._resolve(name)
-        return self._pick(name).raw_stacked(name)
+        return self._call("raw_stacked", name)
 
     def fp8_blocks(self, name):
-        name = self._resolve(name)
-        return self._pick(name).fp8_blocks(name)
+        return self._call("fp8_blocks", name)
 
     def stored_row_order(self, name):
-        name = self._resolve(name)
-        return self._pick(name).stored_row_order(name)
+        return self._call("stored_row_order", name)
 
     def unconsumed(self) -> list[str]:
         return sorted([n for n in self.dense.unconsumed() if not self.pattern.search(n)]

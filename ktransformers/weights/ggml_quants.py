@@ -450,7 +450,8 @@ _CHUNK_BLOCKS = 1 << 15
 
 
 def dequantize(raw, t, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tensor of row-major `shape` stored as `raw` bytes of ggml type `t`, in `dtype`."""
+    """The tensor of row-major `shape` stored as `raw` bytes of ggml type `t`, in `dtype`, on the
+    device the bytes are on (a torch tensor on a GPU is decoded there by the same block decoders)."""
     fmt = FORMATS[ggml_type(t)]
     if fmt.dequant is None:
         raise NotImplementedError(f"dequantizing {fmt.type.name} is not supported; "
@@ -465,27 +466,9 @@ def dequantize(raw, t, shape, dtype: torch.dtype = torch.float32) -> torch.Tenso
         raise ValueError(f"{fmt.type.name} tensor of shape {shape}: expected {expected} bytes, "
                          f"got {data.numel()}")
     blocks = data.view(expected // fmt.block_bytes, fmt.block_bytes)
-    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=dtype)
+    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=dtype, device=blocks.device)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):  # bounded float32 temporaries
         out[start:start + _CHUNK_BLOCKS] = fmt.dequant(blocks[start:start + _CHUNK_BLOCKS])
-    return out.reshape(shape)
-
-
-def dequantize_on_device(data: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """`dequantize` for bytes already on a device (a GPU): the same torch block decoders run there."""
-    fmt = FORMATS[ggml_type(t)]
-    if fmt.dequant is None:
-        raise NotImplementedError(f"dequantizing {fmt.type.name} is not supported; supported: {_supported('dequant')}")
-    shape = tuple(int(s) for s in shape)
-    expected = tensor_nbytes(fmt.type, math.prod(shape))
-    if data.numel() * data.element_size() != expected:
-        raise ValueError(f"{fmt.type.name} tensor of shape {shape}: expected {expected} bytes, got "
-                         f"{data.numel() * data.element_size()}")
-    blocks = data.reshape(-1).view(torch.uint8).view(-1, fmt.block_bytes)
-    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=dtype, device=data.device)
-    step = _CHUNK_BLOCKS * 8
-    for start in range(0, blocks.shape[0], step):
-        out[start:start + step] = fmt.dequant(blocks[start:start + step])
     return out.reshape(shape)
 
 

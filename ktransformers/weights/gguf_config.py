@@ -158,3 +158,9 @@ def _llama_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
 
 
 _BUILDERS = {"deepseek2": _deepseek_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+
+
+def routed_experts(config) -> int:
+    """Routed experts per MoE layer, under whichever name the config's family uses (0 if none)."""
+    return next((getattr(config, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                 if getattr(config, k, None)), 0)

@@ -8,7 +8,7 @@ MLA decode (absorbed): q1 = q_nope W_uk (latent), k1 = the cached latent c, q2 =
     cached rotated key, v = c again (V_IS_K1: the tile already loaded), one kv head for all heads.
 MLA prefill (expanded): k1 = k_nope [L, h, n], k2 = k_rot shared by every head (head stride 0).
 Rows of the caches are addressed by slot: `slots` [B, max_len] int32 lists each sequence's
-history in order (PagedCache's read slots, padded), so pages are read in place.
+history in order (cache.paged.pad_slots of PagedCache's read slots), so pages are read in place.
 """
 from __future__ import annotations
 
@@ -28,6 +28,17 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _online_softmax(scores, v, m, l, acc, DOT_F32: tl.constexpr):
+    """Fold one block of keys (scores [rows, keys], values v [keys, DV]) into each row's running
+    max m, sum l and weighted values acc; a row that has seen only masked keys stays at zero."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p, v, DOT_F32)
 
 
 @triton.jit
@@ -73,17 +84,12 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
                          mask=tmask[:, None] & (d2 < D2)[None, :], other=0.0)
             scores += _dot(q2, tl.trans(k2), DOT_F32)
         scores = tl.where(tmask[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
         if V_IS_K1:
             v = k1
         else:
             v = tl.load(v_ptr + slot[:, None] * s_vs + kvh * s_vh + dv[None, :],
                         mask=tmask[:, None] & (dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
-        m = m_new
+        m, l, acc = _online_softmax(scores, v, m, l, acc, DOT_F32)
     # partial result of this split: normalised output and its log-sum-exp (-inf when empty)
     safe_l = tl.where(l > 0, l, 1.0)
     out = acc / safe_l[:, None]
@@ -91,15 +97,6 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
     base = (b * Hq + heads) * num_splits + split  # acc [B, Hq, splits, DV], lse [B, Hq, splits]
     tl.store(acc_ptr + base[:, None] * DV + dv[None, :], out, mask=hmask[:, None] & (dv < DV)[None, :])
     tl.store(lse_ptr + base, lse, mask=hmask)
-
-
-def slot_table(read_slots: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots int32 [B, max_len] padded with 0, lens int32 [B]) from per-sequence slot lists."""
-    lens = torch.tensor([len(s) for s in read_slots], dtype=torch.int32)
-    table = torch.zeros(len(read_slots), max(int(lens.max()), 1), dtype=torch.int32)
-    for i, s in enumerate(read_slots):
-        table[i, :len(s)] = s
-    return table.to(device), lens.to(device)
 
 
 def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
@@ -192,15 +189,9 @@ def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, out_ptr,
         if window > 0:
             visible = visible & (rt[None, :] > qpos[:, None] - window)
         scores = tl.where(visible, scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] * s_vs + kvh * s_vh + dv[None, :],
                     mask=tmask[:, None] & (dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
-        m = m_new
+        m, l, acc = _online_softmax(scores, v, m, l, acc, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rq[:, None] * s_ot + h * s_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=qmask[:, None] & (dv < DV)[None, :])

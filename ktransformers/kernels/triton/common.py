@@ -43,6 +43,11 @@ def require(device: torch.device | str, what: str) -> None:
 DOT_F32 = interpreting()
 
 
+# Above this many rows a GEMM is compute-bound: the weight is dequantized once to bf16 and cuBLAS
+# multiplies (its tensor-core GEMM beats dequantizing inside every tile of a Triton GEMM).
+DENSE_ROWS = 64
+
+
 def dot_f32() -> bool:
     return DOT_F32
 

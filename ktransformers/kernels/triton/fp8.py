@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_f32, split_k
+from .common import DENSE_ROWS, dot_f32, split_k
 
 FP8_BLOCK = 128
 
@@ -53,9 +53,6 @@ def quantize_fp8(w: torch.Tensor) -> FP8Weight:
     scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)  # [nb, kb]
     q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return FP8Weight(q.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:N, :K].contiguous(), scale.contiguous())
-
-
-DENSE_ROWS = 64
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import dot_f32, split_k
+from .common import DENSE_ROWS, dot_f32, split_k
 
 GROUP = 32
 
@@ -184,11 +184,6 @@ def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
                                                          HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
                                                          BLOCK_N=128, BLOCK_K=BLOCK_K)
     return out
-
-
-# Above this many rows the GEMM is compute-bound: dequantize the weight once to bf16 and let cuBLAS
-# multiply (its tensor-core GEMM beats dequantizing inside every tile of a Triton GEMM).
-DENSE_ROWS = 64
 
 
 def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
