@@ -30,6 +30,41 @@ def gpu_copy_gbps() -> float:
     return copy_gbps()
 
 
+def sync() -> None:
+    """Wait for every GPU (layers may be spread over several)."""
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def layer_bytes(files, config) -> tuple[float, float, list[tuple[float, float]]]:
+    """(expert bytes, other bytes) a decode step reads outside the layers, and per layer."""
+    from ..weights.gguf_config import routed_experts
+    experts = routed_experts(config)
+    outside = [0.0, 0.0]
+    layers = [[0.0, 0.0] for _ in range(config.num_hidden_layers)]
+    for name, info in files.tensors.items():
+        nbytes = info.data.nbytes / info.shape[0] if name == "token_embd.weight" else info.data.nbytes
+        into = layers[int(name.split(".")[1])] if name.startswith("blk.") else outside
+        if "_exps." in name:
+            into[0] += nbytes * config.num_experts_per_tok / experts
+        else:
+            into[1] += nbytes
+    return outside[0], outside[1], [tuple(x) for x in layers]
+
+
+def extrapolated_bytes(files, config, layers: int) -> tuple[float, float]:
+    """(expert, other) decode-step bytes of the same model with `layers` layers: the file's
+    layers without routed experts (DeepSeek's first dense ones) kept, its MoE layers' mean
+    repeated for the rest."""
+    out_e, out_d, per = layer_bytes(files, config)
+    moe = [x for x in per if x[0] > 0]
+    dense = [x for x in per if x[0] == 0]
+    n = layers - len(dense)
+    mean_e = sum(x[0] for x in moe) / len(moe)
+    mean_d = sum(x[1] for x in moe) / len(moe)
+    return (out_e + n * mean_e, out_d + sum(x[1] for x in dense) + n * mean_d)
+
+
 def measure_ours(args, config) -> dict:
     from ..engine.generate import Engine
     from ..loader import load_model
@@ -48,10 +83,10 @@ def measure_ours(args, config) -> dict:
         for _ in range(args.repeats):
             prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
             seq = engine.new_sequence()
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             engine.prefill(seq, prompt)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
             engine.release(seq)
         prefill[P] = P / statistics.median(times)
@@ -61,11 +96,11 @@ def measure_ours(args, config) -> dict:
         engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
         steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
         engine.decode(seq, steps[0])  # (the first step captures the graph)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for token in steps[1:]:
             engine.decode(seq, token)
-        torch.cuda.synchronize()
+        sync()
         decode.append((args.decode - 1) / (time.perf_counter() - t0))
         engine.release(seq)
     return {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
@@ -99,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefill_gpu_threshold", type=int, help="override the rule file's (0: CPU experts only)")
     p.add_argument("--llama-bench", help="path of llama.cpp's llama-bench (CUDA build) to run beside ours")
+    p.add_argument("--extrapolate", type=int, metavar="LAYERS",
+                   help="also give decode tok/s for the same model with LAYERS layers (e.g. 61 for DeepSeek-V3), "
+                        "at the fraction of the roofline measured here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,6 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu_bw = gpu_copy_gbps()
     floor_s = cpu_bytes / (cpu_bw * 1e9) + gpu_bytes / (gpu_bw * 1e9)
     roof = 1 / floor_s
+    extra = None
+    if args.extrapolate:
+        e_bytes, d_bytes = extrapolated_bytes(files, config, args.extrapolate)
+        roof_n = 1 / (e_bytes / (cpu_bw * 1e9) + d_bytes / (gpu_bw * 1e9))
+        extra = {"layers": args.extrapolate, "roofline_tok_s": roof_n,
+                 "decode": ours["decode"] / roof * roof_n}
     peer = measure_llama(args)
     rows = [dict(engine="ktransformers", **ours)] + ([dict(engine="llama.cpp", **peer)] if peer else [])
     head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
@@ -125,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof, "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw,
-                              "layers": config.num_hidden_layers, "threads": args.threads}))
+                              "layers": config.num_hidden_layers, "threads": args.threads,
+                              "step_ms": 1e3 / r["decode"] if r["decode"] else None,
+                              "extrapolated": extra if r["engine"] == "ktransformers" else None}))
         return
     print(head)
     cols = "".join(f" {'prefill@' + str(P):>13}" for P in args.prompts)
@@ -134,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
         pre = "".join(f" {r['prefill'].get(P, float('nan')):>13.1f}" for P in args.prompts)
         dec = r["decode"] or float("nan")
         print(f"{r['engine']:<14}{pre} {dec:>13.1f} {dec / roof:>12.2f}")
+    step_ms = 1e3 / ours["decode"]
+    print(f"decode step {step_ms:.2f} ms = {step_ms / config.num_hidden_layers:.3f} ms per layer")
+    if extra:
+        print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
+              f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")
     if peer:
         print("ours / llama.cpp: " + ", ".join(f"prefill@{P} {ours['prefill'][P] / peer['prefill'][P]:.2f}x"
                                                 for P in args.prompts if peer['prefill'].get(P))

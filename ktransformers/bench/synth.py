@@ -64,11 +64,25 @@ def type_chooser(name: str):
     return q4_k_m if name.upper() == "Q4_K_M" else converter_type(ggml_type(name))
 
 
+POOL_BYTES = 32 << 20
+
+
 def random_encoder(seed: int = 0):
+    """Random valid blocks for every tensor: per type, a pool of POOL_BYTES of random blocks made
+    once, each tensor a run of it from a random start, wrapping around (writing a DeepSeek-V3-size
+    file is then bound by the disk, not the random generator; the kernels' speed does not depend
+    on the values, and every tensor still has its own bytes in the file and in RAM)."""
     gen = torch.Generator().manual_seed(seed)
+    pools: dict[GGMLType, torch.Tensor] = {}
 
     def encode(tensor: torch.Tensor, t: GGMLType) -> torch.Tensor:
-        return random_blocks(t, tensor.numel() // FORMATS[t].block_elems, gen).reshape(-1)
+        n = tensor.numel() // FORMATS[t].block_elems
+        if t not in pools:
+            pools[t] = random_blocks(t, max(1, POOL_BYTES // FORMATS[t].block_bytes), gen)
+        pool = pools[t]
+        start = int(torch.randint(0, pool.shape[0], (1,), generator=gen))
+        reps = -(-(start + n) // pool.shape[0])
+        return (pool.repeat(reps, 1) if reps > 1 else pool)[start:start + n].reshape(-1)
     return encode
 
 

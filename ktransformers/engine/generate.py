@@ -133,6 +133,14 @@ class Generation:
                 engine.release(seq)
 
 
+def _indexed(device) -> torch.device:
+    """`cuda` as `cuda:N` (the current GPU), as tensors report their device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Engine:
     """Runs a loaded model (transformers' class with operators injected) over a paged cache.
 
@@ -152,11 +160,12 @@ class Engine:
         attention = self._attention_layers()
         self.embed = model.get_input_embeddings()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        devices = [a.device for a in attention]
+        devices = [_indexed(a.device) for a in attention]
         self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
                                          devices if len(set(devices)) > 1 else None)
         # layers spread over several devices: hidden states (and RoPE tables) move at the boundaries
         self._layer_devices = devices if len(set(devices)) > 1 else None
+        self.layer_devices = devices  # every layer's device (its attention's)
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
@@ -171,7 +180,7 @@ class Engine:
         self.graphs = None
         # (graphs replay what capture saw: only attention that reads the step's slot table from
         # static buffers — the Triton path — may be captured)
-        if use_cuda_graph and self.on_cuda and self._layer_devices is None and all(a.triton for a in attention):
+        if use_cuda_graph and self.on_cuda and all(a.triton for a in attention):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_batch)
 
@@ -245,8 +254,18 @@ class Engine:
         base = self.model.model
         hidden = base.embed_tokens(ids)
         position_embeddings = base.rotary_emb(hidden, positions)
+        hidden = self.run_layers(hidden, positions, position_embeddings, range(self.config.num_hidden_layers))
+        norm_device = next(base.norm.parameters(), hidden).device
+        return base.norm(hidden.to(norm_device))
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, position_embeddings: tuple,
+                   layers: range) -> torch.Tensor:
+        """Decoder layers `layers` on `hidden`; with layers on several GPUs the hidden states (and
+        positions, RoPE tables) move to the next GPU at a boundary, each layer running with its
+        GPU current (its kernels and host functions on that GPU's stream)."""
         tables = {hidden.device: position_embeddings}
-        for i, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
+        for i in layers:
+            layer = self.model.model.layers[i]
             if self._layer_devices is not None and hidden.device != self._layer_devices[i]:
                 device = self._layer_devices[i]  # a pipeline boundary: the next GPU takes over
                 hidden = hidden.to(device)
@@ -254,7 +273,7 @@ class Engine:
                     tables[device] = tuple(t.to(device) for t in position_embeddings)
                 positions = positions.to(device)
             if self._layer_devices is not None and hidden.device.type == "cuda":
-                with torch.cuda.device(hidden.device):  # kernels and host functions on this GPU's stream
+                with torch.cuda.device(hidden.device):
                     hidden = layer(hidden, attention_mask=None, position_ids=positions,
                                    position_embeddings=tables[hidden.device])
             else:
@@ -262,8 +281,7 @@ class Engine:
                                position_embeddings=tables[hidden.device])
             if isinstance(hidden, tuple):  # decoder layers of older releases return (hidden, ...)
                 hidden = hidden[0]
-        norm_device = next(base.norm.parameters(), hidden).device
-        return base.norm(hidden.to(norm_device))
+        return hidden
 
     def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:
         """Bring `seq` to hold `prompt_ids` (reusing the longest cached common prefix, always

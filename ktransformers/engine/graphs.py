@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one graph per batch size, captured on first use, replayed after.
+"""CUDA graphs of the decode step: per batch size, captured on first use, replayed after.
 
 A decode step (every sequence brings one token) has the same shapes every time, so the whole
 forward — embeddings, every layer's attention over the paged cache, router, shared and hot
@@ -7,79 +7,173 @@ kernels/cuda_host.py), final norm and lm_head — is captured once and replayed 
 What changes between steps lives in static device buffers that the graph reads: token ids,
 positions, the cache slots the new tokens write, and the slot table of every sequence's history
 (padded to the cache's capacity; `lens` bounds what is read).
+
+With the layers spread over several GPUs (a pipeline, see optimize/planner.py) a graph holds one
+GPU's work only, so there is one graph per device segment — a run of consecutive layers on one
+GPU, the first also embedding the tokens and computing the RoPE tables, the last also running the
+final norm and lm_head. Between two segments' replays the hidden states and RoPE tables are
+copied into the next segment's static inputs (torch orders a copy between GPUs after the
+source's stream and before the destination's); each GPU holds its own copy of the step's
+positions, slots and slot table.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.paged import ForwardBatch
 
 
+@dataclass
+class _Segment:
+    device: torch.device
+    layers: range
+    first: bool
+    last: bool
+    graphs: dict = field(default_factory=dict)  # batch size -> (graph, static inputs, outputs, host calls)
+    pool: tuple | None = None
+
+
+def segments_of(layer_devices: list[torch.device]) -> list[tuple[torch.device, range]]:
+    """Runs of consecutive layers on one device, in order."""
+    runs, start = [], 0
+    for i in range(1, len(layer_devices) + 1):
+        if i == len(layer_devices) or layer_devices[i] != layer_devices[start]:
+            runs.append((layer_devices[start], range(start, i)))
+            start = i
+    return runs
+
+
+def unsupported(engine) -> str | None:
+    """Why the engine's decode step cannot be captured, or None."""
+    devices = engine.layer_devices
+    if any(d.type != "cuda" for d in devices):
+        return "every layer's attention must be on a GPU"
+    base = engine.model.model
+    if engine.embed.weight.device != devices[0]:
+        return f"the embeddings ({engine.embed.weight.device}) must be on the first layer's GPU ({devices[0]})"
+    for name, module in (("final norm", base.norm), ("lm_head", engine.model.lm_head)):
+        device = next(module.parameters(), engine.embed.weight).device
+        if device != devices[-1]:
+            return f"the {name} ({device}) must be on the last layer's GPU ({devices[-1]})"
+    return None
+
+
 class DecodeGraphs:
     def __init__(self, engine, max_batch: int):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
-        cache = engine.cache
-        if cache.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
+        reason = unsupported(engine)
+        if reason is not None:
+            raise ValueError(f"CUDA graphs of the decode step: {reason}")
         self.engine, self.max_batch = engine, max_batch
-        dev, cap = cache.device, cache.capacity
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.table = torch.zeros(max_batch, cap, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
-        self.pool = None
+        runs = segments_of(engine.layer_devices)
+        self.segments = [_Segment(d, r, k == 0, k == len(runs) - 1) for k, (d, r) in enumerate(runs)]
+        cap = engine.cache.capacity
+        self.static = {}  # device -> the step's positions, new slots, slot table and lengths there
+        for device in dict.fromkeys(d for d, _ in runs):
+            self.static[device] = dict(
+                positions=torch.zeros(max_batch, dtype=torch.long, device=device),
+                slots=torch.zeros(max_batch, dtype=torch.long, device=device),
+                table=torch.zeros(max_batch, cap, dtype=torch.int32, device=device),
+                lens=torch.ones(max_batch, dtype=torch.int32, device=device))
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=runs[0][0])
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes captured so far."""
+        return sorted(self.segments[0].graphs)
 
     def _fill(self, batch: ForwardBatch, tokens: list[int]) -> None:
         B = len(tokens)
-        table, lens = batch.slot_table(self.table.device)  # columns past `width` stay stale: lens bounds reads
+        table, lens = batch.slot_table()  # columns past `width` stay stale: lens bounds reads
         self.ids[:B].copy_(torch.tensor(tokens), non_blocking=True)
-        self.positions[:B].copy_(batch.positions, non_blocking=True)
-        self.slots[:B].copy_(batch.slots, non_blocking=True)
-        self.table[:B, :table.shape[1]].copy_(table)
-        self.lens[:B].copy_(lens)
+        for device, s in self.static.items():
+            s["positions"][:B].copy_(batch.positions, non_blocking=True)
+            s["slots"][:B].copy_(batch.slots, non_blocking=True)
+            s["table"][:B, :table.shape[1]].copy_(table)
+            s["lens"][:B].copy_(lens)
 
-    def _forward(self, batch: ForwardBatch, B: int) -> torch.Tensor:
-        static = ForwardBatch(batch.seqs, [1] * B, batch.starts, self.positions[:B], self.slots[:B], batch.read_slots)
-        static._tables["table"] = (self.table[:B], self.lens[:B])
-        engine = self.engine
-        engine.context.batch = static
-        try:
-            hidden = engine._decoder(self.ids[:B][None], self.positions[:B][None])
-        finally:
-            engine.context.batch = None
-        return engine.model.lm_head(hidden[0]).float()
+    def _static_batch(self, batch: ForwardBatch, B: int) -> ForwardBatch:
+        """The step as the attention operators see it, every tensor a static buffer."""
+        first = self.static[self.segments[0].device]
+        static = ForwardBatch(batch.seqs, [1] * B, batch.starts, first["positions"][:B], first["slots"][:B],
+                              batch.read_slots)
+        static._tables["table"] = (first["table"][:B], first["lens"][:B])
+        for device, s in self.static.items():
+            static._tables[("table", str(device))] = (s["table"][:B], s["lens"][:B])
+            static._tables[("slots", str(device))] = s["slots"][:B]
+        return static
+
+    def _forward(self, seg: _Segment, B: int, inputs: tuple) -> tuple:
+        """One segment's share of the step: (hidden, cos, sin) for the next, or the logits."""
+        engine, base = self.engine, self.engine.model.model
+        positions = self.static[seg.device]["positions"][:B][None]
+        if seg.first:
+            hidden = base.embed_tokens(self.ids[:B][None])
+            rope = base.rotary_emb(hidden, positions)
+        else:
+            hidden, rope = inputs[0], tuple(inputs[1:])
+        with torch.cuda.device(seg.device):
+            hidden = engine.run_layers(hidden, positions, rope, seg.layers)
+            if seg.last:
+                return (engine.model.lm_head(base.norm(hidden)[0]).float(),)
+        return (hidden, *rope)
+
+    def _take_host_calls(self) -> list:
+        staging = self.engine.context._staging
+        if staging is None:
+            return []
+        calls = list(staging.used)
+        staging.used.clear()
+        return calls
 
     def _capture(self, batch: ForwardBatch, B: int) -> None:
-        # warm-up on a side stream: compiles the Triton kernels, sizes the pinned staging buffers
-        side = torch.cuda.Stream(device=self.engine.cache.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(batch, B)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self.engine.context.check_host_errors()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(batch, B)
-        self.pool = graph.pool()
-        staging = self.engine.context._staging
-        calls = list(staging.used) if staging is not None else []
-        if staging is not None:
-            staging.used.clear()
-        self.graphs[B] = (graph, logits, calls)
+        engine = self.engine
+        engine.context.batch = self._static_batch(batch, B)
+        try:
+            # warm-up, eager, on side streams: compiles the Triton kernels, sizes the pinned
+            # staging buffers, and gives each later segment real inputs to allocate its own from
+            inputs: list[tuple] = []
+            out = ()
+            for seg in self.segments:
+                with torch.cuda.device(seg.device):
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        inputs.append(tuple(t.clone() for t in out))
+                        out = self._forward(seg, B, inputs[-1])
+                    torch.cuda.current_stream().wait_stream(side)
+            for seg in self.segments:
+                torch.cuda.synchronize(seg.device)
+            engine.context.check_host_errors()
+            self._take_host_calls()
+            for seg, static_in in zip(self.segments, inputs):
+                with torch.cuda.device(seg.device):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=seg.pool):
+                        outputs = self._forward(seg, B, static_in)
+                    seg.pool = graph.pool()
+                seg.graphs[B] = (graph, static_in, outputs, self._take_host_calls())
+        finally:
+            engine.context.batch = None
 
     def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
         """Logits [B, V] of a decode step whose cache room `batch` has reserved."""
         B = len(tokens)
         self._fill(batch, tokens)
-        if B not in self.graphs:
+        if B not in self.segments[0].graphs:
             self._capture(batch, B)
-        graph, logits, calls = self.graphs[B]
-        graph.replay()
         staging = self.engine.context._staging
-        if staging is not None:
-            staging.used.extend(calls)
-        return logits.clone()
+        previous = ()
+        for seg in self.segments:
+            graph, static_in, outputs, calls = seg.graphs[B]
+            with torch.cuda.device(seg.device):
+                for dst, src in zip(static_in, previous):
+                    dst.copy_(src)
+                graph.replay()
+            if staging is not None:
+                staging.used.extend(calls)
+            previous = outputs
+        return previous[0].clone()
