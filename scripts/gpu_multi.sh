@@ -8,7 +8,8 @@
 #   1) PART=tests bash scripts/gpu_multi.sh   build, tests; llama-bench and /tmp/ds.gguf built meanwhile
 #   2) PART=bench bash scripts/gpu_multi.sh   the benchmarks
 #   env: THREADS (CPU expert threads, default 28), DS_LAYERS (default 8: 3 dense + 5 MoE layers),
-#        GPU_BUDGET (per GPU for the planner, default 24GiB), PROMPTS
+#        GPU_BUDGET (per GPU for the planner, default 24GiB; GPU_BUDGET_ONE 48GiB for the one-GPU
+#        comparison), PROMPTS, LAYERWISE (prefill_gpu_threshold of the one-GPU run, default 4096)
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -46,4 +47,10 @@ else
   python3 -m ktransformers.bench.e2e --gguf_path /tmp/ds.gguf --optimize_config_path /tmp/ds-2gpu.yaml --threads "$THREADS" \
       --prompts 512 2048 --prefill_gpu_threshold 0 --extrapolate 61 --decode 64 2>"$OUT/e2e2.err" | tee -a "$OUT/e2e.txt"
   tail -5 "$OUT/e2e2.err"
+  echo "# one GPU with both budgets (the planner's rules for one GPU of twice the budget)" | tee -a "$OUT/e2e.txt"
+  python3 -m ktransformers.optimize.planner --gguf_path /tmp/ds.gguf --gpu_memory "0:${GPU_BUDGET_ONE:-48GiB}" \
+      --cache_lens 9000 --out /tmp/ds-1gpu.yaml | tee -a "$OUT/planner.txt"
+  python3 -m ktransformers.bench.e2e --gguf_path /tmp/ds.gguf --optimize_config_path /tmp/ds-1gpu.yaml --threads "$THREADS" \
+      --prompts 512 2048 --prefill_gpu_threshold 0 --extrapolate 61 --decode 64 2>"$OUT/e2e1.err" | tee -a "$OUT/e2e.txt"
+  tail -5 "$OUT/e2e1.err"
 fi

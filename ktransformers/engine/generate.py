@@ -141,6 +141,18 @@ def _indexed(device) -> torch.device:
     return device
 
 
+def module_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where `module` computes: an operator's device for the current phase, else its first
+    parameter's or buffer's, else `default`."""
+    from ..operators.base import BaseInjectedModule
+    if isinstance(module, BaseInjectedModule):
+        return _indexed(module.device)
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else default
+
+
 class Engine:
     """Runs a loaded model (transformers' class with operators injected) over a paged cache.
 
@@ -255,8 +267,7 @@ class Engine:
         hidden = base.embed_tokens(ids)
         position_embeddings = base.rotary_emb(hidden, positions)
         hidden = self.run_layers(hidden, positions, position_embeddings, range(self.config.num_hidden_layers))
-        norm_device = next(base.norm.parameters(), hidden).device
-        return base.norm(hidden.to(norm_device))
+        return base.norm(hidden.to(module_device(base.norm, hidden.device)))
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, position_embeddings: tuple,
                    layers: range) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import ForwardBatch
+from .generate import module_device
 
 
 @dataclass
@@ -33,6 +34,7 @@ class _Segment:
     last: bool
     graphs: dict = field(default_factory=dict)  # batch size -> (graph, static inputs, outputs, host calls)
     pool: tuple | None = None
+    stream: torch.cuda.Stream | None = None
 
 
 def segments_of(layer_devices: list[torch.device]) -> list[tuple[torch.device, range]]:
@@ -54,7 +56,7 @@ def unsupported(engine) -> str | None:
     if engine.embed.weight.device != devices[0]:
         return f"the embeddings ({engine.embed.weight.device}) must be on the first layer's GPU ({devices[0]})"
     for name, module in (("final norm", base.norm), ("lm_head", engine.model.lm_head)):
-        device = next(module.parameters(), engine.embed.weight).device
+        device = module_device(module, devices[-1])
         if device != devices[-1]:
             return f"the {name} ({device}) must be on the last layer's GPU ({devices[-1]})"
     return None
@@ -142,7 +144,7 @@ class DecodeGraphs:
                     side = torch.cuda.Stream()
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
-                        inputs.append(tuple(t.clone() for t in out))
+                        inputs.append(tuple(t.to(seg.device, copy=True) for t in out))
                         out = self._forward(seg, B, inputs[-1])
                     torch.cuda.current_stream().wait_stream(side)
             for seg in self.segments:
@@ -152,7 +154,8 @@ class DecodeGraphs:
             for seg, static_in in zip(self.segments, inputs):
                 with torch.cuda.device(seg.device):
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=seg.pool):
+                    seg.stream = seg.stream or torch.cuda.Stream()  # (torch's default capture stream is GPU 0's)
+                    with torch.cuda.graph(graph, pool=seg.pool, stream=seg.stream):
                         outputs = self._forward(seg, B, static_in)
                     seg.pool = graph.pool()
                 seg.graphs[B] = (graph, static_in, outputs, self._take_host_calls())
