@@ -1,5 +1,5 @@
 // Decode attention over the paged cache: the history is read in place by slot (no gathered copy),
-// one task per kv head (its g query heads share every key and value row they read).
+// split over the history's positions (every head per task), the parts merged by log-sum-exp.
 #include "attention.h"
 #include "simd.h"
 
@@ -29,27 +29,6 @@ inline void axpy(float a, const float* x, float* y, int n) {  // y += a * x
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-// softmax of s[0..L) in place (max-subtracted), returns nothing: s sums to 1 afterwards
-void softmax_inplace(float* s, int L) {
-    float m = -INFINITY;
-    for (int j = 0; j < L; j++) m = std::max(m, s[j]);
-    int j = 0;
-    float sum = 0;
-#if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(m);
-    for (; j + 8 <= L; j += 8) {
-        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-        _mm256_storeu_ps(s + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    sum = hsum_f32(acc);
-#endif
-    for (; j < L; j++) sum += (s[j] = std::exp(s[j] - m));
-    const float inv = 1.f / sum;
-    for (j = 0; j < L; j++) s[j] *= inv;
-}
-
 void check_gqa(const char* op, int64_t total_slots, const int64_t* slots, int L, int heads, int kv_heads, int d) {
     if (L <= 0 || heads <= 0 || kv_heads <= 0 || d <= 0 || heads % kv_heads)
         throw std::invalid_argument(std::string(op) + ": need L, d > 0 and heads a positive multiple of kv_heads");
@@ -59,29 +38,133 @@ void check_gqa(const char* op, int64_t total_slots, const int64_t* slots, int L,
                                         std::to_string(j) + " is outside the cache's " + std::to_string(total_slots));
 }
 
-// The attention itself, arguments already checked. Per kv head: its g query heads are scored
-// against each key row while the row is in L1, then each value row is added into the g outputs;
-// the scores of a head are a softmax over its L keys.
+// The attention itself, arguments already checked. The history is cut into chunks of
+// consecutive positions, one task each, so that a thread streams whole cache rows (every kv
+// head of a slot, contiguous within a page): per chunk, every head's scores, their softmax
+// against the chunk's own max, and the weighted sum of the values; the chunks' partial results
+// are then merged by their log-sum-exp (as flash decoding does across thread blocks).
+constexpr int kChunk = 64;  // positions per task
+
+#if defined(__AVX2__)
+// the sums of a0..a7's lanes, as one vector [sum a0, ..., sum a7]
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[h] = q_h . k_(h/g) * scale for heads h0..h0+7 against one cache row (d a multiple of 8)
+inline void score8(const float* q, const float* kr, int h0, int g, int d, float scale, float* s) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8)
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)(h0 + i) * d + c),
+                                     _mm256_loadu_ps(kr + (size_t)((h0 + i) / g) * d + c), acc[i]);
+    _mm256_storeu_ps(s, _mm256_mul_ps(hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
+                                      _mm256_set1_ps(scale)));
+}
+
+// acc[c0..c0+64) += sum_j p[j * stride] * v_j[c0..c0+64) over n rows (64 floats of accumulators in registers)
+inline void weighted_rows64(const float* p, int stride, const float* const* rows, int n, float* acc) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int j = 0; j < n; j++) {
+        const __m256 w = _mm256_set1_ps(p[(size_t)j * stride]);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+#endif
+
+// One chunk of positions: scores s [n, heads] (row j: every head against slot j), softmax against
+// the chunk's max per head (mx, sum), acc [heads, d] = the weighted sum of the values.
+void attend_chunk(const float* q, const float* k, const float* v, const int64_t* slots, int n, int heads, int g,
+                  int d, float scale, float* s, float* acc, float* mx, float* sum) {
+    const size_t row = (size_t)(heads / g) * d;
+    const float* rows[kChunk];
+    for (int j = 0; j < n; j++) rows[j] = k + (size_t)slots[j] * row;
+    int h_vec = 0;
+#if defined(__AVX2__)
+    const bool vec = d % 64 == 0;
+    if (vec) h_vec = heads / 8 * 8;
+    for (int j = 0; j < n; j++)
+        for (int h = 0; h < h_vec; h += 8) score8(q, rows[j], h, g, d, scale, s + (size_t)j * heads + h);
+#endif
+    for (int j = 0; j < n; j++)
+        for (int h = h_vec; h < heads; h++)
+            s[(size_t)j * heads + h] = fdot(q + (size_t)h * d, rows[j] + (size_t)(h / g) * d, d) * scale;
+#if defined(__AVX2__)
+    for (int h = 0; h + 8 <= heads; h += 8) {  // 8 heads at a time: max, then e^(s - max) and its sum
+        __m256 m = _mm256_set1_ps(-INFINITY), t = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) m = _mm256_max_ps(m, _mm256_loadu_ps(s + (size_t)j * heads + h));
+        for (int j = 0; j < n; j++) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + (size_t)j * heads + h), m));
+            _mm256_storeu_ps(s + (size_t)j * heads + h, e);
+            t = _mm256_add_ps(t, e);
+        }
+        _mm256_storeu_ps(mx + h, m);
+        _mm256_storeu_ps(sum + h, t);
+    }
+    for (int h = heads / 8 * 8; h < heads; h++) {
+#else
+    for (int h = 0; h < heads; h++) {
+#endif
+        float m = -INFINITY;
+        for (int j = 0; j < n; j++) m = std::max(m, s[(size_t)j * heads + h]);
+        float t = 0;
+        for (int j = 0; j < n; j++) t += (s[(size_t)j * heads + h] = std::exp(s[(size_t)j * heads + h] - m));
+        mx[h] = m;
+        sum[h] = t;
+    }
+    std::fill(acc, acc + (size_t)heads * d, 0.f);
+    for (int j = 0; j < n; j++) rows[j] = v + (size_t)slots[j] * row;
+#if defined(__AVX2__)
+    if (vec) {  // per kv head and 64 columns: its rows stay in L1 while its g heads sum them
+        for (int kvh = 0; kvh < heads / g; kvh++)
+            for (int c0 = 0; c0 < d; c0 += 64) {
+                const float* part[kChunk];
+                for (int j = 0; j < n; j++) part[j] = rows[j] + (size_t)kvh * d + c0;
+                for (int h = kvh * g; h < (kvh + 1) * g; h++) weighted_rows64(s + h, heads, part, n, acc + (size_t)h * d + c0);
+            }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++)
+        for (int h = 0; h < heads; h++) axpy(s[(size_t)j * heads + h], rows[j] + (size_t)(h / g) * d, acc + (size_t)h * d, d);
+}
+
 void attend(ThreadPool& pool, const float* q, const float* k, const float* v, const int64_t* slots, int L, int heads,
             int kv_heads, int d, float scale, float* out) {
     const int g = heads / kv_heads;
-    const size_t row = (size_t)kv_heads * d;  // floats per cache slot
-    pool.parallel_for(kv_heads, [&](int kvh, int) {
+    const int chunks = (L + kChunk - 1) / kChunk;
+    const size_t part = (size_t)heads * (d + 2);  // per chunk: acc [heads, d], max [heads], sum [heads]
+    thread_local std::vector<float> parts;  // the calling thread's; tasks write disjoint chunks of it
+    parts.resize((size_t)chunks * part);
+    float* all = parts.data();
+    pool.parallel_for(chunks, [&](int c, int) {
         thread_local std::vector<float> scores;
-        scores.resize((size_t)g * L);
-        const float* qg = q + (size_t)kvh * g * d;
-        for (int j = 0; j < L; j++) {
-            const float* kr = k + (size_t)slots[j] * row + (size_t)kvh * d;
-            for (int i = 0; i < g; i++) scores[(size_t)i * L + j] = fdot(qg + (size_t)i * d, kr, d) * scale;
-        }
-        for (int i = 0; i < g; i++) softmax_inplace(&scores[(size_t)i * L], L);
-        float* og = out + (size_t)kvh * g * d;
-        std::fill(og, og + (size_t)g * d, 0.f);
-        for (int j = 0; j < L; j++) {
-            const float* vr = v + (size_t)slots[j] * row + (size_t)kvh * d;
-            for (int i = 0; i < g; i++) axpy(scores[(size_t)i * L + j], vr, og + (size_t)i * d, d);
-        }
+        scores.resize((size_t)heads * kChunk);
+        const int j0 = c * kChunk;
+        float* acc = all + (size_t)c * part;
+        attend_chunk(q, k, v, slots + j0, std::min(kChunk, L - j0), heads, g, d, scale, scores.data(), acc,
+                     acc + (size_t)heads * d, acc + (size_t)heads * d + heads);
     });
+    for (int h = 0; h < heads; h++) {  // merge: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+        float M = -INFINITY;
+        for (int c = 0; c < chunks; c++) M = std::max(M, all[(size_t)c * part + (size_t)heads * d + h]);
+        float* oh = out + (size_t)h * d;
+        std::fill(oh, oh + d, 0.f);
+        float total = 0;
+        for (int c = 0; c < chunks; c++) {
+            const float* pc = all + (size_t)c * part;
+            const float w = std::exp(pc[(size_t)heads * d + h] - M);
+            total += w * pc[(size_t)heads * d + heads + h];
+            axpy(w, pc + (size_t)h * d, oh, d);
+        }
+        const float inv = 1.f / total;
+        for (int i = 0; i < d; i++) oh[i] *= inv;
+    }
 }
 
 void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {

@@ -216,7 +216,8 @@ def test_rms_norm_rows(runtime, shape):
         rms_norm(runtime.ext, x.bfloat16(), w, 1e-6)
 
 
-@pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 37), (32, 4, 128, 300), (6, 3, 24, 9)])
+@pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 37), (32, 4, 128, 300), (6, 3, 24, 9),
+                                                  (28, 4, 128, 129), (16, 16, 64, 64), (12, 2, 192, 200)])
 def test_gqa_decode_attention_from_the_paged_cache(runtime, heads, kv_heads, d, L):
     from ktransformers.kernels.cpu import attend_gqa_decode
     total = L + 50
