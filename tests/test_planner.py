@@ -100,3 +100,23 @@ def test_planner_cli(tmp_path, capsys):
     assert "cuda:0" in text and "cuda:1" in text and out.is_file()
     assert "Qwen3MoeAttention" in out.read_text()
     assert planner_main(["--gguf_path", str(tmp_path / "m.gguf"), "--gpu_memory", "0:1MiB", "--dry-run"]) == 2
+
+
+def test_ram_row_counts_the_stored_experts(tmp_path):
+    """With the GGUF, the plan lists the routed experts' stored bytes on the CPU (all of them:
+    the kernels compute on the mapped file, hot experts included) and warns past a RAM budget."""
+    from test_models import q4_k_m
+
+    from ktransformers.weights.gguf import GGUFFileSet, GGUFSource
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    stored = sum(info.data.nbytes for name, info in GGUFFileSet(tmp_path / "m.gguf").tensors.items() if "_exps." in name)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    p = plan_gpus(model, hf.config, {"cuda:0": 64 * MIB, "cpu": stored + 1}, GGUFSource(tmp_path / "m.gguf"),
+                  cache_lens=256, reserve=MIB)
+    assert p.bytes["cpu"] == {"routed experts (mapped file)": stored}
+    assert p.ram_warning() is None and "cpu" in p.format()
+    tight = plan_gpus(model, hf.config, {"cuda:0": 64 * MIB, "cpu": stored - 1}, GGUFSource(tmp_path / "m.gguf"),
+                      cache_lens=256, reserve=MIB)
+    assert "exceed the RAM budget" in tight.ram_warning()

@@ -46,7 +46,20 @@ class Placement:
             parts = ", ".join(f"{k} {size(v)}" for k, v in kinds.items())
             lines.append(f"{gpu:<8} {run:<12} {self.hot_experts[gpu]:>11} {size(sum(kinds.values())):>11} "
                          f"{size(self.budgets[gpu]):>11}  {parts}")
+        if "cpu" in self.bytes:
+            kinds = self.bytes["cpu"]
+            parts = ", ".join(f"{k} {size(v)}" for k, v in kinds.items())
+            budget = size(self.budgets["cpu"]) if "cpu" in self.budgets else "-"
+            lines.append(f"{'cpu':<8} {'experts':<12} {'':>11} {size(sum(kinds.values())):>11} {budget:>11}  {parts}")
         return "\n".join(lines)
+
+    def ram_warning(self) -> str | None:
+        """A line when the routed experts (read from the mapped file) exceed the RAM budget."""
+        need = sum(self.bytes.get("cpu", {}).values())
+        if "cpu" in self.budgets and need > self.budgets["cpu"]:
+            return (f"warning: the routed experts ({size(need)}) exceed the RAM budget ({size(self.budgets['cpu'])}): "
+                    f"they are pages of the mapped GGUF, so this runs, but decode re-reads them from disk")
+        return None
 
 
 def layer_bytes(model, config, weights=None, cache_lens: int = 4096, page_size: int = 256):
@@ -78,6 +91,21 @@ def layer_bytes(model, config, weights=None, cache_lens: int = 4096, page_size: 
     capacity = -(-cache_lens // page_size) * page_size
     kv = [cache_values_per_token(config) * capacity * 2] * n  # bf16
     return dense, expert, kv, outside
+
+
+def expert_ram_bytes(model, weights) -> int:
+    """Stored bytes of every routed expert tensor (what the CPU kernels read from the mapped
+    GGUF); 0 without the file."""
+    from ..weights.ggml_quants import tensor_nbytes
+    if weights is None:
+        return 0
+    total = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            t = _stored(weights, name.replace("gate_up_proj", "gate_proj"))[0]
+            if t is not None:
+                total += tensor_nbytes(t, p.numel())
+    return total
 
 
 def plan_gpus(model, config, budgets: dict[str, int], weights=None, cache_lens: int = 4096,
@@ -114,8 +142,12 @@ def plan_gpus(model, config, budgets: dict[str, int], weights=None, cache_lens: 
                      "hot experts": int(hot[gpu] * per_expert), "reserve": reserve}
     used[gpus[0]]["embeddings"] = int(first)
     used[gpus[-1]]["norm + lm_head"] = int(last)
-    return Placement(gpus, layers, hot, {g: {k: v for k, v in used[g].items() if v} for g in gpus},
-                     {g: budgets[g] for g in gpus})
+    per_device = {g: {k: v for k, v in used[g].items() if v} for g in gpus}
+    # the CPU kernels compute on the GGUF's pages as stored (every expert stays there, hot ones too)
+    ram = expert_ram_bytes(model, weights)
+    if ram:
+        per_device["cpu"] = {"routed experts (mapped file)": int(ram)}
+    return Placement(gpus, layers, hot, per_device, {d: budgets[d] for d in gpus + ["cpu"] if d in budgets})
 
 
 def _balanced(cost: list[float], gpus: list[str], free: dict[str, float]) -> dict[str, list[int]] | None:
@@ -223,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(placement.format())
+    warning = placement.ram_warning()
+    if warning:
+        print(warning, file=sys.stderr)
     if a.out and not a.dry_run:
         Path(a.out).write_text(text)
         print(f"wrote {a.out}")
