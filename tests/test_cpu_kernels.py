@@ -100,7 +100,8 @@ def test_submit_then_sync_overlaps_python(runtime):
         assert torch.equal(y, kernel.forward(x, ids, w))
 
 
-@pytest.mark.parametrize("fmt", [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.BF16],
+@pytest.mark.parametrize("fmt", [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0,
+                                 GGMLType.BF16],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_linear_matches_reference(runtime, fmt, T):
@@ -112,6 +113,19 @@ def test_linear_matches_reference(runtime, fmt, T):
     x = torch.randn(T, 512, generator=gen)
     block = ACTIVATION_BLOCK[int(fmt)]
     assert rel_err(lin.forward(x), round_activations(x, block) @ wd.T) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_linear_rows_together_equal_rows_alone(runtime, fmt):
+    """Several tokens go through the formats' four-row dot products; each token's output is
+    bit-identical to computing that token alone (same integer sums, same float steps)."""
+    gen = torch.Generator().manual_seed(11)
+    raw = quantize(torch.randn(80, 512, generator=gen) * 0.05, fmt)
+    lin = LinearKernel(runtime, in_features=512, out_features=80, weight=ExpertWeights(raw, int(fmt)), max_tokens=16)
+    x = torch.randn(9, 512, generator=gen)
+    together = lin.forward(x)
+    alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(9)])
+    assert torch.equal(together, alone)
 
 
 def test_bad_input_raises_before_touching_memory(runtime):
