@@ -65,6 +65,23 @@ inline void score8(const float* q, const float* kr, int h0, int g, int d, float 
                                       _mm256_set1_ps(scale)));
 }
 
+// the same for two cache rows at once: each query vector loaded once for both
+inline void score8x2(const float* q, const float* kr0, const float* kr1, int h0, int g, int d, float scale, float* s0,
+                     float* s1) {
+    __m256 a0[8], a1[8];
+    size_t off[8];
+    for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm256_setzero_ps(), off[i] = (size_t)((h0 + i) / g) * d;
+    for (int c = 0; c < d; c += 8)
+        for (int i = 0; i < 8; i++) {
+            const __m256 qv = _mm256_loadu_ps(q + (size_t)(h0 + i) * d + c);
+            a0[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr0 + off[i] + c), a0[i]);
+            a1[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr1 + off[i] + c), a1[i]);
+        }
+    const __m256 sc = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(s0, _mm256_mul_ps(hsum8(a0[0], a0[1], a0[2], a0[3], a0[4], a0[5], a0[6], a0[7]), sc));
+    _mm256_storeu_ps(s1, _mm256_mul_ps(hsum8(a1[0], a1[1], a1[2], a1[3], a1[4], a1[5], a1[6], a1[7]), sc));
+}
+
 // acc[c0..c0+64) += sum_j p[j * stride] * v_j[c0..c0+64) over n rows (64 floats of accumulators in registers)
 inline void weighted_rows64(const float* p, int stride, const float* const* rows, int n, float* acc) {
     __m256 a[8];
@@ -88,7 +105,11 @@ void attend_chunk(const float* q, const float* k, const float* v, const int64_t*
 #if defined(__AVX2__)
     const bool vec = d % 64 == 0;
     if (vec) h_vec = heads / 8 * 8;
-    for (int j = 0; j < n; j++)
+    int j = 0;
+    for (; j + 2 <= n; j += 2)
+        for (int h = 0; h < h_vec; h += 8)
+            score8x2(q, rows[j], rows[j + 1], h, g, d, scale, s + (size_t)j * heads + h, s + (size_t)(j + 1) * heads + h);
+    for (; j < n; j++)
         for (int h = 0; h < h_vec; h += 8) score8(q, rows[j], h, g, d, scale, s + (size_t)j * heads + h);
 #endif
     for (int j = 0; j < n; j++)
