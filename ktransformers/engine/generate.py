@@ -12,6 +12,7 @@ streamed text that never splits a UTF-8 character, and the timing stats upstream
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -193,8 +194,12 @@ class Engine:
         # (graphs replay what capture saw: only attention that reads the step's slot table from
         # static buffers — the Triton path — may be captured)
         if use_cuda_graph and self.on_cuda and all(a.triton for a in attention):
-            from .graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self, max_batch)
+            from .graphs import DecodeGraphs, unsupported
+            reason = unsupported(self)
+            if reason is None:
+                self.graphs = DecodeGraphs(self, max_batch)
+            else:
+                warnings.warn(f"use_cuda_graph: decoding without CUDA graphs: {reason}", stacklevel=2)
 
     def _attention_layers(self) -> list:
         """Every layer's cached attention operator, sharing the engine's run context."""
