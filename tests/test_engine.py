@@ -256,3 +256,12 @@ def test_gqa_torch_decode_path_equals_the_cpp_one(tmp_path):
         results.append(torch.stack([engine.prefill(seq, ids[:20])[0]] + [engine.decode(seq, t)[0] for t in ids[20:]]))
     assert rel_err(results[0], results[1]) < 1e-5
     assert rel_err(results[1][:-1], full_logits(ours, ids)[19:-1]) < TOL
+
+
+def test_segments_of_runs_of_layers():
+    """The decode graphs' device segments: runs of consecutive layers on one GPU, in order."""
+    from ktransformers.engine.graphs import segments_of
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert segments_of([a, a, b, b, b]) == [(a, range(0, 2)), (b, range(2, 5))]
+    assert segments_of([a]) == [(a, range(0, 1))]
+    assert segments_of([a, b, a]) == [(a, range(0, 1)), (b, range(1, 2)), (a, range(2, 3))]

@@ -9,7 +9,7 @@ from tiny import GPU_RULES, tiny_model
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.engine.generate import Engine
-from ktransformers.engine.graphs import segments_of, unsupported
+from ktransformers.engine.graphs import unsupported
 from ktransformers.loader import RULES_DIR, build_skeleton
 from ktransformers.optimize.planner import plan_gpus, write_rules
 from ktransformers.weights.gguf import GGUFSource
@@ -19,13 +19,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 MIB = 1 << 20
-
-
-def test_segments_of_runs_of_layers():
-    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert segments_of([a, a, b, b, b]) == [(a, range(0, 2)), (b, range(2, 5))]
-    assert segments_of([a]) == [(a, range(0, 1))]
-    assert segments_of([a, b, a]) == [(a, range(0, 1)), (b, range(1, 2)), (a, range(2, 3))]
 
 
 def rel_err(a, b):
