@@ -350,12 +350,16 @@ class KTransformersExperts(BaseInjectedModule):
             self.hot.unload()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return self.submit(hidden_states, top_k_index, top_k_weights)()
+        """y [T, H] on out_device, nothing to overlap: a CPU op runs on the calling thread with
+        the pool (no hand-off to its task thread and back)."""
+        return self.submit(hidden_states, top_k_index, top_k_weights, overlap=False)()
 
-    def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               overlap: bool = True):
         """Start the experts and return a function that waits for y [T, H] on out_device. A CPU op
         runs on its threads meanwhile (the caller computes shared experts, the hot experts run
-        on the GPU); other ops finish before this returns."""
+        on the GPU); other ops finish before this returns. `overlap=False`: the caller has nothing
+        to do meanwhile, so a CPU op fed from the CPU runs inline."""
         op = self.ops[self.phase]
         threshold = self._threshold() if self.layerwise is not None else 0
         if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
@@ -376,7 +380,7 @@ class KTransformersExperts(BaseInjectedModule):
         # a CPU op fed from a GPU stream takes the GPU tensors (it stages them itself)
         where = hidden_states.device if op.device.type == "cpu" and hidden_states.device.type == "cuda" else op.device
         args = (hidden_states.to(where), ids.to(where), top_k_weights.to(where))
-        if hasattr(op, "submit"):
+        if hasattr(op, "submit") and (overlap or split or where.type == "cuda"):
             pending = op.submit(*args)
         else:
             y = op.forward(*args)

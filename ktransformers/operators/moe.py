@@ -31,11 +31,14 @@ class KMoEBlock(BaseInjectedModule):
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         _, top_k_weights, top_k_index = self.gate(x)
         submit = getattr(self.experts, "submit", None)
-        if submit is None:  # HF's own experts module (reference rule files)
+        if submit is None or not self._has_shared():  # HF's experts module, or nothing to overlap with
             return (self.experts(x, top_k_index, top_k_weights) + self._shared(x)).reshape(shape)
         wait = submit(x, top_k_index, top_k_weights)  # CPU experts run on their threads meanwhile
         shared = self._shared(x)
         return (wait().to(x.device, x.dtype) + shared).reshape(shape)
+
+    def _has_shared(self) -> bool:
+        return hasattr(self, "shared_experts") or hasattr(self, "shared_expert")
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | int:
         if hasattr(self, "shared_experts"):  # DeepSeek
