@@ -44,3 +44,28 @@ def test_bench_synth_and_decode_json_rows(tmp_path):
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 1 and set(rows[0]) == DECODE_KEYS and rows[0]["engine"] == "ktransformers"
     assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["decode_floor_tok_s"] > 0
+
+
+def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):
+    """bench.e2e's byte counts: with hot experts, their share of each layer's expert reads moves
+    from RAM to the GPU; extrapolating to more layers repeats the MoE layers' mean."""
+    from ktransformers.bench.decode import step_bytes
+    from ktransformers.bench.e2e import extrapolated_bytes, hot_split, layer_bytes
+    from ktransformers.bench.synth import config_from_fields, write_synthetic
+    from ktransformers.weights.gguf import GGUFFileSet
+    config = config_from_fields({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256,
+                                 "intermediate_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 3,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
+                                 "num_experts_per_tok": 2})
+    write_synthetic(config, tmp_path / "m.gguf")
+    files = GGUFFileSet(tmp_path / "m.gguf")
+    ram, gpu = step_bytes(files, config)
+    assert hot_split(files, config, {}) == (ram, gpu)
+    _, _, per = layer_bytes(files, config)
+    ram2, gpu2 = hot_split(files, config, {1: 4, 2: 8})  # half of layer 1's experts, all of layer 2's
+    moved = per[1][0] / 2 + per[2][0]
+    assert abs(ram2 - (ram - moved)) < 1 and abs(gpu2 - (gpu + moved)) < 1
+    e3, d3 = extrapolated_bytes(files, config, 3)
+    assert abs(e3 - ram) < 1 and abs(d3 - gpu) < 1
+    e6, _ = extrapolated_bytes(files, config, 6)
+    assert abs(e6 - 2 * ram) < 2

@@ -65,6 +65,27 @@ def extrapolated_bytes(files, config, layers: int) -> tuple[float, float]:
     return (out_e + n * mean_e, out_d + sum(x[1] for x in dense) + n * mean_d)
 
 
+def hot_split(files, config, hot: dict[int, int]) -> tuple[float, float]:
+    """(bytes from RAM, bytes from the GPU) of a decode step when layer i keeps `hot[i]` of its
+    experts on the GPU: with routing spread evenly, that share of its expert reads moves there."""
+    from ..weights.gguf_config import routed_experts
+    experts = routed_experts(config)
+    out_e, out_d, per = layer_bytes(files, config)
+    ram, gpu = out_e, out_d
+    for i, (e, d) in enumerate(per):
+        share = hot.get(i, 0) / experts
+        ram += e * (1 - share)
+        gpu += d + e * share
+    return ram, gpu
+
+
+def hot_experts_per_layer(model) -> dict[int, int]:
+    """{layer: experts kept on the GPU} of a loaded model (num_gpu_experts of its experts ops)."""
+    from ..operators.experts import KTransformersExperts
+    return {int(m.key.split(".")[2]): m.options.num_gpu_experts for m in model.modules()
+            if isinstance(m, KTransformersExperts) and m.options.num_gpu_experts}
+
+
 def measure_ours(args, config) -> dict:
     from ..engine.generate import Engine
     from ..loader import load_model
@@ -145,20 +166,28 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gguf_path {args.gguf_path} does not exist")
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
+    from ..weights.gguf_config import routed_experts
     from .decode import step_bytes
     from .moe import stream_gbps
     files = GGUFFileSet(args.gguf_path)
     config = load_config(args.model_path, args.gguf_path, files)
-    cpu_bytes, gpu_bytes = step_bytes(files, config)  # experts from RAM, the rest from the GPU
+    all_cpu = step_bytes(files, config)  # experts from RAM, the rest from the GPU (llama.cpp's -ot exps=CPU)
     ours = measure_ours(args, config)
-    cpu_bw = stream_gbps(ours.pop("loaded").model.kt_context.cpu_runtime(), 2.0)
+    model = ours.pop("loaded").model
+    hot = hot_experts_per_layer(model)
+    cpu_bytes, gpu_bytes = hot_split(files, config, hot) if hot else all_cpu
+    cpu_bw = stream_gbps(model.kt_context.cpu_runtime(), 2.0)
     gpu_bw = gpu_copy_gbps()
-    floor_s = cpu_bytes / (cpu_bw * 1e9) + gpu_bytes / (gpu_bw * 1e9)
-    roof = 1 / floor_s
+
+    def roofline(ram: float, gpu: float) -> float:
+        return 1 / (ram / (cpu_bw * 1e9) + gpu / (gpu_bw * 1e9))
+    roof, roof_all_cpu = roofline(cpu_bytes, gpu_bytes), roofline(*all_cpu)
     extra = None
     if args.extrapolate:
         e_bytes, d_bytes = extrapolated_bytes(files, config, args.extrapolate)
-        roof_n = 1 / (e_bytes / (cpu_bw * 1e9) + d_bytes / (gpu_bw * 1e9))
+        moe_layers = sum(1 for e, _ in layer_bytes(files, config)[2] if e > 0)
+        share = sum(hot.values()) / moe_layers / routed_experts(config)  # the mean over the MoE layers
+        roof_n = roofline(e_bytes * (1 - share), d_bytes + e_bytes * share)
         extra = {"layers": args.extrapolate, "roofline_tok_s": roof_n,
                  "decode": ours["decode"] / roof * roof_n}
     peer = measure_llama(args)
@@ -166,9 +195,13 @@ def main(argv: list[str] | None = None) -> None:
     head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
             f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s) + {gpu_bytes / 1e6:.0f} MB from the GPU "
             f"({gpu_bw:.0f} GB/s): roofline {roof:.1f} tok/s")
+    if hot:
+        head += (f" (hot experts on the GPU: {min(hot.values())}-{max(hot.values())} a layer in {len(hot)} layers; "
+                 f"llama.cpp's row is against the roofline with every expert in RAM, {roof_all_cpu:.1f} tok/s)")
     if args.json:
         for r in rows:
-            print(json.dumps({**r, "roofline_tok_s": roof, "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw,
+            print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
+                              "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
                               "extrapolated": extra if r["engine"] == "ktransformers" else None}))
@@ -179,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         pre = "".join(f" {r['prefill'].get(P, float('nan')):>13.1f}" for P in args.prompts)
         dec = r["decode"] or float("nan")
-        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {dec / roof:>12.2f}")
+        ratio = dec / (roof if r["engine"] == "ktransformers" else roof_all_cpu)
+        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {ratio:>12.2f}")
     step_ms = 1e3 / ours["decode"]
     print(f"decode step {step_ms:.2f} ms = {step_ms / config.num_hidden_layers:.3f} ms per layer")
     if extra:
