@@ -174,15 +174,21 @@ float dot_q8_0(int n, const void* vw, const void* va) {
 }
 
 // Q4_0: value = (nibble - 8) * d; bytes 0..15 of a block hold values 0..15 (low) and 16..31 (high).
+#if defined(__AVX2__)
+// a block's 32 values (nibble - 8) as signed bytes, in order
+inline __m256i q4_0_values(const block_q4_0& b) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)b.qs);
+    const __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_sub_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0xF)), _mm256_set1_epi8(8));
+}
+#endif
 float dot_q4_0(int n, const void* vw, const void* va) {
     const block_q4_0* w = (const block_q4_0*)vw;
     return dot_blocks32(
         n, w, (const act_q8_0*)va,
         [&](int b) {
 #if defined(__AVX2__)
-            const __m128i raw = _mm_loadu_si128((const __m128i*)w[b].qs);
-            const __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-            return _mm256_sub_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0xF)), _mm256_set1_epi8(8));
+            return q4_0_values(w[b]);
 #else
             return b;
 #endif
@@ -222,11 +228,7 @@ void dot4_q8_0(int n, const void* vw, const void* const va[4], float out[4]) {
 
 void dot4_q4_0(int n, const void* vw, const void* const va[4], float out[4]) {
     const block_q4_0* w = (const block_q4_0*)vw;
-    dot4_blocks32(n, w, va, out, [&](int b) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)w[b].qs);
-        const __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-        return _mm256_sub_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0xF)), _mm256_set1_epi8(8));
-    });
+    dot4_blocks32(n, w, va, out, [&](int b) { return q4_0_values(w[b]); });
 }
 #endif
 

@@ -49,8 +49,8 @@ def test_bench_synth_and_decode_json_rows(tmp_path):
 def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):
     """bench.e2e's byte counts: with hot experts, their share of each layer's expert reads moves
     from RAM to the GPU; extrapolating to more layers repeats the MoE layers' mean."""
-    from ktransformers.bench.decode import step_bytes
-    from ktransformers.bench.e2e import extrapolated_bytes, hot_split, layer_bytes
+    from ktransformers.bench.decode import layer_bytes, step_bytes
+    from ktransformers.bench.e2e import extrapolated_bytes, hot_split
     from ktransformers.bench.synth import config_from_fields, write_synthetic
     from ktransformers.weights.gguf import GGUFFileSet
     config = config_from_fields({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256,
@@ -69,3 +69,5 @@ def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):
     assert abs(e3 - ram) < 1 and abs(d3 - gpu) < 1
     e6, _ = extrapolated_bytes(files, config, 6)
     assert abs(e6 - 2 * ram) < 2
+    e6_hot, d6_hot = extrapolated_bytes(files, config, 6, {1: 4, 2: 8})  # a mean of 1/2 of the experts hot
+    assert abs(e6_hot - e6 / 2) < 2 and d6_hot > d3

@@ -49,20 +49,30 @@ print(json.dumps({"version": llama_cpp.__version__, "rows": rows}))
 """
 
 
-def step_bytes(files, config) -> tuple[float, float]:
-    """(expert bytes, other bytes) one decode step reads from the GGUF `files`: expert tensors
-    top_k/E of them, dense tensors whole, one embedding row (not the table)."""
+def layer_bytes(files, config) -> tuple[float, float, list[tuple[float, float]]]:
+    """(expert bytes, other bytes) one decode step reads from the GGUF `files` outside the
+    layers, and per layer: expert tensors top_k/E of them, dense tensors whole, one embedding
+    row (not the table)."""
     from ..weights.gguf_config import routed_experts
     experts = routed_experts(config)
-    expert_bytes = dense = 0.0
+    outside = [0.0, 0.0]
+    layers = [[0.0, 0.0] for _ in range(config.num_hidden_layers)]
     for name, info in files.tensors.items():
-        if name == "token_embd.weight":
-            dense += info.data.nbytes / info.shape[0]
-        elif "_exps." in name:
-            expert_bytes += info.data.nbytes * config.num_experts_per_tok / experts
+        nbytes = info.data.nbytes / info.shape[0] if name == "token_embd.weight" else info.data.nbytes
+        into = layers[int(name.split(".")[1])] if name.startswith("blk.") else outside
+        if "_exps." in name:
+            into[0] += nbytes * config.num_experts_per_tok / experts
         else:
-            dense += info.data.nbytes
-    return expert_bytes, dense
+            into[1] += nbytes
+    return outside[0], outside[1], [tuple(x) for x in layers]
+
+
+def step_bytes(files, config) -> tuple[float, float]:
+    """(expert bytes, other bytes) one decode step reads (layer_bytes summed)."""
+    expert, other, per = layer_bytes(files, config)
+    for e, d in per:
+        expert, other = expert + e, other + d
+    return expert, other
 
 
 def decode_bytes(files, config) -> int:

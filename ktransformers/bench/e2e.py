@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .decode import layer_bytes
+
 
 def gpu_copy_gbps() -> float:
     from .gpu import copy_gbps
@@ -34,35 +36,6 @@ def sync() -> None:
     """Wait for every GPU (layers may be spread over several)."""
     for i in range(torch.cuda.device_count()):
         torch.cuda.synchronize(i)
-
-
-def layer_bytes(files, config) -> tuple[float, float, list[tuple[float, float]]]:
-    """(expert bytes, other bytes) a decode step reads outside the layers, and per layer."""
-    from ..weights.gguf_config import routed_experts
-    experts = routed_experts(config)
-    outside = [0.0, 0.0]
-    layers = [[0.0, 0.0] for _ in range(config.num_hidden_layers)]
-    for name, info in files.tensors.items():
-        nbytes = info.data.nbytes / info.shape[0] if name == "token_embd.weight" else info.data.nbytes
-        into = layers[int(name.split(".")[1])] if name.startswith("blk.") else outside
-        if "_exps." in name:
-            into[0] += nbytes * config.num_experts_per_tok / experts
-        else:
-            into[1] += nbytes
-    return outside[0], outside[1], [tuple(x) for x in layers]
-
-
-def extrapolated_bytes(files, config, layers: int) -> tuple[float, float]:
-    """(expert, other) decode-step bytes of the same model with `layers` layers: the file's
-    layers without routed experts (DeepSeek's first dense ones) kept, its MoE layers' mean
-    repeated for the rest."""
-    out_e, out_d, per = layer_bytes(files, config)
-    moe = [x for x in per if x[0] > 0]
-    dense = [x for x in per if x[0] == 0]
-    n = layers - len(dense)
-    mean_e = sum(x[0] for x in moe) / len(moe)
-    mean_d = sum(x[1] for x in moe) / len(moe)
-    return (out_e + n * mean_e, out_d + sum(x[1] for x in dense) + n * mean_d)
 
 
 def hot_split(files, config, hot: dict[int, int]) -> tuple[float, float]:
@@ -77,6 +50,23 @@ def hot_split(files, config, hot: dict[int, int]) -> tuple[float, float]:
         ram += e * (1 - share)
         gpu += d + e * share
     return ram, gpu
+
+
+def extrapolated_bytes(files, config, layers: int, hot: dict[int, int] | None = None) -> tuple[float, float]:
+    """(bytes from RAM, bytes from the GPU) of a decode step of the same model with `layers`
+    layers: the file's layers without routed experts (DeepSeek's first dense ones) kept, its MoE
+    layers' mean repeated for the rest; with `hot`, the MoE layers' mean hot share of the expert
+    reads comes from the GPU."""
+    from ..weights.gguf_config import routed_experts
+    out_e, out_d, per = layer_bytes(files, config)
+    moe = [x for x in per if x[0] > 0]
+    dense = [x for x in per if x[0] == 0]
+    n = layers - len(dense)
+    mean_e = sum(x[0] for x in moe) / len(moe)
+    mean_d = sum(x[1] for x in moe) / len(moe)
+    expert, other = out_e + n * mean_e, out_d + sum(x[1] for x in dense) + n * mean_d
+    share = sum((hot or {}).values()) / len(moe) / routed_experts(config)
+    return expert * (1 - share), other + expert * share
 
 
 def hot_experts_per_layer(model) -> dict[int, int]:
@@ -166,7 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gguf_path {args.gguf_path} does not exist")
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
-    from ..weights.gguf_config import routed_experts
     from .decode import step_bytes
     from .moe import stream_gbps
     files = GGUFFileSet(args.gguf_path)
@@ -184,10 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     roof, roof_all_cpu = roofline(cpu_bytes, gpu_bytes), roofline(*all_cpu)
     extra = None
     if args.extrapolate:
-        e_bytes, d_bytes = extrapolated_bytes(files, config, args.extrapolate)
-        moe_layers = sum(1 for e, _ in layer_bytes(files, config)[2] if e > 0)
-        share = sum(hot.values()) / moe_layers / routed_experts(config)  # the mean over the MoE layers
-        roof_n = roofline(e_bytes * (1 - share), d_bytes + e_bytes * share)
+        roof_n = roofline(*extrapolated_bytes(files, config, args.extrapolate, hot))
         extra = {"layers": args.extrapolate, "roofline_tok_s": roof_n,
                  "decode": ours["decode"] / roof * roof_n}
     peer = measure_llama(args)

@@ -173,12 +173,11 @@ class Engine:
         attention = self._attention_layers()
         self.embed = model.get_input_embeddings()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        devices = [_indexed(a.device) for a in attention]
-        self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
-                                         devices if len(set(devices)) > 1 else None)
+        devices = [_indexed(a.device) for a in attention]  # every layer's device (its attention's)
         # layers spread over several devices: hidden states (and RoPE tables) move at the boundaries
-        self._layer_devices = devices if len(set(devices)) > 1 else None
-        self.layer_devices = devices  # every layer's device (its attention's)
+        self.layer_devices, self.pipelined = devices, len(set(devices)) > 1
+        self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
+                                         devices if self.pipelined else None)
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
@@ -242,7 +241,7 @@ class Engine:
             else:
                 logits = self._eager_step(batch, new_tokens)
             if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
-                for device in set(self._layer_devices or [self.cache.device]):
+                for device in set(self.layer_devices):
                     if torch.device(device).type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                 self.context.check_host_errors()
@@ -282,13 +281,13 @@ class Engine:
         tables = {hidden.device: position_embeddings}
         for i in layers:
             layer = self.model.model.layers[i]
-            if self._layer_devices is not None and hidden.device != self._layer_devices[i]:
-                device = self._layer_devices[i]  # a pipeline boundary: the next GPU takes over
+            if self.pipelined and hidden.device != self.layer_devices[i]:
+                device = self.layer_devices[i]  # a pipeline boundary: the next GPU takes over
                 hidden = hidden.to(device)
                 if device not in tables:
                     tables[device] = tuple(t.to(device) for t in position_embeddings)
                 positions = positions.to(device)
-            if self._layer_devices is not None and hidden.device.type == "cuda":
+            if self.pipelined and hidden.device.type == "cuda":
                 with torch.cuda.device(hidden.device):
                     hidden = layer(hidden, attention_mask=None, position_ids=positions,
                                    position_embeddings=tables[hidden.device])
