@@ -134,7 +134,11 @@ def test_deepseek_fp8_rule_file(tmp_path, dev):
     rules = tmp_path / "fp8.yaml"
     text = (RULES_DIR / "DeepSeek-V3-Chat-fp8.yaml").read_text()
     rules.write_text(text if dev == "cuda" else text.replace("cuda", dev))
-    ours = load_model(tmp_path / "m.gguf", ckpt, rules, default_device=dev, tokenizer=False, progress=False).model
+    # float32 activations: with a bf16 model one of three prompts flips a near-tied routing choice
+    # on the H200 (8e-2 there, 1e-2 for the others, with the FP8 GEMM or torch's on the same weights
+    # alike); float32 leaves the FP8 weights and the kernel's own rounding as the difference
+    ours = load_model(tmp_path / "m.gguf", ckpt, rules, dtype=torch.float32, default_device=dev, tokenizer=False,
+                      progress=False).model
     q_b = ours.model.layers[1].self_attn.q_b_proj.ops["generate"]
     assert isinstance(q_b.weight, FP8Weight) and q_b.weight.weight.dtype == torch.float8_e4m3fn
     ref = build_skeleton(hf.config, torch.float32)
@@ -142,4 +146,4 @@ def test_deepseek_fp8_rule_file(tmp_path, dev):
     optimize_and_load_gguf(ref, reference_rules("deepseek_v3", tmp_path), both, hf.config)
     ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(10))
     err = rel_err(logits(ours, ids), logits(ref, ids))
-    assert err < (5e-2 if dev == "cuda" else 1e-2), f"{err:.2e}"
+    assert err < 1e-2, f"{err:.2e}"  # CPU experts' int8 activations ~5e-3, the GEMM's bf16 dot ~1e-3
