@@ -251,15 +251,35 @@ inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
 
 // Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
 // sub-block j). Activations in the Q8_KX order.
+// [d, dmin, 0, 0]: a K-quant block's two fp16 scales (adjacent), as floats
+inline __m128 k4_block_scales(const fp16_t* d_dmin) {
+    uint32_t both;
+    std::memcpy(&both, d_dmin, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)both));
+}
+// mins += dmin * ad * [m_j * (bsums[2j] + bsums[2j+1]) summed in pairs of j], four lanes: the
+// block's min term stays in a vector until the row's end (no horizontal sum per block)
+inline __m128 k4_mins_acc(__m128 mins, __m128 dd, __m128i mins16, const int16_t* bsums) {
+    const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)bsums), _mm_loadu_si128((const __m128i*)(bsums + 8)));
+    return _mm_fmadd_ps(_mm_shuffle_ps(dd, dd, 0x55), _mm_cvtepi32_ps(_mm_madd_epi16(pairs, mins16)), mins);
+}
+inline float hsum128_f32(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
+// sub-block j). Activations in the Q8_KX order. Per token the same float steps as dot4_q4_k.
 template <typename Block>
 float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
     constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
     const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
     __m512 acc = _mm512_setzero_ps();
-    float mins = 0;
+    __m128 mins = _mm_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
         const __m128i sm = k4_scales_vec(w[b].scales);
-        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
+        const __m128 dd = _mm_mul_ps(k4_block_scales(&w[b].d), _mm_set1_ps(a[b].d));  // [d * ad, dmin * ad]
+        mins = k4_mins_acc(mins, dd, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), a[b].bsums);
         const __m128i sc = _mm_cvtepu8_epi16(sm);
         __m512i qh = _mm512_setzero_si512();
         if constexpr (five_bits) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)w[b].qh));
@@ -280,9 +300,9 @@ float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
             sumi = madd_acc(sumi, p0, pick16(sc, j, j, j + 2, j + 2));
             sumi = madd_acc(sumi, p1, pick16(sc, j + 1, j + 1, j + 3, j + 3));
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm512_cvtepi32_ps(sumi), acc);
+        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(sumi), acc);
     }
-    return hsum512_f32(acc) - mins;
+    return hsum512_f32(acc) - hsum128_f32(mins);
 }
 
 void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
@@ -290,11 +310,10 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
     const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
     const __m512i low = _mm512_set1_epi8(0xF);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    float mins[4] = {0, 0, 0, 0};
+    __m128 mins[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int b = 0; b < n / QK_K; b++) {
         const __m128i sm = k4_scales_vec(w[b].scales);
-        const __m128i sc = _mm_cvtepu8_epi16(sm);
-        const float d = fp16_to_f32(w[b].d), dmin = fp16_to_f32(w[b].dmin);
+        const __m128i sc = _mm_cvtepu8_epi16(sm), mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
         __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int c = 0; c < 2; c++) {
             const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
@@ -307,12 +326,20 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
                 sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64))), s1);
             }
         }
+        const __m128 dw = k4_block_scales(&w[b].d);
         for (int t = 0; t < 4; t++) {
-            mins[t] += a[t][b].d * dmin * k4_mins_dot(sm, a[t][b].bsums);
-            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(a[t][b].d * d), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+            const __m128 dd = _mm_mul_ps(dw, _mm_set1_ps(a[t][b].d));
+            mins[t] = k4_mins_acc(mins[t], dd, mins16, a[t][b].bsums);
+            acc[t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - mins[t];
+    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - hsum128_f32(mins[t]);
+}
+
+// offsets += d * 32 * [scales . bsums] in eight lanes (the -32 of every Q6_K value), reduced once a row
+inline __m256 q6_offsets_acc(__m256 offsets, float d, __m256i sc_all, const int16_t* bsums) {
+    const __m256i prod = _mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)bsums));
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * 32), _mm256_cvtepi32_ps(prod), offsets);
 }
 
 void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
@@ -322,7 +349,7 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
     const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    float offsets[4] = {0, 0, 0, 0};
+    __m256 offsets[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < n / QK_K; b++) {
         const float dw = fp16_to_f32(w[b].d);
         const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
@@ -344,11 +371,11 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
         }
         for (int t = 0; t < 4; t++) {
             const float d = dw * a[t][b].d;
-            offsets[t] += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[t][b].bsums)));
+            offsets[t] = q6_offsets_acc(offsets[t], d, sc_all, a[t][b].bsums);
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - offsets[t];
+    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - hsum_f32(offsets[t]);
 }
 
 
@@ -357,11 +384,11 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
     const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // h, h>>2
     const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);  // h>>4, h>>6
     __m512 acc = _mm512_setzero_ps();
-    float offsets = 0;
+    __m256 offsets = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
         const float d = fp16_to_f32(w[b].d) * a[b].d;
         const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
-        offsets += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[b].bsums)));
+        offsets = q6_offsets_acc(offsets, d, sc_all, a[b].bsums);
         __m512i sumi = _mm512_setzero_si512();
         for (int half = 0; half < 2; half++) {
             const __m512i l = _mm512_loadu_si512((const void*)(w[b].ql + 64 * half));
@@ -379,7 +406,7 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
     }
-    return hsum512_f32(acc) - offsets;
+    return hsum512_f32(acc) - hsum_f32(offsets);
 }
 #endif
 
