@@ -258,6 +258,65 @@ def test_gqa_torch_decode_path_equals_the_cpp_one(tmp_path):
     assert rel_err(results[1][:-1], full_logits(ours, ids)[19:-1]) < TOL
 
 
+def _recording(decode_one, took):
+    def run(*args):
+        out = decode_one(*args)
+        took.append(out is not None)
+        return out
+    return run
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
+    """KDecoderLayer's CPU decode step (the layer's kernels called back to back) gives the same
+    logits, to the bit, as the same layer run module by module, across page boundaries; prefill
+    and steps of two sequences go through transformers' own layer forward; with torch reference
+    operators inside, the layer never takes the CPU path."""
+    from torch import nn
+
+    from ktransformers.operators.layer import KDecoderLayer
+    ours, hf = load(tmp_path, family, reference_ops=False, types=GGMLType.Q8_0)
+    layers = [m for m in ours.modules() if isinstance(m, KDecoderLayer)]
+    assert len(layers) == hf.config.num_hidden_layers
+    took = []
+    for m in layers:
+        m._decode_one = _recording(m._decode_one, took)
+    ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(12)).tolist()
+    results = []
+    for cpu_decode in (True, False):
+        for m in layers:
+            m.cpu_decode = cpu_decode
+        engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=7)
+        seq = engine.new_sequence()
+        got = [engine.prefill(seq, ids[:13])[0]] + [engine.decode(seq, t)[0] for t in ids[13:-1]]
+        results.append(torch.stack(got))
+    assert len(took) == len(layers) * (len(ids) - 14) and all(took)  # every decode step, every layer
+    assert torch.equal(results[0], results[1])
+    # two sequences in one step: the module-by-module path, each as when alone
+    for m in layers:
+        m.cpu_decode = True
+    engine = Engine(ours, cache_lens=64, page_size=4)
+    sa, sb = engine.new_sequence(), engine.new_sequence()
+    engine.prefill(sa, ids[:9])
+    engine.prefill(sb, ids[20:25])
+    took.clear()
+    both = engine.step([sa, sb], [[ids[9]], [ids[25]]])
+    assert not any(took)
+    alone = Engine(ours, cache_lens=64, page_size=4)
+    for i, (prompt, token) in enumerate(((ids[:9], ids[9]), (ids[20:25], ids[25]))):
+        s = alone.new_sequence()
+        alone.prefill(s, prompt)
+        assert rel_err(both[i], alone.decode(s, token)[0]) < 1e-5
+    reference, _ = load(tmp_path, family)  # torch reference operators: no CPU path to take
+    engine = Engine(reference, cache_lens=64, page_size=4)
+    seq = engine.new_sequence()
+    engine.prefill(seq, ids[:5])
+    engine.decode(seq, ids[5])
+    assert all(m._plan is None for m in reference.modules() if isinstance(m, KDecoderLayer))
+    with pytest.raises(ValueError, match="not a pre-norm decoder layer"):
+        KDecoderLayer("model.layers.0", None, hf.config, nn.Linear(2, 2))
+
+
 def test_segments_of_runs_of_layers():
     """The decode graphs' device segments: runs of consecutive layers on one GPU, in order."""
     from ktransformers.engine.graphs import segments_of

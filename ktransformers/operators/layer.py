@@ -1,0 +1,171 @@
+"""A decoder layer that keeps the original's children and its own forward, plus a CPU decode path.
+
+`KDecoderLayer` replaces a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)):
+Qwen3-MoE, Mixtral) and adopts its children under the same names, so the rules for
+`...self_attn`, `...mlp.gate`, `...mlp.experts` still apply. Its forward is the original class's
+own forward, run on this module, except for one case: a decode step of one sequence and one
+token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule files). There the
+kernels are called back to back on buffers held by the layer — the same kernels with the same
+inputs as the module-by-module path, so the result is the same to the bit — instead of through
+the ~25 module calls, argument checks and small torch ops between them, which on a 2-core
+machine cost about a quarter of a Qwen3-30B-A3B layer's kernel time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import BaseInjectedModule, adopt_children
+from .registry import OPERATORS
+
+_F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
+
+
+@dataclass
+class _DecodePlan:
+    """What the CPU decode path calls, found once: kernel objects, norm weights, buffers."""
+
+    ext: object
+    runtime: object  # the C++ Runtime
+    norms: tuple  # (weight, eps) of input, post-attention, q and k norms (q/k: None when absent)
+    q: object
+    k: object
+    v: object
+    o: object
+    router: object
+    moe: object
+    top_k: int
+    renorm: bool
+    heads: int
+    kv_heads: int
+    d: int
+    scale: float
+    buf: dict[str, torch.Tensor]
+
+
+def _cpu_linear(module):
+    """The C++ Linear of a KTransformersLinear whose generate op is KLinearCPU without a bias."""
+    from .linear import KLinearCPU
+    op = getattr(module, "ops", {}).get("generate")
+    if isinstance(op, KLinearCPU) and op.kernel is not None and op.bias is None:
+        return op.kernel._linear
+    return None
+
+
+def _cpu_norm(module):
+    from .layernorm import KRMSNorm
+    if isinstance(module, KRMSNorm) and module.ext is not None:  # (float32 weight on the CPU)
+        return module.weight, module.eps
+    return None
+
+
+class KDecoderLayer(BaseInjectedModule):
+    gradient_checkpointing = False  # read by transformers' layer forward wrapper (inference only here)
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        missing = [c for c in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+                   if not hasattr(orig_module, c)]
+        if missing:
+            raise ValueError(f"{key}: {type(orig_module).__name__} is not a pre-norm decoder layer (no {', '.join(missing)})")
+        self._hf_forward = type(orig_module).forward
+        adopt_children(self, orig_module)
+        for name, value in vars(orig_module).items():  # what that forward reads besides the children
+            if not name.startswith("_") and not hasattr(self, name):
+                setattr(self, name, value)
+        self._plan: _DecodePlan | None | bool = False  # False: not looked for yet; None: not available
+        self.cpu_decode = True  # False: always the module-by-module path (tests compare the two)
+
+    def load(self) -> None:
+        self._plan = False
+
+    def unload(self) -> None:
+        self._plan = False
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.cpu_decode and self.phase == "generate" and hidden_states.shape[:-1] == (1, 1):
+            out = self._decode_one(hidden_states, kwargs.get("position_embeddings"))
+            if out is not None:
+                return out
+        return self._hf_forward(self, hidden_states, *args, **kwargs)
+
+    def _find_plan(self) -> _DecodePlan | None:
+        """The kernels of this layer when every part of it runs on the C++ CPU kernels in float32."""
+        from .attention import KGQAAttention
+        from .experts import KExpertsCPU, KTransformersExperts
+        from .gate import KMoEGateSoftmax
+        from .moe import KMoEBlock
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(attn, KGQAAttention) or not isinstance(mlp, KMoEBlock) or mlp._has_shared():
+            return None
+        gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+        if not isinstance(gate, KMoEGateSoftmax) or gate.kernel is None or not isinstance(experts, KTransformersExperts):
+            return None
+        op = experts.ops.get("generate")
+        if (not isinstance(op, KExpertsCPU) or op.kernel is None or experts.hot is not None
+                or experts.options.out_device != "cpu"):
+            return None
+        linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
+        qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
+        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn._cpp_cache() is None:
+            return None
+        H, d, E = gate.hidden_dim, attn.head_dim, gate.weight_shape[0]
+        heads, kv = attn.num_heads, attn.num_kv_heads
+        sizes = {"h": H, "q": heads * d, "k": kv * d, "v": kv * d, "qn": heads * d, "kn": kv * d,
+                 "attn": heads * d, "o": H, "x1": H, "h2": H, "logits": E, "y": H}
+        buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
+        runtime = attn._runtime
+        return _DecodePlan(runtime.ext, runtime._rt, tuple(norms + qk), *linears, gate.kernel._linear,
+                           op.kernel._moe, gate.top_k, gate.norm, heads, kv, d, float(attn.scaling), buf)
+
+    def _decode_one(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
+        """x [1, 1, H] float32 -> the layer's output, or None when this step is not the CPU case."""
+        if self._plan is False:
+            self._plan = self._find_plan()
+        p = self._plan
+        batch = self.self_attn.context.batch if self.self_attn.context is not None else None
+        if (p is None or batch is None or len(batch.q_lens) != 1 or position_embeddings is None
+                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
+            return None
+        cos, sin = position_embeddings
+        if cos.shape[-1] != p.d or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        caches = self.self_attn._cpp_cache()  # (the engine's cache: float32 on the CPU, else None)
+        if caches is None:
+            return None
+        read = batch.read_slots[0]
+        if read.dtype != torch.int64 or not read.is_contiguous():
+            return None
+        b, ext = p.buf, p.ext
+        ptr = {name: t.data_ptr() for name, t in b.items()}
+        (w_in, eps_in), (w_post, eps_post), qn, kn = p.norms
+        ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], ptr["h"])
+        p.q.forward(1, ptr["h"], ptr["q"], _F32)
+        p.k.forward(1, ptr["h"], ptr["k"], _F32)
+        p.v.forward(1, ptr["h"], ptr["v"], _F32)
+        q, k = ptr["q"], ptr["k"]
+        if qn is not None:  # per-head RMSNorm of q and k (Qwen3)
+            ext.rms_norm(q, qn[0].data_ptr(), qn[1], p.heads, p.d, ptr["qn"])
+            ext.rms_norm(k, kn[0].data_ptr(), kn[1], p.kv_heads, p.d, ptr["kn"])
+            q, k = ptr["qn"], ptr["kn"]
+        k_cache, v_cache = caches
+        # RoPE on q and k in place, k and v stored at the step's slot, attention over the history
+        # (the C++ side checks every slot against the cache before any write)
+        p.runtime.rope_write_attend_gqa(q, k, ptr["v"], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                        v_cache.data_ptr(), k_cache.shape[0], int(batch.slots[0]), read.data_ptr(),
+                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"])
+        p.o.forward(1, ptr["attn"], ptr["o"], _F32)
+        x1 = torch.add(x.view(1, -1), b["o"], out=b["x1"])
+        ext.rms_norm(ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], ptr["h2"])
+        p.router.forward(1, ptr["h2"], ptr["logits"], _F32)
+        weights, ids = torch.softmax(b["logits"], dim=-1).topk(p.top_k, dim=-1)
+        if p.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        p.moe.forward(1, ids.data_ptr(), weights.data_ptr(), ptr["h2"], ptr["y"], _F32)
+        return (x1 + b["y"]).view(x.shape)
+
+
+OPERATORS.register("KDecoderLayer")(KDecoderLayer)
