@@ -2,6 +2,8 @@
 the rule file, and optimize_and_load_gguf."""
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +125,18 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
                                   progress=progress, cpu_infer=cpu_infer)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)
+
+
+def freeze_heap() -> None:
+    """For a process that serves one model until it exits (local_chat, the server, the benchmarks),
+    once the model is loaded: collect, then move every object alive now out of the cyclic
+    collector's reach. What loading leaves (modules, the GGUF's parsed fields: ~400k objects with a
+    32k vocabulary) lives as long as the model, and full collector passes over it cost a 512-token
+    prefill ~3% on 2 cores. At exit they are handed back, so that interpreter shutdown frees them
+    as usual (extension modules check for leaks then)."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 def check_architecture(config: PretrainedConfig, files: GGUFFileSet) -> None:

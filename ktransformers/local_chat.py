@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from .cache import CacheFullError
     from .engine.generate import Engine
     from .engine.sampling import SamplingParams
-    from .loader import load_model
+    from .loader import freeze_heap, load_model
 
     try:
         gguf_path, model_path = args.gguf_path, args.model_path
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                             cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
+        freeze_heap()
         if args.prefill_gpu_threshold is not None:
             loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
         if loaded.tokenizer is None:

@@ -81,9 +81,10 @@ def decode_bytes(files, config) -> int:
 
 def measure_ours(args, config) -> tuple[list[dict], object]:
     from ..engine.generate import Engine
-    from ..loader import load_model
+    from ..loader import freeze_heap, load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
                         cpu_infer=args.threads, tokenizer=False, default_device=args.device)
+    freeze_heap()
     engine = Engine(loaded.model, None, cache_lens=args.prompt + args.decode + 16, page_size=256,
                     chunk_size=max(args.prompt, 1), use_cuda_graph=not args.no_cuda_graph)
     gen = torch.Generator().manual_seed(0)

@@ -78,9 +78,10 @@ def hot_experts_per_layer(model) -> dict[int, int]:
 
 def measure_ours(args, config) -> dict:
     from ..engine.generate import Engine
-    from ..loader import load_model
+    from ..loader import freeze_heap, load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
                         cpu_infer=args.threads, tokenizer=False, default_device="cuda")
+    freeze_heap()
     if args.prefill_gpu_threshold is not None:
         loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
     longest = max(args.prompts)

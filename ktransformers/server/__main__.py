@@ -42,7 +42,7 @@ def make_server(args):
 
     from ..engine.generate import Engine
     from ..engine.sampling import SamplingParams
-    from ..loader import load_model
+    from ..loader import freeze_heap, load_model
     from .app import create_app
     from .scheduler import Scheduler
     gguf_path, model_path = args.gguf_path, args.model_path
@@ -52,6 +52,7 @@ def make_server(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                         cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
+    freeze_heap()
     if loaded.tokenizer is None:
         raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path")
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
