@@ -43,6 +43,7 @@ class _DecodePlan:
     d: int
     scale: float
     buf: dict[str, torch.Tensor]
+    ptr: dict[str, int]  # the buffers' addresses
 
 
 def _cpu_linear(module):
@@ -119,7 +120,8 @@ class KDecoderLayer(BaseInjectedModule):
         buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
         runtime = attn._runtime
         return _DecodePlan(runtime.ext, runtime._rt, tuple(norms + qk), *linears, gate.kernel._linear,
-                           op.kernel._moe, gate.top_k, gate.norm, heads, kv, d, float(attn.scaling), buf)
+                           op.kernel._moe, gate.top_k, gate.norm, heads, kv, d, float(attn.scaling), buf,
+                           {name: t.data_ptr() for name, t in buf.items()})
 
     def _decode_one(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
         """x [1, 1, H] float32 -> the layer's output, or None when this step is not the CPU case."""
@@ -128,10 +130,12 @@ class KDecoderLayer(BaseInjectedModule):
         p = self._plan
         batch = self.self_attn.context.batch if self.self_attn.context is not None else None
         if (p is None or batch is None or len(batch.q_lens) != 1 or position_embeddings is None
-                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
+                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
+                or x.shape[-1] != p.buf["h"].shape[1]):
             return None
         cos, sin = position_embeddings
-        if cos.shape[-1] != p.d or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        if (cos.numel() != p.d or sin.numel() != p.d or cos.dtype != torch.float32 or sin.dtype != torch.float32
+                or not (cos.is_contiguous() and sin.is_contiguous())):
             return None
         caches = self.self_attn._cpp_cache()  # (the engine's cache: float32 on the CPU, else None)
         if caches is None:
@@ -139,8 +143,7 @@ class KDecoderLayer(BaseInjectedModule):
         read = batch.read_slots[0]
         if read.dtype != torch.int64 or not read.is_contiguous():
             return None
-        b, ext = p.buf, p.ext
-        ptr = {name: t.data_ptr() for name, t in b.items()}
+        b, ptr, ext = p.buf, p.ptr, p.ext
         (w_in, eps_in), (w_post, eps_post), qn, kn = p.norms
         ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], ptr["h"])
         p.q.forward(1, ptr["h"], ptr["q"], _F32)
