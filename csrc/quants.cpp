@@ -342,12 +342,22 @@ inline __m256 q6_offsets_acc(__m256 offsets, float d, __m256i sc_all, const int1
     return _mm256_fmadd_ps(_mm256_set1_ps(d * 32), _mm256_cvtepi32_ps(prod), offsets);
 }
 
+// The 6-bit values of one half (128 values) of a Q6_K block as bytes: qA = its values 0..63, qB =
+// 64..127. Bits 2k, 2k+1 of qh byte l are the high bits of value l + 32k; one shift in 16-bit
+// lanes moves each pair to bits 4, 5 (what crosses into the neighbouring byte is masked off).
+inline void q6_values(const block_q6_k& blk, int half, __m512i& qA, __m512i& qB) {
+    const __m512i low = _mm512_set1_epi8(0xF), bits45 = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);    // h << 4, h << 2
+    const __m512i down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // h, h >> 2
+    const __m512i l = _mm512_loadu_si512((const void*)(blk.ql + 64 * half));
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk.qh + 32 * half)));
+    qA = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(_mm512_sllv_epi16(h, up), bits45));
+    qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), _mm512_and_si512(_mm512_srlv_epi16(h, down), bits45));
+}
+
 void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
     const block_q6_k* w = (const block_q6_k*)vw;
     const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
-    const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 offsets[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < n / QK_K; b++) {
@@ -355,12 +365,8 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
         const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
         __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int half = 0; half < 2; half++) {
-            const __m512i l = _mm512_loadu_si512((const void*)(w[b].ql + 64 * half));
-            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w[b].qh + 32 * half)));
-            const __m512i qA = _mm512_or_si512(_mm512_and_si512(l, low),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_a), three), 4));
-            const __m512i qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), three), 4));
+            __m512i qA, qB;
+            q6_values(w[b], half, qA, qB);
             const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
             const __m512i sA = pick16(sc, 0, 1, 2, 3), sB = pick16(sc, 4, 5, 6, 7);
             for (int t = 0; t < 4; t++) {
@@ -380,9 +386,6 @@ void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
 
 
 float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
-    const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // h, h>>2
-    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);  // h>>4, h>>6
     __m512 acc = _mm512_setzero_ps();
     __m256 offsets = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
@@ -391,12 +394,8 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
         offsets = q6_offsets_acc(offsets, d, sc_all, a[b].bsums);
         __m512i sumi = _mm512_setzero_si512();
         for (int half = 0; half < 2; half++) {
-            const __m512i l = _mm512_loadu_si512((const void*)(w[b].ql + 64 * half));
-            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w[b].qh + 32 * half)));
-            const __m512i hA = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_a), three), 4);
-            const __m512i hB = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), three), 4);
-            const __m512i qA = _mm512_or_si512(_mm512_and_si512(l, low), hA);                          // values 0..63
-            const __m512i qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), hB);   // values 64..127
+            __m512i qA, qB;
+            q6_values(w[b], half, qA, qB);
             const int8_t* x = a[b].qs + 128 * half;
             const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
             const __m512i pA = _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x));
