@@ -261,7 +261,9 @@ void attend(ThreadPool& pool, const float* q, const float* k, const float* v, co
         const int j0 = c * kChunk, n = std::min(kChunk, L - j0);
         float* acc = all + (size_t)c * part;
         float *mx = acc + (size_t)heads * d, *sum = mx + heads;
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__)
+        (void)q_t;
+#else
         if (grouped) {
             attend_chunk_grouped(q_t, k, v, slots + j0, n, heads, g, d, scale, scores.data(), acc, mx, sum);
             return;

@@ -249,6 +249,34 @@ inline __m512i pick16(__m128i table8x16, int i0, int i1, int i2, int i3) {
     return _mm512_shuffle_epi8(t, _mm512_set_epi64(pair(i3), pair(i3), pair(i2), pair(i2), pair(i1), pair(i1), pair(i0), pair(i0)));
 }
 
+// Quants c (0, 1) of a Q4_K / Q5_K block as bytes: lo = sub-blocks 4c (low 256 bits) and 4c+2
+// (high), hi = 4c+1 and 4c+3. Q5_K: the fifth bit of sub-block s is bit s of each qh byte (qh:
+// its 32 bytes in both halves), moved to bit 4 by one rotation of the 32-bit lanes by 4 - s
+// (each byte's bit 4 then comes from its own bit s).
+template <typename Block>
+inline void k4_values(const Block& blk, int c, __m512i qh, __m512i& lo, __m512i& hi) {
+    const __m512i low = _mm512_set1_epi8(0xF);
+    const __m512i raw = _mm512_loadu_si512((const void*)(blk.qs + 64 * c));
+    lo = _mm512_and_si512(raw, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    if constexpr (std::is_same<Block, block_q5_k>::value) {
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        const auto turn = [](int s_lo, int s_hi) {
+            return _mm512_inserti64x4(_mm512_set1_epi32((4 - s_lo) & 31), _mm256_set1_epi32((4 - s_hi) & 31), 1);
+        };
+        const int j = 4 * c;
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_rolv_epi32(qh, turn(j, j + 2)), bit4));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_rolv_epi32(qh, turn(j + 1, j + 3)), bit4));
+    } else {
+        (void)qh;
+    }
+}
+template <typename Block>
+inline __m512i k4_high_bits(const Block& blk) {
+    if constexpr (std::is_same<Block, block_q5_k>::value) return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)blk.qh));
+    else return _mm512_setzero_si512();
+}
+
 // Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
 // sub-block j). Activations in the Q8_KX order.
 // [d, dmin, 0, 0]: a K-quant block's two fp16 scales (adjacent), as floats
@@ -272,8 +300,6 @@ inline float hsum128_f32(__m128 v) {
 // sub-block j). Activations in the Q8_KX order. Per token the same float steps as dot4_q4_k.
 template <typename Block>
 float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
-    constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
-    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
     __m512 acc = _mm512_setzero_ps();
     __m128 mins = _mm_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
@@ -281,19 +307,12 @@ float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
         const __m128 dd = _mm_mul_ps(k4_block_scales(&w[b].d), _mm_set1_ps(a[b].d));  // [d * ad, dmin * ad]
         mins = k4_mins_acc(mins, dd, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), a[b].bsums);
         const __m128i sc = _mm_cvtepu8_epi16(sm);
-        __m512i qh = _mm512_setzero_si512();
-        if constexpr (five_bits) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)w[b].qh));
+        const __m512i qh = k4_high_bits(w[b]);
         __m512i sumi = _mm512_setzero_si512();
         for (int c = 0; c < 2; c++) {  // 64 bytes of quants = sub-blocks 4c (lo), 4c+1 (hi), 4c+2 (lo), 4c+3 (hi)
             const int j = 4 * c;
-            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
-            __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            if constexpr (five_bits) {
-                const __m512i at_lo = _mm512_inserti64x4(_mm512_set1_epi16((short)j), _mm256_set1_epi16((short)(j + 2)), 1);
-                const __m512i at_hi = _mm512_inserti64x4(_mm512_set1_epi16((short)(j + 1)), _mm256_set1_epi16((short)(j + 3)), 1);
-                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, at_lo), one), 4));
-                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, at_hi), one), 4));
-            }
+            __m512i lo, hi;
+            k4_values(w[b], c, qh, lo, hi);
             const int8_t* x = a[b].qs + 128 * c;
             const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));         // x[0..31], x[64..95]
             const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));  // x[32..63], x[96..127]
@@ -305,19 +324,20 @@ float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
     return hsum512_f32(acc) - hsum128_f32(mins);
 }
 
-void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
-    const block_q4_k* w = (const block_q4_k*)vw;
+template <typename Block>
+void dot4_k4(int n, const void* vw, const void* const va[4], float out[4]) {
+    const Block* w = (const Block*)vw;
     const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
-    const __m512i low = _mm512_set1_epi8(0xF);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m128 mins[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int b = 0; b < n / QK_K; b++) {
         const __m128i sm = k4_scales_vec(w[b].scales);
         const __m128i sc = _mm_cvtepu8_epi16(sm), mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+        const __m512i qh = k4_high_bits(w[b]);
         __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int c = 0; c < 2; c++) {
-            const __m512i raw = _mm512_loadu_si512((const void*)(w[b].qs + 64 * c));
-            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            __m512i lo, hi;
+            k4_values(w[b], c, qh, lo, hi);
             const int j = 4 * c;
             const __m512i s0 = pick16(sc, j, j, j + 2, j + 2), s1 = pick16(sc, j + 1, j + 1, j + 3, j + 3);
             for (int t = 0; t < 4; t++) {
@@ -335,6 +355,8 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
     }
     for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - hsum128_f32(mins[t]);
 }
+void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) { dot4_k4<block_q4_k>(n, vw, va, out); }
+void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) { dot4_k4<block_q5_k>(n, vw, va, out); }
 
 // offsets += d * 32 * [scales . bsums] in eight lanes (the -32 of every Q6_K value), reduced once a row
 inline __m256 q6_offsets_acc(__m256 offsets, float d, __m256i sc_all, const int16_t* bsums) {
@@ -414,7 +436,7 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
 // the fifth bit from qh (Q5_K: bit j of qh[l] for value l of sub-block j).
 template <typename Block>
 float dot_k4(int n, const Block* w, const act_q8_k* a) {
-    constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
+    [[maybe_unused]] constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
 #if defined(__AVX512BW__)
     return dot_k4_avx512(n, w, a);
 #elif defined(__AVX2__)
@@ -726,10 +748,10 @@ constexpr Dot4Fn kDot4Q8_0 = dot4_q8_0, kDot4Q4_0 = dot4_q4_0;
 constexpr Dot4Fn kDot4Q8_0 = nullptr, kDot4Q4_0 = nullptr;
 #endif
 #if defined(__AVX512BW__)
-constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q6K = dot4_q6_k;
+constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k;
 constexpr Act kActQ4K = Act::Q8_KX;
 #else
-constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q6K = nullptr;
+constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q5K = nullptr, kDot4Q6K = nullptr;
 constexpr Act kActQ4K = Act::Q8_K;
 #endif
 
@@ -742,7 +764,7 @@ const Format kFormats[] = {
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
     {Q3_K, "Q3_K", QK_K, sizeof(block_q3_k), Act::Q8_K, dot_q3_k, nullptr},
     {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
-    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, nullptr},
+    {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, kDot4Q5K},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, nullptr},
 };
