@@ -429,6 +429,77 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
     }
     return hsum512_f32(acc) - hsum_f32(offsets);
 }
+
+// ---- IQ4_XS, 512 bits: two sub-blocks (64 values) a step --------------------------------------
+// the 8 six-bit scales of a block, minus 32
+inline void iq4_scales(const block_iq4_xs& blk, float s[8]) {
+    for (int j = 0; j < 8; j++)
+        s[j] = (float)((((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((blk.scales_h >> (2 * j)) & 3) << 4)) - 32);
+}
+// the values of sub-blocks 2p and 2p+1 as signed bytes, in order: each sub-block's 16 bytes hold
+// its values 0..15 (low nibbles) and 16..31 (high), looked up in the non-linear table
+inline __m512i iq4_values(const block_iq4_xs& blk, int p, __m512i lut) {
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk.qs + 32 * p)));  // A B A B
+    const __m512i spread = _mm512_shuffle_i32x4(both, both, _MM_SHUFFLE(1, 1, 0, 0));                      // A A B B
+    const __m256i sh = _mm256_set_m128i(_mm_set1_epi16(4), _mm_setzero_si128());
+    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(spread, _mm512_inserti64x4(_mm512_castsi256_si512(sh), sh, 1)),
+                                         _mm512_set1_epi8(0xF));
+    return _mm512_shuffle_epi8(lut, idx);
+}
+// sum of products of signed bytes v and x as 16 int32 lanes, v given as |v| and its negative lanes
+inline __m512i dot_signed64(__m512i mag, __mmask64 neg, __m512i x) {
+    const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag, xs);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(mag, xs), _mm512_set1_epi16(1));
+#endif
+}
+
+float dot_iq4_xs_avx512(int n, const block_iq4_xs* w, const act_q8_k* a) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++) {
+        float s[8];
+        iq4_scales(w[b], s);
+        __m512 sum = _mm512_setzero_ps();
+        for (int p = 0; p < 4; p++) {
+            const __m512i v = iq4_values(w[b], p, lut);
+            const __m512i prod = dot_signed64(_mm512_abs_epi8(v), _mm512_movepi8_mask(v), _mm512_loadu_si512(a[b].qs + 64 * p));
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(s[2 * p + 1]), 1);
+            sum = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), sum);
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(w[b].d) * a[b].d), sum, acc);
+    }
+    return hsum512_f32(acc);
+}
+
+// four tokens against one row: the values, their magnitudes and signs unpacked once (the same
+// float steps per token as dot_iq4_xs_avx512)
+void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
+    const block_iq4_xs* w = (const block_iq4_xs*)vw;
+    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int b = 0; b < n / QK_K; b++) {
+        float s[8];
+        iq4_scales(w[b], s);
+        __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int p = 0; p < 4; p++) {
+            const __m512i v = iq4_values(w[b], p, lut);
+            const __m512i mag = _mm512_abs_epi8(v);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(s[2 * p + 1]), 1);
+            for (int t = 0; t < 4; t++) {
+                const __m512i prod = dot_signed64(mag, neg, _mm512_loadu_si512(a[t][b].qs + 64 * p));
+                sum[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), sum[t]);
+            }
+        }
+        const float dw = fp16_to_f32(w[b].d);
+        for (int t = 0; t < 4; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dw * a[t][b].d), sum[t], acc[t]);
+    }
+    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]);
+}
 #endif
 
 // ---- Q4_K, Q5_K x Q8_K --------------------------------------------------------------------
@@ -573,6 +644,9 @@ float dot_q6_k(int n, const void* vw, const void* va) {
 float dot_iq4_xs(int n, const void* vw, const void* va) {
     const block_iq4_xs* w = (const block_iq4_xs*)vw;
     const act_q8_k* a = (const act_q8_k*)va;
+#if defined(__AVX512BW__)
+    return dot_iq4_xs_avx512(n, w, a);
+#endif
     float sum = 0;
 #if defined(__AVX2__)
     const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
@@ -748,10 +822,10 @@ constexpr Dot4Fn kDot4Q8_0 = dot4_q8_0, kDot4Q4_0 = dot4_q4_0;
 constexpr Dot4Fn kDot4Q8_0 = nullptr, kDot4Q4_0 = nullptr;
 #endif
 #if defined(__AVX512BW__)
-constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k;
+constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k, kDot4IQ4XS = dot4_iq4_xs;
 constexpr Act kActQ4K = Act::Q8_KX;
 #else
-constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q5K = nullptr, kDot4Q6K = nullptr;
+constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q5K = nullptr, kDot4Q6K = nullptr, kDot4IQ4XS = nullptr;
 constexpr Act kActQ4K = Act::Q8_K;
 #endif
 
@@ -766,7 +840,7 @@ const Format kFormats[] = {
     {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
     {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, kDot4Q5K},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
-    {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, nullptr},
+    {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, kDot4IQ4XS},
 };
 
 }  // namespace

@@ -115,7 +115,7 @@ def test_linear_matches_reference(runtime, fmt, T):
     assert rel_err(lin.forward(x), round_activations(x, block) @ wd.T) < 1e-4
 
 
-@pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K],
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS],
                          ids=lambda t: t.name)
 def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     """Several tokens go through the formats' four-row dot products; each token's output is
