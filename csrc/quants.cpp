@@ -431,10 +431,22 @@ float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
 }
 
 // ---- IQ4_XS, 512 bits: two sub-blocks (64 values) a step --------------------------------------
-// the 8 six-bit scales of a block, minus 32
-inline void iq4_scales(const block_iq4_xs& blk, float s[8]) {
-    for (int j = 0; j < 8; j++)
-        s[j] = (float)((((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((blk.scales_h >> (2 * j)) & 3) << 4)) - 32);
+// the 8 six-bit scales of a block, minus 32, as floats: sub-block j's low 4 bits are nibble j of
+// scales_l (low nibble first), its high 2 bits bits 2j, 2j+1 of scales_h
+inline __m256 iq4_scales(const block_iq4_xs& blk) {
+    uint32_t l;
+    std::memcpy(&l, blk.scales_l, 4);
+    const __m128i lv = _mm_cvtsi32_si128((int)l), nibble = _mm_set1_epi8(0xF);
+    const __m128i low = _mm_unpacklo_epi8(_mm_and_si128(lv, nibble), _mm_and_si128(_mm_srli_epi16(lv, 4), nibble));
+    const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(blk.scales_h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                          _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_or_si256(_mm256_cvtepu8_epi32(low), _mm256_slli_epi32(high, 4));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+}
+// [s[2p] x 8, s[2p+1] x 8]: the scales of the two sub-blocks of a 512-bit step
+inline __m512 iq4_pair_scales(__m256 s, int p) {
+    const __m512i at = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+    return _mm512_permutexvar_ps(at, _mm512_castps256_ps512(s));
 }
 // the values of sub-blocks 2p and 2p+1 as signed bytes, in order: each sub-block's 16 bytes hold
 // its values 0..15 (low nibbles) and 16..31 (high), looked up in the non-linear table
@@ -460,14 +472,12 @@ float dot_iq4_xs_avx512(int n, const block_iq4_xs* w, const act_q8_k* a) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
-        float s[8];
-        iq4_scales(w[b], s);
+        const __m256 s = iq4_scales(w[b]);
         __m512 sum = _mm512_setzero_ps();
         for (int p = 0; p < 4; p++) {
             const __m512i v = iq4_values(w[b], p, lut);
             const __m512i prod = dot_signed64(_mm512_abs_epi8(v), _mm512_movepi8_mask(v), _mm512_loadu_si512(a[b].qs + 64 * p));
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(s[2 * p + 1]), 1);
-            sum = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), sum);
+            sum = _mm512_fmadd_ps(iq4_pair_scales(s, p), _mm512_cvtepi32_ps(prod), sum);
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(w[b].d) * a[b].d), sum, acc);
     }
@@ -482,14 +492,13 @@ void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int b = 0; b < n / QK_K; b++) {
-        float s[8];
-        iq4_scales(w[b], s);
+        const __m256 s = iq4_scales(w[b]);
         __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int p = 0; p < 4; p++) {
             const __m512i v = iq4_values(w[b], p, lut);
             const __m512i mag = _mm512_abs_epi8(v);
             const __mmask64 neg = _mm512_movepi8_mask(v);
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(s[2 * p + 1]), 1);
+            const __m512 sc = iq4_pair_scales(s, p);
             for (int t = 0; t < 4; t++) {
                 const __m512i prod = dot_signed64(mag, neg, _mm512_loadu_si512(a[t][b].qs + 64 * p));
                 sum[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), sum[t]);
