@@ -277,8 +277,6 @@ inline __m512i k4_high_bits(const Block& blk) {
     else return _mm512_setzero_si512();
 }
 
-// Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
-// sub-block j). Activations in the Q8_KX order.
 // [d, dmin, 0, 0]: a K-quant block's two fp16 scales (adjacent), as floats
 inline __m128 k4_block_scales(const fp16_t* d_dmin) {
     uint32_t both;
@@ -297,66 +295,52 @@ inline float hsum128_f32(__m128 v) {
 }
 
 // Q4_K, and Q5_K (the same plus a fifth bit per value in qh: bit j of qh[l] for value l of
-// sub-block j). Activations in the Q8_KX order. Per token the same float steps as dot4_q4_k.
-template <typename Block>
-float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
-    __m512 acc = _mm512_setzero_ps();
-    __m128 mins = _mm_setzero_ps();
-    for (int b = 0; b < n / QK_K; b++) {
-        const __m128i sm = k4_scales_vec(w[b].scales);
-        const __m128 dd = _mm_mul_ps(k4_block_scales(&w[b].d), _mm_set1_ps(a[b].d));  // [d * ad, dmin * ad]
-        mins = k4_mins_acc(mins, dd, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), a[b].bsums);
-        const __m128i sc = _mm_cvtepu8_epi16(sm);
-        const __m512i qh = k4_high_bits(w[b]);
-        __m512i sumi = _mm512_setzero_si512();
-        for (int c = 0; c < 2; c++) {  // 64 bytes of quants = sub-blocks 4c (lo), 4c+1 (hi), 4c+2 (lo), 4c+3 (hi)
-            const int j = 4 * c;
-            __m512i lo, hi;
-            k4_values(w[b], c, qh, lo, hi);
-            const int8_t* x = a[b].qs + 128 * c;
-            const __m512i p0 = _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x));         // x[0..31], x[64..95]
-            const __m512i p1 = _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64)));  // x[32..63], x[96..127]
-            sumi = madd_acc(sumi, p0, pick16(sc, j, j, j + 2, j + 2));
-            sumi = madd_acc(sumi, p1, pick16(sc, j + 1, j + 1, j + 3, j + 3));
-        }
-        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(sumi), acc);
-    }
-    return hsum512_f32(acc) - hsum128_f32(mins);
-}
-
-template <typename Block>
-void dot4_k4(int n, const void* vw, const void* const va[4], float out[4]) {
-    const Block* w = (const Block*)vw;
-    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m128 mins[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+// sub-block j), against T activation rows in the Q8_KX order: each weight block unpacked once for
+// all of them, the same float steps per row whatever T (one token alone gives what it gives among
+// four, to the bit).
+template <typename Block, int T>
+void dot_k4_rows(int n, const Block* w, const act_q8_k* const* a, float* out) {
+    __m512 acc[T];
+    __m128 mins[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps(), mins[t] = _mm_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
         const __m128i sm = k4_scales_vec(w[b].scales);
         const __m128i sc = _mm_cvtepu8_epi16(sm), mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
         const __m512i qh = k4_high_bits(w[b]);
-        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int c = 0; c < 2; c++) {
+        __m512i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {  // 64 bytes of quants = sub-blocks 4c (lo), 4c+1 (hi), 4c+2 (lo), 4c+3 (hi)
             __m512i lo, hi;
             k4_values(w[b], c, qh, lo, hi);
             const int j = 4 * c;
             const __m512i s0 = pick16(sc, j, j, j + 2, j + 2), s1 = pick16(sc, j + 1, j + 1, j + 3, j + 3);
-            for (int t = 0; t < 4; t++) {
-                const int8_t* x = a[t][b].qs + 128 * c;
+            for (int t = 0; t < T; t++) {
+                const int8_t* x = a[t][b].qs + 128 * c;  // x[0..31], x[64..95] against lo; x[32..63], x[96..127] hi
                 sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void*)x)), s0);
                 sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void*)(x + 64))), s1);
             }
         }
         const __m128 dw = k4_block_scales(&w[b].d);
-        for (int t = 0; t < 4; t++) {
-            const __m128 dd = _mm_mul_ps(dw, _mm_set1_ps(a[t][b].d));
+        for (int t = 0; t < T; t++) {
+            const __m128 dd = _mm_mul_ps(dw, _mm_set1_ps(a[t][b].d));  // [d * ad, dmin * ad]
             mins[t] = k4_mins_acc(mins[t], dd, mins16, a[t][b].bsums);
             acc[t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - hsum128_f32(mins[t]);
+    for (int t = 0; t < T; t++) out[t] = hsum512_f32(acc[t]) - hsum128_f32(mins[t]);
 }
-void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) { dot4_k4<block_q4_k>(n, vw, va, out); }
-void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) { dot4_k4<block_q5_k>(n, vw, va, out); }
+template <typename Block>
+float dot_k4_avx512(int n, const Block* w, const act_q8_k* a) {
+    float out;
+    dot_k4_rows<Block, 1>(n, w, &a, &out);
+    return out;
+}
+void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_k4_rows<block_q4_k, 4>(n, (const block_q4_k*)vw, (const act_q8_k* const*)va, out);
+}
+void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_k4_rows<block_q5_k, 4>(n, (const block_q5_k*)vw, (const act_q8_k* const*)va, out);
+}
 
 // offsets += d * 32 * [scales . bsums] in eight lanes (the -32 of every Q6_K value), reduced once a row
 inline __m256 q6_offsets_acc(__m256 offsets, float d, __m256i sc_all, const int16_t* bsums) {
@@ -377,57 +361,43 @@ inline void q6_values(const block_q6_k& blk, int half, __m512i& qA, __m512i& qB)
     qB = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), _mm512_and_si512(_mm512_srlv_epi16(h, down), bits45));
 }
 
-void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
-    const block_q6_k* w = (const block_q6_k*)vw;
-    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 offsets[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+// Q6_K against T activation rows, as dot_k4_rows: unpacked once, the same float steps per row
+template <int T>
+void dot_q6_k_rows(int n, const block_q6_k* w, const act_q8_k* const* a, float* out) {
+    __m512 acc[T];
+    __m256 offsets[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps(), offsets[t] = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
         const float dw = fp16_to_f32(w[b].d);
         const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
-        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
         for (int half = 0; half < 2; half++) {
             __m512i qA, qB;
             q6_values(w[b], half, qA, qB);
             const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
             const __m512i sA = pick16(sc, 0, 1, 2, 3), sB = pick16(sc, 4, 5, 6, 7);
-            for (int t = 0; t < 4; t++) {
+            for (int t = 0; t < T; t++) {
                 const int8_t* x = a[t][b].qs + 128 * half;
                 sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x)), sA);
                 sumi[t] = madd_acc(sumi[t], _mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64))), sB);
             }
         }
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < T; t++) {
             const float d = dw * a[t][b].d;
             offsets[t] = q6_offsets_acc(offsets[t], d, sc_all, a[t][b].bsums);
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]) - hsum_f32(offsets[t]);
+    for (int t = 0; t < T; t++) out[t] = hsum512_f32(acc[t]) - hsum_f32(offsets[t]);
 }
-
-
+void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_q6_k_rows<4>(n, (const block_q6_k*)vw, (const act_q8_k* const*)va, out);
+}
 float dot_q6_k_avx512(int n, const block_q6_k* w, const act_q8_k* a) {
-    __m512 acc = _mm512_setzero_ps();
-    __m256 offsets = _mm256_setzero_ps();
-    for (int b = 0; b < n / QK_K; b++) {
-        const float d = fp16_to_f32(w[b].d) * a[b].d;
-        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
-        offsets = q6_offsets_acc(offsets, d, sc_all, a[b].bsums);
-        __m512i sumi = _mm512_setzero_si512();
-        for (int half = 0; half < 2; half++) {
-            __m512i qA, qB;
-            q6_values(w[b], half, qA, qB);
-            const int8_t* x = a[b].qs + 128 * half;
-            const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half)));
-            const __m512i pA = _mm512_maddubs_epi16(qA, _mm512_loadu_si512((const void*)x));
-            const __m512i pB = _mm512_maddubs_epi16(qB, _mm512_loadu_si512((const void*)(x + 64)));
-            sumi = madd_acc(sumi, pA, pick16(sc, 0, 1, 2, 3));
-            sumi = madd_acc(sumi, pB, pick16(sc, 4, 5, 6, 7));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
-    }
-    return hsum512_f32(acc) - hsum_f32(offsets);
+    float out;
+    dot_q6_k_rows<1>(n, w, &a, &out);
+    return out;
 }
 
 // ---- IQ4_XS, 512 bits: two sub-blocks (64 values) a step --------------------------------------
@@ -468,46 +438,39 @@ inline __m512i dot_signed64(__m512i mag, __mmask64 neg, __m512i x) {
 #endif
 }
 
-float dot_iq4_xs_avx512(int n, const block_iq4_xs* w, const act_q8_k* a) {
+// IQ4_XS against T activation rows: the values, their magnitudes and signs unpacked once, the
+// same float steps per row whatever T
+template <int T>
+void dot_iq4_xs_rows(int n, const block_iq4_xs* w, const act_q8_k* const* a, float* out) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < n / QK_K; b++) {
         const __m256 s = iq4_scales(w[b]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int p = 0; p < 4; p++) {
-            const __m512i v = iq4_values(w[b], p, lut);
-            const __m512i prod = dot_signed64(_mm512_abs_epi8(v), _mm512_movepi8_mask(v), _mm512_loadu_si512(a[b].qs + 64 * p));
-            sum = _mm512_fmadd_ps(iq4_pair_scales(s, p), _mm512_cvtepi32_ps(prod), sum);
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(w[b].d) * a[b].d), sum, acc);
-    }
-    return hsum512_f32(acc);
-}
-
-// four tokens against one row: the values, their magnitudes and signs unpacked once (the same
-// float steps per token as dot_iq4_xs_avx512)
-void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
-    const block_iq4_xs* w = (const block_iq4_xs*)vw;
-    const act_q8_k* a[4] = {(const act_q8_k*)va[0], (const act_q8_k*)va[1], (const act_q8_k*)va[2], (const act_q8_k*)va[3]};
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NL));
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int b = 0; b < n / QK_K; b++) {
-        const __m256 s = iq4_scales(w[b]);
-        __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 sum[T];
+        for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_ps();
         for (int p = 0; p < 4; p++) {
             const __m512i v = iq4_values(w[b], p, lut);
             const __m512i mag = _mm512_abs_epi8(v);
             const __mmask64 neg = _mm512_movepi8_mask(v);
             const __m512 sc = iq4_pair_scales(s, p);
-            for (int t = 0; t < 4; t++) {
+            for (int t = 0; t < T; t++) {
                 const __m512i prod = dot_signed64(mag, neg, _mm512_loadu_si512(a[t][b].qs + 64 * p));
                 sum[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), sum[t]);
             }
         }
         const float dw = fp16_to_f32(w[b].d);
-        for (int t = 0; t < 4; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dw * a[t][b].d), sum[t], acc[t]);
+        for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(dw * a[t][b].d), sum[t], acc[t]);
     }
-    for (int t = 0; t < 4; t++) out[t] = hsum512_f32(acc[t]);
+    for (int t = 0; t < T; t++) out[t] = hsum512_f32(acc[t]);
+}
+float dot_iq4_xs_avx512(int n, const block_iq4_xs* w, const act_q8_k* a) {
+    float out;
+    dot_iq4_xs_rows<1>(n, w, &a, &out);
+    return out;
+}
+void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_iq4_xs_rows<4>(n, (const block_iq4_xs*)vw, (const act_q8_k* const*)va, out);
 }
 #endif
 
