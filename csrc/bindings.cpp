@@ -2,7 +2,9 @@
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "linear.h"
 #include "attention.h"
@@ -41,6 +43,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
               if (rows < 0 || n <= 0) throw std::invalid_argument("rms_norm: rows must be >= 0 and n > 0");
               rms_norm_rows(cptr<float>(x), cptr<float>(w), eps, rows, n, reinterpret_cast<float*>(out));
           }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
+    m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
+    m.attr("tiled_flag") = kTiled;
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 
@@ -65,6 +69,25 @@ PYBIND11_MODULE(KT_MODULE, m) {
                                            cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
                  });
              }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence")
+        .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {
+                 const Format* f = find_format(type);
+                 if (!f || !has_tiles(type)) throw std::invalid_argument("repack_tiles: no tiled layout for ggml type " + std::to_string(type));
+                 if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
+                     throw std::invalid_argument("repack_tiles: need rows % 16 == 0 and whole blocks, got " + std::to_string(rows) + " x " + std::to_string(n));
+                 const size_t row = (size_t)(n / f->block_elems) * f->block_bytes;
+                 if (src_bytes != row * rows || dst_bytes != src_bytes)
+                     throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " " + f->name + " values are " +
+                                                 std::to_string(row * rows) + " bytes; got source " + std::to_string(src_bytes) + ", destination " + std::to_string(dst_bytes));
+                 const int groups = rows / kTileRows, per_task = 64;  // 1024 rows a task
+                 r.run_inline([&] {
+                     r.pool().parallel_for((groups + per_task - 1) / per_task, [&](int task, int) {
+                         const int g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+                         const size_t at = (size_t)g0 * kTileRows * row;
+                         repack_tiles(type, cptr<uint8_t>(src) + at, (uint8_t*)dst + at, (g1 - g0) * kTileRows, n);
+                     });
+                 });
+             }, py::call_guard<py::gil_scoped_release>(),
+             "Rows of a ggml type repacked into its 16-row tiled layout (same byte count), on the pool")
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
                  r.sync();  // the pool is free once queued jobs are done
                  return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);

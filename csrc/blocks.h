@@ -36,6 +36,13 @@ static_assert(sizeof(block_q5_k) == 176, "q5_k block");
 static_assert(sizeof(block_q6_k) == 210, "q6_k block");
 static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs block");
 
+// 16 rows' Q4_K blocks of one block column, interleaved (2304 bytes = 16 x 144): d, dmin of
+// each row; sc[p][r] = bytes 4p..4p+3 of row r's packed scales (unchanged); qs[4j + q] holds,
+// in its 32-bit lane r, values 32j + 4q + i (low nibbles) and 32j + 16 + 4q + i (high) of row
+// r, i = 0..3: four values of sub-block j for each of the 16 rows, ready for dpbusd.
+struct tile_q4_k16 { fp16_t d[16]; fp16_t dmin[16]; uint32_t sc[3][16]; uint8_t qs[32][64]; };
+static_assert(sizeof(tile_q4_k16) == 16 * sizeof(block_q4_k), "q4_k tile");
+
 // Activations, quantized once per call: per 32 values (for q8_0/q4_0 weights) or per 256 with
 // sums of each 16 (for the k-quants and iq4_xs, whose mins/offsets need them).
 struct act_q8_0 { float d; int8_t qs[QK]; };

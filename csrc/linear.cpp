@@ -19,6 +19,8 @@ Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_featur
     if (in_ <= 0 || out_ <= 0 || max_tokens_ <= 0 || !w_) throw std::invalid_argument("Linear: sizes must be positive and weight non-null");
     if (in_ % fmt_->block_elems)
         throw std::invalid_argument("Linear: " + std::to_string(in_) + " inputs are not a whole number of " + fmt_->name + " blocks");
+    if (rows_step(fmt_) > 1 && out_ % kTileRows)
+        throw std::invalid_argument("Linear: tiled weights need out_features % 16 == 0, got " + std::to_string(out_));
     row_ = (size_t)(in_ / fmt_->block_elems) * fmt_->block_bytes;
     if (weight_bytes != row_ * out_)
         throw std::invalid_argument("Linear: weight holds " + std::to_string(weight_bytes) + " bytes, expected " + std::to_string(row_ * out_));
@@ -51,23 +53,26 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
             else for (int i = 0; i < in_; i++) row[i] = bf16_to_f32(((const bf16_t*)xs)[(size_t)t * in_ + i]);
             prepare_act(fmt_->act, row, &x_act[t * act_], in_);
         });
-        const int chunk = std::max(16, out_ / (8 * rt_->pool().size()));
+        const int step = rows_step(fmt_);
+        const int chunk = (std::max(16, out_ / (8 * rt_->pool().size())) + 15) / 16 * 16;  // whole tile groups
         rt_->pool().parallel_for((out_ + chunk - 1) / chunk, [&](int task, int) {
             const int r0 = task * chunk, r1 = std::min(out_, (task + 1) * chunk);
             // tokens a group at a time against each row: several tokens share each weight load
-            // (dot_rows' 4-token dots) while the chunk's rows stay in cache across groups
+            // (dot_rows' 4-token dots, the tiles' four-token kernels) while the chunk's rows stay
+            // in cache across groups
             const void* xg[kGroup];
-            float v[kGroup];
+            float v[kGroup * kTileRows];
             for (int g0 = 0; g0 < n; g0 += kGroup) {
                 const int m = std::min(kGroup, n - g0);
                 for (int i = 0; i < m; i++) xg[i] = &x_act[(size_t)(g0 + i) * act_];
-                for (int r = r0; r < r1; r++) {
-                    dot_rows(fmt_, in_, w_ + r * row_, xg, m, v);
-                    for (int i = 0; i < m; i++) {
-                        const size_t at = (size_t)(g0 + i) * out_ + r;
-                        if (dtype == Dtype::F32) ((float*)ys)[at] = v[i];
-                        else ((bf16_t*)ys)[at] = f32_to_bf16(v[i]);
-                    }
+                for (int r = r0; r < r1; r += step) {
+                    dot_step(fmt_, in_, w_, row_, r, xg, m, v);
+                    for (int i = 0; i < m; i++)
+                        for (int k = 0; k < step; k++) {
+                            const size_t at = (size_t)(g0 + i) * out_ + r + k;
+                            if (dtype == Dtype::F32) ((float*)ys)[at] = v[i * step + k];
+                            else ((bf16_t*)ys)[at] = f32_to_bf16(v[i * step + k]);
+                        }
                 }
             }
         });

@@ -61,6 +61,10 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     need_bytes(c.gate_bytes, gate_row_ * c.intermediate * c.experts, "gate");
     need_bytes(c.up_bytes, up_row_ * c.intermediate * c.experts, "up");
     need_bytes(c.down_bytes, down_row_ * c.hidden * c.experts, "down");
+    if ((rows_step(gate_fmt_) > 1 || rows_step(up_fmt_) > 1) && c.intermediate % kTileRows)
+        throw std::invalid_argument("MoE: tiled gate/up weights need intermediate % 16 == 0, got " + std::to_string(c.intermediate));
+    if (rows_step(down_fmt_) > 1 && c.hidden % kTileRows)
+        throw std::invalid_argument("MoE: tiled down weights need hidden % 16 == 0, got " + std::to_string(c.hidden));
     gate_act_ = act_row_bytes(gate_fmt_->act, c.hidden);
     up_act_ = act_row_bytes(up_fmt_->act, c.hidden);
     down_act_ = act_row_bytes(down_fmt_->act, c.intermediate);
@@ -204,7 +208,8 @@ void MoE::gate_up() {
         }
         const void* xg[kMaxGroup];
         const void* xu[kMaxGroup];
-        float out[kMaxGroup];
+        float out[kMaxGroup * kTileRows];
+        const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
         for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
             const int m = std::min(kMaxGroup, count - g0);
             for (int i = 0; i < m; i++) {
@@ -212,11 +217,15 @@ void MoE::gate_up() {
                 xg[i] = &s_.x_gate[t * gate_act_];
                 xu[i] = &s_.x_up[t * up_act_];
             }
-            for (int r = r0; r < r1; r++) {
-                dot_rows(gate_fmt_, H, gw + r * gate_row_, xg, m, out);
-                for (int i = 0; i < m; i++) s_.g[(size_t)(p0 + g0 + i) * I + r] = out[i];
-                dot_rows(up_fmt_, H, uw + r * up_row_, xu, m, out);
-                for (int i = 0; i < m; i++) s_.u[(size_t)(p0 + g0 + i) * I + r] = out[i];
+            float* g = &s_.g[(size_t)(p0 + g0) * I];
+            float* u = &s_.u[(size_t)(p0 + g0) * I];
+            for (int r = r0; r < r1; r += gs) {
+                dot_step(gate_fmt_, H, gw, gate_row_, r, xg, m, out);
+                for (int i = 0; i < m; i++) std::copy(out + i * gs, out + (i + 1) * gs, g + (size_t)i * I + r);
+            }
+            for (int r = r0; r < r1; r += us) {
+                dot_step(up_fmt_, H, uw, up_row_, r, xu, m, out);
+                for (int i = 0; i < m; i++) std::copy(out + i * us, out + (i + 1) * us, u + (size_t)i * I + r);
             }
         }
     });
@@ -271,13 +280,15 @@ void MoE::down() {
             return;
         }
         const void* hs[kMaxGroup];
-        float out[kMaxGroup];
+        float out[kMaxGroup * kTileRows];
+        const int ds = rows_step(down_fmt_);
         for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
             const int m = std::min(kMaxGroup, count - g0);
             for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];
-            for (int r = r0; r < r1; r++) {
-                dot_rows(down_fmt_, I, dw + r * down_row_, hs, m, out);
-                for (int i = 0; i < m; i++) s_.y_pairs[(size_t)(p0 + g0 + i) * H + r] = out[i];
+            float* y = &s_.y_pairs[(size_t)(p0 + g0) * H];
+            for (int r = r0; r < r1; r += ds) {
+                dot_step(down_fmt_, I, dw, down_row_, r, hs, m, out);
+                for (int i = 0; i < m; i++) std::copy(out + i * ds, out + (i + 1) * ds, y + (size_t)i * H + r);
             }
         }
     });

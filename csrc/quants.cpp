@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #if defined(__AVX2__)
@@ -117,6 +119,45 @@ void prep_q8_kx(const float* x, act_q8_k* y, int n) {
             std::memcpy(tmp + 96, q + 96, 32);
             std::memcpy(q, tmp, 128);
         }
+}
+
+// Q8_K, with bsums[0..7] replaced by the sums of each 32 values in the order 0, 2, 1, 3, 4, 6, 5, 7
+void prep_q8_kt(const float* x, act_q8_k* y, int n) {
+    prep_q8_k(x, y, n);
+    for (int b = 0; b < n / QK_K; b++) {
+        int16_t* bs = y[b].bsums;
+        const int16_t s[8] = {(int16_t)(bs[0] + bs[1]), (int16_t)(bs[2] + bs[3]), (int16_t)(bs[4] + bs[5]), (int16_t)(bs[6] + bs[7]),
+                              (int16_t)(bs[8] + bs[9]), (int16_t)(bs[10] + bs[11]), (int16_t)(bs[12] + bs[13]), (int16_t)(bs[14] + bs[15])};
+        const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+        for (int k = 0; k < 8; k++) bs[k] = s[order[k]];
+        for (int k = 8; k < 16; k++) bs[k] = 0;
+    }
+}
+
+// ---- 16-row tiles ---------------------------------------------------------------------------
+// value i (0..255) of a Q4_K block, 0..15
+inline int q4_k_value(const block_q4_k& b, int i) {
+    const uint8_t byte = b.qs[32 * (i / 64) + i % 32];
+    return i % 64 < 32 ? byte & 15 : byte >> 4;
+}
+
+void repack_q4_k16(const void* src, void* dst, int n) {
+    const int nb = n / QK_K;
+    const block_q4_k* rows = (const block_q4_k*)src;
+    tile_q4_k16* tiles = (tile_q4_k16*)dst;
+    for (int b = 0; b < nb; b++) {
+        tile_q4_k16& t = tiles[b];
+        for (int r = 0; r < kTileRows; r++) {
+            const block_q4_k& blk = rows[(size_t)r * nb + b];
+            t.d[r] = blk.d, t.dmin[r] = blk.dmin;
+            for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
+            uint8_t v[QK_K];
+            for (int i = 0; i < QK_K; i++) v[i] = (uint8_t)q4_k_value(blk, i);
+            for (int j = 0; j < 8; j++)
+                for (int q = 0; q < 4; q++)
+                    for (int i = 0; i < 4; i++) t.qs[4 * j + q][4 * r + i] = (uint8_t)(v[32 * j + 4 * q + i] | v[32 * j + 16 + 4 * q + i] << 4);
+        }
+    }
 }
 
 #if defined(__AVX2__)
@@ -341,6 +382,82 @@ void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
 void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
     dot_k4_rows<block_q5_k, 4>(n, (const block_q5_k*)vw, (const act_q8_k* const*)va, out);
 }
+
+#if defined(__AVX512VNNI__)
+// 16 rows of Q4_K tiles against T activation rows (Q8_KT): per sub-block j, four dpbusd per token
+// on the unpacked nibbles (16 rows x 4 values each) with the token's 4 bytes broadcast, then
+// times the rows' scales (one vector of 16); the mins as int16 pairs against pairs of 32-sums.
+template <int T>
+void tile_q4_k16_rows(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0x0F);
+    const __m512i pair6 = _mm512_set1_epi32(0x003F003F), pair4 = _mm512_set1_epi32(0x000F000F);
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        const __m512i P0 = _mm512_loadu_si512(w->sc[0]), P1 = _mm512_loadu_si512(w->sc[1]), P2 = _mm512_loadu_si512(w->sc[2]);
+        __m512i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            // sub-block j's scale: j < 4 byte j of P0 (6 bits); else byte j-4 of P2 (low 4) with bits 6, 7 of byte j-4 of P0
+            const __m512i sc = j < 4 ? _mm512_and_si512(_mm512_srli_epi32(P0, 8 * j), six)
+                                     : _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 8 * (j - 4)),
+                                                                                  _mm512_srli_epi32(P0, 8 * (j - 4) + 2), four, 0xE4), six);
+            __m512i dj[T];
+            for (int t = 0; t < T; t++) dj[t] = _mm512_setzero_si512();
+            for (int q = 0; q < 4; q++) {
+                const __m512i v = _mm512_loadu_si512(w->qs[4 * j + q]);
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int t = 0; t < T; t++) {
+                    int32_t xl, xh;
+                    std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
+                    std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
+                    dj[t] = _mm512_dpbusd_epi32(dj[t], lo, _mm512_set1_epi32(xl));
+                    dj[t] = _mm512_dpbusd_epi32(dj[t], hi, _mm512_set1_epi32(xh));
+                }
+            }
+            for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dj[t], sc));
+        }
+        // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7)
+        const __m512i m02 = _mm512_and_si512(P1, pair6), m13 = _mm512_and_si512(_mm512_srli_epi32(P1, 8), pair6);
+        const __m512i m46 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 4), _mm512_srli_epi32(P1, 2), pair4, 0xE4), pair6);
+        const __m512i m57 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 12), _mm512_srli_epi32(P1, 10), pair4, 0xE4), pair6);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->dmin));
+        for (int t = 0; t < T; t++) {
+            int32_t pr[4];
+            std::memcpy(pr, a[t][b].bsums, 16);
+            __m512i ms = _mm512_madd_epi16(m02, _mm512_set1_epi32(pr[0]));
+            ms = _mm512_dpwssd_epi32(ms, m13, _mm512_set1_epi32(pr[1]));
+            ms = _mm512_dpwssd_epi32(ms, m46, _mm512_set1_epi32(pr[2]));
+            ms = _mm512_dpwssd_epi32(ms, m57, _mm512_set1_epi32(pr[3]));
+            const __m512 ad = _mm512_set1_ps(a[t][b].d);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, ad), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, ad), _mm512_cvtepi32_ps(ms), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+// any number of tokens: four at a time (each tile decoded once per four), then the rest
+template <typename Tile, template <int> class Kernel>
+void tile_tokens(int n, const void* w, const void* const* a, int count, float* out) {
+    const Tile* tw = (const Tile*)w;
+    const act_q8_k* const* x = (const act_q8_k* const*)a;
+    int i = 0;
+    for (; i + 4 <= count; i += 4) Kernel<4>::run(n, tw, x + i, out + 16 * i);
+    switch (count - i) {
+        case 3: Kernel<3>::run(n, tw, x + i, out + 16 * i); break;
+        case 2: Kernel<2>::run(n, tw, x + i, out + 16 * i); break;
+        case 1: Kernel<1>::run(n, tw, x + i, out + 16 * i); break;
+    }
+}
+template <int T>
+struct TileQ4K {
+    static void run(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) { tile_q4_k16_rows<T>(n, w, a, out); }
+};
+void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q4_k16, TileQ4K>(n, w, a, count, out);
+}
+#endif
 
 // offsets += d * 32 * [scales . bsums] in eight lanes (the -32 of every Q6_K value), reduced once a row
 inline __m256 q6_offsets_acc(__m256 offsets, float d, __m256i sc_all, const int16_t* bsums) {
@@ -813,7 +930,16 @@ const Format kFormats[] = {
     {Q5_K, "Q5_K", QK_K, sizeof(block_q5_k), kActQ4K, dot_q5_k, kDot4Q5K},
     {Q6_K, "Q6_K", QK_K, sizeof(block_q6_k), Act::Q8_K, dot_q6_k, kDot4Q6K},
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, kDot4IQ4XS},
+#if defined(__AVX512VNNI__)
+    {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
+#endif
 };
+
+struct Repack {
+    int type;
+    RepackFn fn;
+};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}};
 
 }  // namespace
 
@@ -822,6 +948,32 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
     if (f->dot4)
         for (; i + 4 <= count; i += 4) f->dot4(n, w, a + i, out + i);
     for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
+}
+
+int rows_step(const Format* f) { return f->tile ? kTileRows : 1; }
+
+void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r, const void* const* a, int count, float* out) {
+    if (f->tile) f->tile(n, w + (size_t)r * row_bytes, a, count, out);
+    else dot_rows(f, n, w + (size_t)r * row_bytes, a, count, out);
+}
+
+bool has_tiles(int type) {
+    if (type & kTiled) return false;
+    for (const Repack& r : kRepacks)
+        if (r.type == type) return find_format(type | kTiled) != nullptr;
+    return false;
+}
+
+void repack_tiles(int type, const void* src, void* dst, int rows, int n) {
+    const Format* f = find_format(type);
+    if (!f || !has_tiles(type)) throw std::invalid_argument(std::string("repack_tiles: no tiled layout for ggml type ") + std::to_string(type));
+    if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
+        throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values: need rows % 16 == 0 and whole " +
+                                    f->name + " blocks");
+    const size_t group = (size_t)kTileRows * (n / f->block_elems) * f->block_bytes;
+    for (const Repack& r : kRepacks)
+        if (r.type == type)
+            for (int g = 0; g < rows / kTileRows; g++) r.fn((const uint8_t*)src + g * group, (uint8_t*)dst + g * group, n);
 }
 
 const Format* find_format(int type) {
@@ -866,7 +1018,8 @@ size_t act_row_bytes(Act act, int n) {
         case Act::F32: return sizeof(float) * n;
         case Act::Q8_0: return sizeof(act_q8_0) * (n / QK);
         case Act::Q8_K:
-        case Act::Q8_KX: return sizeof(act_q8_k) * (n / QK_K);
+        case Act::Q8_KX:
+        case Act::Q8_KT: return sizeof(act_q8_k) * (n / QK_K);
     }
     return 0;
 }
@@ -877,6 +1030,7 @@ void prepare_act(Act act, const float* x, void* out, int n) {
         case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
         case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;
         case Act::Q8_KX: prep_q8_kx(x, (act_q8_k*)out, n); break;
+        case Act::Q8_KT: prep_q8_kt(x, (act_q8_k*)out, n); break;
     }
 }
 

@@ -8,23 +8,45 @@
 namespace kt {
 
 // How activations are prepared for a weight format. Q8_KX: Q8_K with each 128 values stored as
-// [0..31, 64..95, 32..63, 96..127], the order 512-bit Q4_K code consumes them in.
-enum class Act { F32, Q8_0, Q8_K, Q8_KX };
+// [0..31, 64..95, 32..63, 96..127], the order 512-bit Q4_K code consumes them in. Q8_KT: Q8_K
+// with bsums[0..7] holding the sums of each 32 values in the order 0, 2, 1, 3, 4, 6, 5, 7 (pairs
+// of them are what the 16-row Q4_K tiles multiply their mins by), bsums[8..15] zero.
+enum class Act { F32, Q8_0, Q8_K, Q8_KX, Q8_KT };
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);
 // The same weight row against 4 activation rows at once (weights decoded once): out[0..3].
 using Dot4Fn = void (*)(int n, const void* w, const void* const a[4], float out[4]);
 
+// 16-row tiles: a matrix's rows in groups of 16 whose blocks are interleaved (tile_q4_k16 and
+// the like: same bytes per row, repacked once at load), so that one 512-bit register holds a
+// few values of each of the 16 rows and a dot product needs no horizontal sums. The kernel
+// computes all 16 rows of a group against `count` activation rows: out[i * 16 + k] = row k, token i.
+using TileFn = void (*)(int n, const void* tiles, const void* const* a, int count, float* out);
+// One group of 16 rows (each n values, stored one after another) into its tiles.
+using RepackFn = void (*)(const void* rows, void* tiles, int n);
+constexpr int kTileRows = 16;
+constexpr int kTiled = 256;  // type id | kTiled: the tiled layout of that ggml type
+
 struct Format {
-    GGMLType type;
+    int type;  // ggml type id, | kTiled for a tiled layout
     const char* name;
     int block_elems;
-    int block_bytes;
+    int block_bytes;  // per row (a tile group holds kTileRows times this per block column)
     Act act;
-    DotFn dot;
-    Dot4Fn dot4;  // nullptr: call dot per row
+    DotFn dot;     // rows as stored; nullptr for tiled layouts
+    Dot4Fn dot4;   // nullptr: call dot per row
+    TileFn tile = nullptr;  // tiled layouts only
 };
+
+// The rows [r, r + step) of w (step: 1, or kTileRows for a tiled format, r a multiple of it)
+// against count activation rows: out[i * step + k] = row r + k, token i. `w` is the matrix.
+int rows_step(const Format* f);
+void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r, const void* const* a, int count, float* out);
+// Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (rows % 16 == 0);
+// false when this build has no tiled kernel for the type.
+bool has_tiles(int type);
+void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
 void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);

@@ -13,6 +13,7 @@ from ktransformers.kernels.cpu import (
     ACTIVATION_BLOCK,
     CPURuntime,
     ExpertWeights,
+    Int8Rows,
     LinearKernel,
     MoEKernel,
     default_isa,
@@ -127,6 +128,53 @@ def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     together = lin.forward(x)
     alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(9)])
     assert torch.equal(together, alone)
+
+
+def q4_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
+    """The 16-row Q4_K tile layout (csrc/blocks.h tile_q4_k16), rearranged with torch alone."""
+    nb = cols // 256
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, nb, 144).transpose(1, 2)  # [G, nb, 16, 144]
+    d, dmin = blocks[..., 0:2].reshape(*blocks.shape[:2], 32), blocks[..., 2:4].reshape(*blocks.shape[:2], 32)
+    sc = blocks[..., 4:16].reshape(*blocks.shape[:3], 3, 4).transpose(2, 3).reshape(*blocks.shape[:2], 192)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:3], 4, 32)
+    values = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(*blocks.shape[:3], 8, 2, 4, 4)  # value 32j + 16h + 4q + i
+    packed = values[..., 0, :, :] | (values[..., 1, :, :] << 4)  # [G, nb, r, j, q, i]
+    qs_tiles = packed.permute(0, 1, 3, 4, 2, 5).reshape(*blocks.shape[:2], 2048)  # [j, q, r, i]
+    return torch.cat([d, dmin, sc, qs_tiles], dim=-1).reshape(-1)
+
+
+def test_q4_k_tiles_layout_and_kernel(runtime):
+    """The repack gives the layout the torch reference builds; the tiled kernel (four tokens at a
+    time, then 3, 2, 1) gives what the row kernel gives on the same rounded activations."""
+    from ktransformers.kernels.cpu import tile_weights
+    if not runtime.ext.has_tiles(int(GGMLType.Q4_K)):
+        assert runtime.isa == "avx2"  # the tiled kernel is AVX512-VNNI code
+        return
+    gen = torch.Generator().manual_seed(5)
+    E, K, H, I = 7, 3, 512, 256
+    (g, gd), (u, ud), (d, dd) = (expert_weights(GGMLType.Q4_K, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    tiled = tile_weights(runtime, g, E * I, H)
+    assert tiled.tiled and torch.equal(tiled.data, q4_k_tiles_reference(g.data, E * I, H))
+    with_tiles = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64)
+    rows = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64, tiles=False)
+    assert all(w.tiled for w in with_tiles._weights) and not any(w.tiled for w in rows._weights)
+    for T in (1, 2, 3, 5, 17, 128):
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < 1e-6, T
+    lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * H // 256 * 144], int(GGMLType.Q4_K)))
+    x = torch.randn(9, H, generator=gen)
+    assert lin._weight.tiled
+    assert rel_err(lin.forward(x), round_activations(x, 256) @ gd.reshape(-1, H)[:96].T) < 1e-4
+    assert torch.equal(lin.forward(x), torch.cat([lin.forward(x[i:i + 1]) for i in range(9)]))  # each token alone
+    with pytest.raises(ValueError, match="rows % 16 == 0"):
+        runtime._rt.repack_tiles(int(GGMLType.Q4_K), g.data.data_ptr(), 8 * 2 * 144, 0, 8 * 2 * 144, 8, H)
+    with pytest.raises(ValueError, match="bytes; got source"):
+        runtime._rt.repack_tiles(int(GGMLType.Q4_K), g.data.data_ptr(), 100, 0, 100, 16, H)
+    with pytest.raises(ValueError, match="no tiled layout"):
+        runtime._rt.repack_tiles(int(GGMLType.Q8_0), 0, 0, 0, 0, 16, H)
+    with pytest.raises(ValueError, match="needs the GGUF's rows"):
+        Int8Rows.from_blocks(tiled, (E, I, H))
 
 
 def test_bad_input_raises_before_touching_memory(runtime):

@@ -47,7 +47,8 @@ def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertW
     return ExpertWeights(random_blocks(t, blocks, gen).reshape(-1), int(t))
 
 
-def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen, int8: bool = False) -> list[Layer]:
+def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen, int8: bool = False,
+                 tiles: bool = True) -> list[Layer]:
     H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
     g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
     layers = []
@@ -59,7 +60,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
             shapes = ((experts, I, H), (experts, I, H), (experts, H, I))
             rows8 = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((gate, up, down), shapes))
         layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
-                                      down=down, max_tokens=512, int8=rows8), per_expert, (gate, up, down)))
+                                      down=down, max_tokens=512, int8=rows8, tiles=tiles), per_expert, (gate, up, down)))
     return layers
 
 
@@ -119,7 +120,7 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
     experts = expert_budget(shape, fmt, args.copies + len(peer_threads), int8=args.int8)  # kt-kernel keeps a copy each
-    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen, args.int8)
+    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen, args.int8, not args.no_tiles)
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
     for T in args.tokens:
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--int8", action="store_true",
                    help="also give our layers the int8 copies of the prefill path (experts with >= 4 tokens use them)")
+    p.add_argument("--no-tiles", action="store_true",
+                   help="compute on the GGUF's rows as stored (default: formats with 16-row tiles are repacked at load)")
     p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
     p.add_argument("--peer-amx", action="store_true",
                    help="also time kt-kernel's AMX classes (int8, int4, bf16) on the layer's dequantized weights")

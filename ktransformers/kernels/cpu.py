@@ -132,9 +132,27 @@ def _address(data) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One projection of all experts as stored: raw bytes + ggml type id."""
+    """One projection of all experts as stored: raw bytes + ggml type id. `tiled`: the bytes are
+    the kernels' 16-row tiles of that type (tile_weights), not the GGUF's rows."""
     data: object  # uint8 numpy array (memmap view) or torch tensor
     ggml_type: int
+    tiled: bool = False
+
+    def kernel_type(self, ext) -> int:
+        """The type id the C++ kernels take: the ggml type, flagged when tiled."""
+        return self.ggml_type | ext.tiled_flag if self.tiled else self.ggml_type
+
+
+def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: int) -> ExpertWeights:
+    """`weights` (rows x cols values in all, rows of GGML blocks) repacked once into the 16-row
+    tiles this build computes on without horizontal sums (same byte count, a new tensor), where
+    it has them for the type and rows % 16 == 0; otherwise `weights` itself."""
+    if weights.tiled or rows % 16 or not runtime.ext.has_tiles(weights.ggml_type):
+        return weights
+    src, nbytes = _address(weights.data)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
+    return ExpertWeights(out, weights.ggml_type, tiled=True)
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,8 @@ class Int8Rows:
     def from_blocks(weights: ExpertWeights, shape: tuple[int, int, int]) -> Int8Rows:
         """From the bytes a MoEKernel computes on (GGML blocks, or bf16/f32), dequantized per expert."""
         from ..weights.ggml_quants import dequantize
+        if weights.tiled:
+            raise ValueError("Int8Rows.from_blocks needs the GGUF's rows, not tiled weights")
         data = weights.data
         flat = data.reshape(-1).view(torch.uint8) if isinstance(data, torch.Tensor) else np.asarray(data).reshape(-1)
         per_expert = flat.shape[0] // shape[0]
@@ -215,11 +235,16 @@ class MoEKernel:
 
     def __init__(self, runtime: CPURuntime, *, experts: int, top_k: int, hidden: int, intermediate: int,
                  gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE",
-                 int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4):
+                 int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4, tiles: bool = True):
         """`int8`: re-quantized copies of gate, up, down for the int8 prefill GEMM (AVX512-VNNI
-        builds); experts with at least `int8_min_tokens` tokens in a call use them."""
+        builds); experts with at least `int8_min_tokens` tokens in a call use them. `tiles`:
+        repack the projections this build has 16-row tiles for (tile_weights) at construction."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
+        if tiles:
+            gate = tile_weights(runtime, gate, experts * intermediate, hidden)
+            up = tile_weights(runtime, up, experts * intermediate, hidden)
+            down = tile_weights(runtime, down, experts * hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
         addresses, min_tokens = (), 0
@@ -231,7 +256,7 @@ class MoEKernel:
             self._int8, min_tokens = int8, max(1, int8_min_tokens)  # (keeps the int8 and AMX copies alive)
         self.int8_min_tokens = min_tokens
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
-                                    gate.ggml_type, up.ggml_type, down.ggml_type, g, gb, u, ub, d, db,
+                                    *(w.kernel_type(runtime.ext) for w in self._weights), g, gb, u, ub, d, db,
                                     addresses, min_tokens)
 
     def _args(self, x, ids, weights):
@@ -264,13 +289,16 @@ class LinearKernel:
     """y [T, O] = x [T, I] @ W^T with W [O, I] as raw GGML blocks."""
 
     def __init__(self, runtime: CPURuntime, *, in_features: int, out_features: int, weight: ExpertWeights,
-                 max_tokens: int = 512, name: str = "Linear"):
+                 max_tokens: int = 512, name: str = "Linear", tiles: bool = True):
+        """`tiles`: repack W into this build's 16-row tiles where it has them (tile_weights)."""
         self.runtime, self.name = runtime, name
         self.in_features, self.out_features = in_features, out_features
+        if tiles:
+            weight = tile_weights(runtime, weight, out_features, in_features)
         self._weight = weight
         address, nbytes = _address(weight.data)
-        self._linear = runtime.ext.Linear(runtime._rt, in_features, out_features, weight.ggml_type, address, nbytes,
-                                          max_tokens)
+        self._linear = runtime.ext.Linear(runtime._rt, in_features, out_features, weight.kernel_type(runtime.ext), address,
+                                          nbytes, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_activations(self.name, x, self.in_features)
