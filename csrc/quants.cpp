@@ -160,6 +160,38 @@ void repack_q4_k16(const void* src, void* dst, int n) {
     }
 }
 
+// value i (0..255) of a Q6_K block, 0..63 (the stored value + 32)
+inline int q6_k_value(const block_q6_k& b, int i) {
+    const int half = i / 128, k = i % 128 / 32, l = i % 32;
+    const uint8_t low = b.ql[64 * half + 32 * (k % 2) + l];
+    return (k < 2 ? low & 15 : low >> 4) | ((b.qh[32 * half + l] >> (2 * k)) & 3) << 4;
+}
+
+void repack_q6_k16(const void* src, void* dst, int n) {
+    const int nb = n / QK_K;
+    const block_q6_k* rows = (const block_q6_k*)src;
+    tile_q6_k16* tiles = (tile_q6_k16*)dst;
+    for (int b = 0; b < nb; b++) {
+        tile_q6_k16& t = tiles[b];
+        for (int r = 0; r < kTileRows; r++) {
+            const block_q6_k& blk = rows[(size_t)r * nb + b];
+            t.d[r] = blk.d;
+            for (int j = 0; j < 8; j++) t.part[j / 2].sc[j % 2][r][0] = blk.scales[2 * j], t.part[j / 2].sc[j % 2][r][1] = blk.scales[2 * j + 1];
+            uint8_t v[QK_K];
+            for (int i = 0; i < QK_K; i++) v[i] = (uint8_t)q6_k_value(blk, i);
+            for (int j = 0; j < 8; j++) {
+                for (int q = 0; q < 4; q++)
+                    for (int i = 0; i < 4; i++) t.part[j / 2].ql[4 * (j % 2) + q][4 * r + i] = (uint8_t)((v[32 * j + 4 * q + i] & 15) | (v[32 * j + 16 + 4 * q + i] & 15) << 4);
+                for (int h = 0; h < 2; h++)
+                    for (int i = 0; i < 4; i++) {
+                        const int at = 32 * j + 8 * h + i;
+                        t.part[j / 2].qh[2 * (j % 2) + h][4 * r + i] = (uint8_t)(v[at] >> 4 | (v[at + 16] >> 4) << 2 | (v[at + 4] >> 4) << 4 | (v[at + 20] >> 4) << 6);
+                    }
+            }
+        }
+    }
+}
+
 #if defined(__AVX2__)
 inline int hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -437,6 +469,56 @@ void tile_q4_k16_rows(int n, const tile_q4_k16* w, const act_q8_k* const* a, flo
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
+// 16 rows of Q6_K tiles against T activation rows (Q8_K): the low nibbles as in the Q4_K tiles,
+// the high 2 bits moved to bits 4-5 by one shift each and merged by one ternary-logic op; per
+// sub-block pair two accumulators times the rows' scales; the -32 of every value as
+// 32 * (scales . bsums), pairs of scales against pairs of bsums (dpwssd), all in int32.
+template <int T>
+void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        __m512i sumi[T], offs[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512(), offs[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)w->part[j / 2].sc[j % 2]));  // int16 (sc[2j], sc[2j+1]) a row
+            const __m512i s_lo = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), s_hi = _mm512_srai_epi32(pair, 16);
+            __m512i dlo[T], dhi[T];
+            for (int t = 0; t < T; t++) dlo[t] = _mm512_setzero_si512(), dhi[t] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i H = _mm512_loadu_si512(w->part[j / 2].qh[2 * (j % 2) + h]);
+                const __m512i hs[4] = {_mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2), H, _mm512_srli_epi16(H, 2)};
+                for (int qq = 0; qq < 2; qq++) {
+                    const int q = 2 * h + qq;
+                    const __m512i v = _mm512_loadu_si512(w->part[j / 2].ql[4 * (j % 2) + q]);
+                    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), hs[2 * qq], bits45, 0xF8);  // a | (b & c)
+                    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hs[2 * qq + 1], bits45, 0xF8);
+                    for (int t = 0; t < T; t++) {
+                        int32_t xl, xh;
+                        std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
+                        std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
+                        dlo[t] = _mm512_dpbusd_epi32(dlo[t], lo, _mm512_set1_epi32(xl));
+                        dhi[t] = _mm512_dpbusd_epi32(dhi[t], hi, _mm512_set1_epi32(xh));
+                    }
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                int32_t bs;
+                std::memcpy(&bs, a[t][b].bsums + 2 * j, 4);
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(_mm512_mullo_epi32(dlo[t], s_lo), _mm512_mullo_epi32(dhi[t], s_hi)));
+                offs[t] = _mm512_dpwssd_epi32(offs[t], pair, _mm512_set1_epi32(bs));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
+        for (int t = 0; t < T; t++) {
+            const __m512i total = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
 // any number of tokens: four at a time (each tile decoded once per four), then the rest
 template <typename Tile, template <int> class Kernel>
 void tile_tokens(int n, const void* w, const void* const* a, int count, float* out) {
@@ -456,6 +538,13 @@ struct TileQ4K {
 };
 void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_q4_k16, TileQ4K>(n, w, a, count, out);
+}
+template <int T>
+struct TileQ6K {
+    static void run(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) { tile_q6_k16_rows<T>(n, w, a, out); }
+};
+void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q6_k16, TileQ6K>(n, w, a, count, out);
 }
 #endif
 
@@ -932,6 +1021,7 @@ const Format kFormats[] = {
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, kDot4IQ4XS},
 #if defined(__AVX512VNNI__)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
+    {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
 #endif
 };
 
@@ -939,7 +1029,7 @@ struct Repack {
     int type;
     RepackFn fn;
 };
-const Repack kRepacks[] = {{Q4_K, repack_q4_k16}};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q6_K, repack_q6_k16}};
 
 }  // namespace
 

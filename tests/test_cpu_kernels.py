@@ -130,31 +130,60 @@ def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     assert torch.equal(together, alone)
 
 
+def _nibble_tiles(values: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 16 rows, 256] values -> the tiles' 32 x 64 nibble bytes: byte 4r + i of step 4j + q
+    holds values 32j + 4q + i (low nibble) and 32j + 16 + 4q + i (high) of row r."""
+    v = (values & 15).reshape(*values.shape[:3], 8, 2, 4, 4)
+    return (v[..., 0, :, :] | v[..., 1, :, :] << 4).permute(0, 1, 3, 4, 2, 5).reshape(*values.shape[:2], 2048)
+
+
 def q4_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     """The 16-row Q4_K tile layout (csrc/blocks.h tile_q4_k16), rearranged with torch alone."""
-    nb = cols // 256
-    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, nb, 144).transpose(1, 2)  # [G, nb, 16, 144]
-    d, dmin = blocks[..., 0:2].reshape(*blocks.shape[:2], 32), blocks[..., 2:4].reshape(*blocks.shape[:2], 32)
-    sc = blocks[..., 4:16].reshape(*blocks.shape[:3], 3, 4).transpose(2, 3).reshape(*blocks.shape[:2], 192)
-    qs = blocks[..., 16:].reshape(*blocks.shape[:3], 4, 32)
-    values = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(*blocks.shape[:3], 8, 2, 4, 4)  # value 32j + 16h + 4q + i
-    packed = values[..., 0, :, :] | (values[..., 1, :, :] << 4)  # [G, nb, r, j, q, i]
-    qs_tiles = packed.permute(0, 1, 3, 4, 2, 5).reshape(*blocks.shape[:2], 2048)  # [j, q, r, i]
-    return torch.cat([d, dmin, sc, qs_tiles], dim=-1).reshape(-1)
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 256, 144).transpose(1, 2)
+    G, nb = blocks.shape[:2]
+    d, dmin = blocks[..., 0:2].reshape(G, nb, 32), blocks[..., 2:4].reshape(G, nb, 32)
+    sc = blocks[..., 4:16].reshape(G, nb, 16, 3, 4).transpose(2, 3).reshape(G, nb, 192)
+    qs = blocks[..., 16:].reshape(G, nb, 16, 4, 32)
+    values = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(G, nb, 16, 256)
+    return torch.cat([d, dmin, sc, _nibble_tiles(values)], dim=-1).reshape(-1)
 
 
-def test_q4_k_tiles_layout_and_kernel(runtime):
+def q6_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
+    """The 16-row Q6_K tile layout (csrc/blocks.h tile_q6_k16), rearranged with torch alone."""
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 256, 210).transpose(1, 2)
+    G, nb = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(G, nb, 16, 2, 2, 32)  # [half, k % 2, l]
+    qh = blocks[..., 128:192].reshape(G, nb, 16, 2, 32)
+    low = torch.stack([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], dim=-2)
+    high = torch.stack([(qh >> (2 * k)) & 3 for k in range(4)], dim=-2)
+    values = (low | high << 4).reshape(G, nb, 16, 256)  # value 128 half + 32 k + l, 0..63
+    d = blocks[..., 208:210].reshape(G, nb, 32)
+    ql_tiles = _nibble_tiles(values).reshape(G, nb, 4, 8 * 64)  # [part, 2 j's x 4 q x 64]
+    hb = (values >> 4).reshape(G, nb, 16, 8, 2, 2, 2, 4)  # [r, j, +16, h, +4, i]
+    qh_tiles = hb[..., 0, :, 0, :] | hb[..., 1, :, 0, :] << 2 | hb[..., 0, :, 1, :] << 4 | hb[..., 1, :, 1, :] << 6
+    qh_tiles = qh_tiles.permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 4, 4 * 64)  # [j, h, r, i]
+    sc = blocks[..., 192:208].reshape(G, nb, 16, 8, 2).transpose(2, 3).reshape(G, nb, 4, 64)  # [j, r, 2]
+    parts = torch.cat([ql_tiles, qh_tiles, sc], dim=-1).reshape(G, nb, 4 * 832)
+    return torch.cat([parts, d], dim=-1).reshape(-1)
+
+
+TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q6_K: q6_k_tiles_reference}
+
+
+@pytest.mark.parametrize("fmt", list(TILE_REFERENCES), ids=lambda t: t.name)
+def test_tiles_layout_and_kernel(runtime, fmt):
     """The repack gives the layout the torch reference builds; the tiled kernel (four tokens at a
     time, then 3, 2, 1) gives what the row kernel gives on the same rounded activations."""
     from ktransformers.kernels.cpu import tile_weights
-    if not runtime.ext.has_tiles(int(GGMLType.Q4_K)):
-        assert runtime.isa == "avx2"  # the tiled kernel is AVX512-VNNI code
+    if not runtime.ext.has_tiles(int(fmt)):
+        assert runtime.isa == "avx2"  # the tiled kernels are AVX512-VNNI code
         return
     gen = torch.Generator().manual_seed(5)
     E, K, H, I = 7, 3, 512, 256
-    (g, gd), (u, ud), (d, dd) = (expert_weights(GGMLType.Q4_K, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
-    tiled = tile_weights(runtime, g, E * I, H)
-    assert tiled.tiled and torch.equal(tiled.data, q4_k_tiles_reference(g.data, E * I, H))
+    (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    for w, rows, cols in ((g, E * I, H), (d, E * H, I)):
+        tiled = tile_weights(runtime, w, rows, cols)
+        assert tiled.tiled and torch.equal(tiled.data, TILE_REFERENCES[fmt](w.data, rows, cols))
     with_tiles = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64)
     rows = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64, tiles=False)
     assert all(w.tiled for w in with_tiles._weights) and not any(w.tiled for w in rows._weights)
@@ -162,19 +191,20 @@ def test_q4_k_tiles_layout_and_kernel(runtime):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
         assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < 1e-6, T
-    lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * H // 256 * 144], int(GGMLType.Q4_K)))
+    row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}[fmt]
+    lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * row_bytes], int(fmt)))
     x = torch.randn(9, H, generator=gen)
     assert lin._weight.tiled
     assert rel_err(lin.forward(x), round_activations(x, 256) @ gd.reshape(-1, H)[:96].T) < 1e-4
     assert torch.equal(lin.forward(x), torch.cat([lin.forward(x[i:i + 1]) for i in range(9)]))  # each token alone
     with pytest.raises(ValueError, match="rows % 16 == 0"):
-        runtime._rt.repack_tiles(int(GGMLType.Q4_K), g.data.data_ptr(), 8 * 2 * 144, 0, 8 * 2 * 144, 8, H)
+        runtime._rt.repack_tiles(int(fmt), g.data.data_ptr(), 8 * row_bytes, 0, 8 * row_bytes, 8, H)
     with pytest.raises(ValueError, match="bytes; got source"):
-        runtime._rt.repack_tiles(int(GGMLType.Q4_K), g.data.data_ptr(), 100, 0, 100, 16, H)
+        runtime._rt.repack_tiles(int(fmt), g.data.data_ptr(), 100, 0, 100, 16, H)
     with pytest.raises(ValueError, match="no tiled layout"):
         runtime._rt.repack_tiles(int(GGMLType.Q8_0), 0, 0, 0, 0, 16, H)
     with pytest.raises(ValueError, match="needs the GGUF's rows"):
-        Int8Rows.from_blocks(tiled, (E, I, H))
+        Int8Rows.from_blocks(tiled, (E, H, I))
 
 
 def test_bad_input_raises_before_touching_memory(runtime):
