@@ -45,6 +45,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
           }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
     m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
     m.attr("tiled_flag") = kTiled;
+    m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
+    m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none)");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

@@ -39,14 +39,17 @@ constexpr int kMaxGroup = 16;
 constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay in L2 per weight row block
 
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
+int g_tasks_per_thread = 16;
 int chunk_rows(int rows, int experts_active, int threads) {
     const int active = std::max(1, experts_active);
-    const int want_tasks = std::max(1, (8 * threads + active - 1) / active);  // >= 8 tasks a thread: balance
+    const int want_tasks = std::max(1, (g_tasks_per_thread * threads + active - 1) / active);  // ~16 tasks a thread: balance
     const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
     return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)
 }
 
 }  // namespace
+
+void set_moe_tasks_per_thread(int n) { g_tasks_per_thread = std::max(1, n); }
 
 MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
     if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)

@@ -30,6 +30,8 @@ struct MoEConfig {
 
 enum class Dtype { F32 = 0, BF16 = 1 };
 
+void set_moe_tasks_per_thread(int n);  // experiment knob (KT_MOE_TASKS): tasks a thread per phase
+
 class MoE {
   public:
     MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& config);

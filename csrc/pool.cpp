@@ -93,7 +93,7 @@ void ThreadPool::worker(int id) {
         // spin a little for the next job, then sleep until one comes
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
         while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
-            for (int i = 0; i < 64; i++) KT_PAUSE();
+            for (int i = 0; i < 8; i++) KT_PAUSE();  // a PAUSE is ~140 cycles on Sapphire Rapids: check every ~0.5 us
         if (generation_.load(std::memory_order_acquire) == seen) {
             std::unique_lock<std::mutex> lock(mu_);
             wake_.wait(lock, [&] { return generation_.load() != seen; });

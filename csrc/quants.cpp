@@ -135,6 +135,17 @@ void prep_q8_kt(const float* x, act_q8_k* y, int n) {
 }
 
 // ---- 16-row tiles ---------------------------------------------------------------------------
+// Bytes ahead of the tile being read that the tiled kernels prefetch (0: none, the hardware's
+// prefetchers alone); set once by set_tile_prefetch before any kernel runs.
+int g_tile_prefetch = 0;
+// prefetch part `part` (of `parts`) of the lines `g_tile_prefetch` bytes past `tile`
+template <typename Tile>
+inline void prefetch_ahead(const Tile* tile, int part, int parts) {
+    if (!g_tile_prefetch) return;
+    constexpr int lines = (sizeof(Tile) + 63) / 64;
+    const char* at = (const char*)tile + g_tile_prefetch;
+    for (int l = part * lines / parts; l < (part + 1) * lines / parts; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+}
 // value i (0..255) of a Q4_K block, 0..15
 inline int q4_k_value(const block_q4_k& b, int i) {
     const uint8_t byte = b.qs[32 * (i / 64) + i % 32];
@@ -430,6 +441,7 @@ void tile_q4_k16_rows(int n, const tile_q4_k16* w, const act_q8_k* const* a, flo
         __m512i sumi[T];
         for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
+            prefetch_ahead(w, j, 8);
             // sub-block j's scale: j < 4 byte j of P0 (6 bits); else byte j-4 of P2 (low 4) with bits 6, 7 of byte j-4 of P0
             const __m512i sc = j < 4 ? _mm512_and_si512(_mm512_srli_epi32(P0, 8 * j), six)
                                      : _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 8 * (j - 4)),
@@ -482,6 +494,7 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
         __m512i sumi[T], offs[T];
         for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512(), offs[t] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
+            prefetch_ahead(w, j, 8);
             const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)w->part[j / 2].sc[j % 2]));  // int16 (sc[2j], sc[2j+1]) a row
             const __m512i s_lo = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), s_hi = _mm512_srai_epi32(pair, 16);
             __m512i dlo[T], dhi[T];
@@ -1038,6 +1051,11 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
     if (f->dot4)
         for (; i + 4 <= count; i += 4) f->dot4(n, w, a + i, out + i);
     for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
+}
+
+void set_tile_prefetch(int bytes) {
+    if (bytes < 0 || bytes > (1 << 20)) throw std::invalid_argument("tile prefetch distance must be 0..1 MiB, got " + std::to_string(bytes));
+    g_tile_prefetch = bytes;
 }
 
 int rows_step(const Format* f) { return f->tile ? kTileRows : 1; }

@@ -46,6 +46,8 @@ void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r,
 // Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (rows % 16 == 0);
 // false when this build has no tiled kernel for the type.
 bool has_tiles(int type);
+// Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none).
+void set_tile_prefetch(int bytes);
 void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.

@@ -6,7 +6,9 @@ of the GGUF memory map where possible). Every tensor is checked here (dtype, sha
 expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 
 KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests use it to run every level the CPU has);
-it is read here and nowhere else.
+KT_CPU_PREFETCH=<bytes> sets how far ahead the tiled kernels prefetch weights (default 4096, 0: none;
+one page ahead measured best on the 16-core Sapphire Rapids host and no worse on the 2-core EPYC). Both
+are read here and nowhere else.
 """
 from __future__ import annotations
 
@@ -104,6 +106,8 @@ class CPURuntime:
             spin_us = int(os.environ.get("KT_CPU_SPIN_US", "300"))
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
+        self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")))
+        self.ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "16")))
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
