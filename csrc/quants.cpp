@@ -146,10 +146,19 @@ inline void prefetch_ahead(const Tile* tile, int part, int parts) {
     const char* at = (const char*)tile + g_tile_prefetch;
     for (int l = part * lines / parts; l < (part + 1) * lines / parts; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
 }
-// value i (0..255) of a Q4_K block, 0..15
-inline int q4_k_value(const block_q4_k& b, int i) {
-    const uint8_t byte = b.qs[32 * (i / 64) + i % 32];
-    return i % 64 < 32 ? byte & 15 : byte >> 4;
+// One tile step group from 32 bytes holding a sub-block's 32 values as nibbles (the low nibbles
+// when !high): the 16 bytes [value x | value x + 16 << 4] for x = 0..15, stored as the four
+// 4-byte lanes r of steps q = 0..3 (value x = 4q + i). 64-bit SWAR, no per-value loop.
+inline void nibble_steps(const uint8_t* src, bool high, int r, uint8_t (*steps)[64]) {
+    const uint64_t low = 0x0F0F0F0F0F0F0F0FULL;
+    for (int half = 0; half < 2; half++) {  // values 8 half .. 8 half + 7: steps 2 half, 2 half + 1
+        uint64_t a, b;
+        std::memcpy(&a, src + 8 * half, 8);
+        std::memcpy(&b, src + 16 + 8 * half, 8);
+        const uint64_t packed = high ? ((a >> 4) & low) | (b & ~low) : (a & low) | ((b & low) << 4);
+        std::memcpy(&steps[2 * half][4 * r], &packed, 4);
+        std::memcpy(&steps[2 * half + 1][4 * r], reinterpret_cast<const uint8_t*>(&packed) + 4, 4);
+    }
 }
 
 void repack_q4_k16(const void* src, void* dst, int n) {
@@ -162,20 +171,10 @@ void repack_q4_k16(const void* src, void* dst, int n) {
             const block_q4_k& blk = rows[(size_t)r * nb + b];
             t.d[r] = blk.d, t.dmin[r] = blk.dmin;
             for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
-            uint8_t v[QK_K];
-            for (int i = 0; i < QK_K; i++) v[i] = (uint8_t)q4_k_value(blk, i);
-            for (int j = 0; j < 8; j++)
-                for (int q = 0; q < 4; q++)
-                    for (int i = 0; i < 4; i++) t.qs[4 * j + q][4 * r + i] = (uint8_t)(v[32 * j + 4 * q + i] | v[32 * j + 16 + 4 * q + i] << 4);
+            for (int j = 0; j < 8; j++)  // qs[32p + l]: value 64p + l (low nibble), 64p + 32 + l (high)
+                nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.qs + 4 * j);
         }
     }
-}
-
-// value i (0..255) of a Q6_K block, 0..63 (the stored value + 32)
-inline int q6_k_value(const block_q6_k& b, int i) {
-    const int half = i / 128, k = i % 128 / 32, l = i % 32;
-    const uint8_t low = b.ql[64 * half + 32 * (k % 2) + l];
-    return (k < 2 ? low & 15 : low >> 4) | ((b.qh[32 * half + l] >> (2 * k)) & 3) << 4;
 }
 
 void repack_q6_k16(const void* src, void* dst, int n) {
@@ -188,16 +187,21 @@ void repack_q6_k16(const void* src, void* dst, int n) {
             const block_q6_k& blk = rows[(size_t)r * nb + b];
             t.d[r] = blk.d;
             for (int j = 0; j < 8; j++) t.part[j / 2].sc[j % 2][r][0] = blk.scales[2 * j], t.part[j / 2].sc[j % 2][r][1] = blk.scales[2 * j + 1];
-            uint8_t v[QK_K];
-            for (int i = 0; i < QK_K; i++) v[i] = (uint8_t)q6_k_value(blk, i);
+            // value 128 half + 32k + l: low 4 bits in ql[64 half + 32 (k % 2) + l] (k < 2: low nibble),
+            // high 2 bits at bits 2k, 2k + 1 of qh[32 half + l]; sub-block j = 4 half + k
             for (int j = 0; j < 8; j++) {
-                for (int q = 0; q < 4; q++)
-                    for (int i = 0; i < 4; i++) t.part[j / 2].ql[4 * (j % 2) + q][4 * r + i] = (uint8_t)((v[32 * j + 4 * q + i] & 15) | (v[32 * j + 16 + 4 * q + i] & 15) << 4);
-                for (int h = 0; h < 2; h++)
-                    for (int i = 0; i < 4; i++) {
-                        const int at = 32 * j + 8 * h + i;
-                        t.part[j / 2].qh[2 * (j % 2) + h][4 * r + i] = (uint8_t)(v[at] >> 4 | (v[at + 16] >> 4) << 2 | (v[at + 4] >> 4) << 4 | (v[at + 20] >> 4) << 6);
-                    }
+                const int k = j % 4;
+                nibble_steps(blk.ql + 64 * (j / 4) + 32 * (k % 2), k >= 2, r, t.part[j / 2].ql + 4 * (j % 2));
+                const uint8_t* qh = blk.qh + 32 * (j / 4);
+                for (int h = 0; h < 2; h++) {  // four values' 2-bit fields a byte, four bytes at once
+                    auto bits = [&](int at) {
+                        uint32_t u;
+                        std::memcpy(&u, qh + at, 4);
+                        return (u >> (2 * k)) & 0x03030303u;
+                    };
+                    const uint32_t packed = bits(8 * h) | bits(16 + 8 * h) << 2 | bits(8 * h + 4) << 4 | bits(20 + 8 * h) << 6;
+                    std::memcpy(&t.part[j / 2].qh[2 * (j % 2) + h][4 * r], &packed, 4);
+                }
             }
         }
     }
