@@ -57,6 +57,12 @@ struct tile_q6_k16 {
 };
 static_assert(sizeof(tile_q6_k16) == 16 * sizeof(block_q6_k), "q6_k tile");
 
+// 16 rows' IQ4_XS blocks of one block column (2176 bytes = 16 x 136): d, scales_h and scales_l of
+// each row; qs[4j + q] lane r = bytes 16j + 4q .. 16j + 4q + 3 of row r's qs (a byte holds values
+// 32j + x and 32j + 16 + x, x = 4q + i: already the pairing the other tiles use).
+struct tile_iq4_xs16 { fp16_t d[16]; uint16_t sh[16]; uint32_t sl[16]; uint8_t qs[32][64]; };
+static_assert(sizeof(tile_iq4_xs16) == 16 * sizeof(block_iq4_xs), "iq4_xs tile");
+
 // Activations, quantized once per call: per 32 values (for q8_0/q4_0 weights) or per 256 with
 // sums of each 16 (for the k-quants and iq4_xs, whose mins/offsets need them).
 struct act_q8_0 { float d; int8_t qs[QK]; };

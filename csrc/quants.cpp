@@ -207,6 +207,21 @@ void repack_q6_k16(const void* src, void* dst, int n) {
     }
 }
 
+void repack_iq4_xs16(const void* src, void* dst, int n) {
+    const int nb = n / QK_K;
+    const block_iq4_xs* rows = (const block_iq4_xs*)src;
+    tile_iq4_xs16* tiles = (tile_iq4_xs16*)dst;
+    for (int b = 0; b < nb; b++) {
+        tile_iq4_xs16& t = tiles[b];
+        for (int r = 0; r < kTileRows; r++) {
+            const block_iq4_xs& blk = rows[(size_t)r * nb + b];
+            t.d[r] = blk.d, t.sh[r] = blk.scales_h;
+            std::memcpy(&t.sl[r], blk.scales_l, 4);
+            for (int step = 0; step < 32; step++) std::memcpy(&t.qs[step][4 * r], blk.qs + 4 * step, 4);
+        }
+    }
+}
+
 #if defined(__AVX2__)
 inline int hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -536,6 +551,60 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
+// 16 rows of IQ4_XS tiles against T activation rows (Q8_KT): nibbles through the IQ4_NL table
+// shifted by +128 (dpbusd wants unsigned weights), the shift taken back as 128 * (scales . 32-sums)
+// with pairs of scales against the activation's pairs of sums; the 6-bit scales minus 32 per row.
+template <int T>
+void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i*)kIQ4NL), _mm_set1_epi8((char)128)));
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        const __m512i L = _mm512_loadu_si512(w->sl), Hh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w->sh));
+        __m512i sc[8];
+        for (int j = 0; j < 8; j++) {  // low 4 bits: nibble j of scales_l; high 2: bits 2j, 2j+1 of scales_h
+            const __m512i hi = 2 * j <= 4 ? _mm512_slli_epi32(Hh, 4 - 2 * j) : _mm512_srli_epi32(Hh, 2 * j - 4);
+            const __m512i six = _mm512_ternarylogic_epi32(_mm512_srli_epi32(L, 4 * j), hi, _mm512_set1_epi32(0x0F), 0xE4);
+            sc[j] = _mm512_sub_epi32(_mm512_and_si512(six, _mm512_set1_epi32(0x3F)), _mm512_set1_epi32(32));
+        }
+        __m512i sumi[T], offs[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512(), offs[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            __m512i dj[T];
+            for (int t = 0; t < T; t++) dj[t] = _mm512_setzero_si512();
+            for (int q = 0; q < 4; q++) {
+                const __m512i v = _mm512_loadu_si512(w->qs[4 * j + q]);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+                const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+                for (int t = 0; t < T; t++) {
+                    int32_t xl, xh;
+                    std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
+                    std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
+                    dj[t] = _mm512_dpbusd_epi32(dj[t], lo, _mm512_set1_epi32(xl));
+                    dj[t] = _mm512_dpbusd_epi32(dj[t], hi, _mm512_set1_epi32(xh));
+                }
+            }
+            for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dj[t], sc[j]));
+        }
+        const int order[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // Q8_KT's pairs of 32-sums
+        for (int k = 0; k < 4; k++) {
+            const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, sc[order[k][0]], _mm512_slli_epi32(sc[order[k][1]], 16));
+            for (int t = 0; t < T; t++) {
+                int32_t bs;
+                std::memcpy(&bs, a[t][b].bsums + 2 * k, 4);
+                offs[t] = _mm512_dpwssd_epi32(offs[t], pair, _mm512_set1_epi32(bs));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
+        for (int t = 0; t < T; t++) {
+            const __m512i total = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 7));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
 // any number of tokens: four at a time (each tile decoded once per four), then the rest
 template <typename Tile, template <int> class Kernel>
 void tile_tokens(int n, const void* w, const void* const* a, int count, float* out) {
@@ -562,6 +631,13 @@ struct TileQ6K {
 };
 void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_q6_k16, TileQ6K>(n, w, a, count, out);
+}
+template <int T>
+struct TileIQ4XS {
+    static void run(int n, const tile_iq4_xs16* w, const act_q8_k* const* a, float* out) { tile_iq4_xs16_rows<T>(n, w, a, out); }
+};
+void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_iq4_xs16, TileIQ4XS>(n, w, a, count, out);
 }
 #endif
 
@@ -1039,6 +1115,7 @@ const Format kFormats[] = {
 #if defined(__AVX512VNNI__)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
+    {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
 #endif
 };
 
@@ -1046,7 +1123,7 @@ struct Repack {
     int type;
     RepackFn fn;
 };
-const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q6_K, repack_q6_k16}};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}};
 
 }  // namespace
 

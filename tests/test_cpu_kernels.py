@@ -167,7 +167,17 @@ def q6_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     return torch.cat([parts, d], dim=-1).reshape(-1)
 
 
-TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q6_K: q6_k_tiles_reference}
+def iq4_xs_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
+    """The 16-row IQ4_XS tile layout (csrc/blocks.h tile_iq4_xs16), rearranged with torch alone."""
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 256, 136).transpose(1, 2)
+    G, nb = blocks.shape[:2]
+    d, sh, sl = (blocks[..., a:b].reshape(G, nb, 16 * (b - a)) for a, b in ((0, 2), (2, 4), (4, 8)))
+    qs = blocks[..., 8:].reshape(G, nb, 16, 32, 4).transpose(2, 3).reshape(G, nb, 2048)
+    return torch.cat([d, sh, sl, qs], dim=-1).reshape(-1)
+
+
+TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q6_K: q6_k_tiles_reference,
+                   GGMLType.IQ4_XS: iq4_xs_tiles_reference}
 
 
 @pytest.mark.parametrize("fmt", list(TILE_REFERENCES), ids=lambda t: t.name)
@@ -191,7 +201,7 @@ def test_tiles_layout_and_kernel(runtime, fmt):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
         assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < 1e-6, T
-    row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}[fmt]
+    row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136}[fmt]
     lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * row_bytes], int(fmt)))
     x = torch.randn(9, H, generator=gen)
     assert lin._weight.tiled
