@@ -57,6 +57,17 @@ struct tile_q6_k16 {
 };
 static_assert(sizeof(tile_q6_k16) == 16 * sizeof(block_q6_k), "q6_k tile");
 
+// 16 rows' Q5_K blocks of one block column (2816 bytes = 16 x 176): the header as tile_q4_k16's,
+// then per sub-block j in reading order the four nibble steps (as tile_q4_k16's qs[4j + q]) and
+// qh: byte i of lane r holds at bit q the fifth bit of value 32j + 4q + i (low nibble of step q)
+// and at bit 4 + q that of value 32j + 16 + 4q + i (high nibble), q = 0..3.
+struct tile_q5_k16 {
+    fp16_t d[16], dmin[16];
+    uint32_t sc[3][16];
+    struct { uint8_t qs[4][64]; uint8_t qh[64]; } part[8];
+};
+static_assert(sizeof(tile_q5_k16) == 16 * sizeof(block_q5_k), "q5_k tile");
+
 // 16 rows' IQ4_XS blocks of one block column (2176 bytes = 16 x 136): d, scales_h and scales_l of
 // each row; qs[4j + q] lane r = bytes 16j + 4q .. 16j + 4q + 3 of row r's qs (a byte holds values
 // 32j + x and 32j + 16 + x, x = 4q + i: already the pairing the other tiles use).

@@ -207,6 +207,31 @@ void repack_q6_k16(const void* src, void* dst, int n) {
     }
 }
 
+void repack_q5_k16(const void* src, void* dst, int n) {
+    const int nb = n / QK_K;
+    const block_q5_k* rows = (const block_q5_k*)src;
+    tile_q5_k16* tiles = (tile_q5_k16*)dst;
+    for (int b = 0; b < nb; b++) {
+        tile_q5_k16& t = tiles[b];
+        for (int r = 0; r < kTileRows; r++) {
+            const block_q5_k& blk = rows[(size_t)r * nb + b];
+            t.d[r] = blk.d, t.dmin[r] = blk.dmin;
+            for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
+            for (int j = 0; j < 8; j++) {  // fifth bit of value 32j + l: bit j of qh[l]
+                nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.part[j].qs);
+                uint32_t packed = 0;
+                for (int q = 0; q < 4; q++) {
+                    uint32_t lo, hi;
+                    std::memcpy(&lo, blk.qh + 4 * q, 4);
+                    std::memcpy(&hi, blk.qh + 16 + 4 * q, 4);
+                    packed |= ((lo >> j) & 0x01010101u) << q | ((hi >> j) & 0x01010101u) << (4 + q);
+                }
+                std::memcpy(&t.part[j].qh[4 * r], &packed, 4);
+            }
+        }
+    }
+}
+
 void repack_iq4_xs16(const void* src, void* dst, int n) {
     const int nb = n / QK_K;
     const block_iq4_xs* rows = (const block_iq4_xs*)src;
@@ -446,11 +471,12 @@ void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
 }
 
 #if defined(__AVX512VNNI__)
-// 16 rows of Q4_K tiles against T activation rows (Q8_KT): per sub-block j, four dpbusd per token
+// 16 rows of Q4_K (or Q5_K) tiles against T activation rows (Q8_KT): per sub-block j, four dpbusd per token
 // on the unpacked nibbles (16 rows x 4 values each) with the token's 4 bytes broadcast, then
 // times the rows' scales (one vector of 16); the mins as int16 pairs against pairs of 32-sums.
-template <int T>
-void tile_q4_k16_rows(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) {
+template <typename Tile, int T>
+void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
+    constexpr bool five = std::is_same<Tile, tile_q5_k16>::value;  // Q5_K: a fifth bit from qh
     const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0x0F);
     const __m512i pair6 = _mm512_set1_epi32(0x003F003F), pair4 = _mm512_set1_epi32(0x000F000F);
     __m512 acc[T];
@@ -467,9 +493,18 @@ void tile_q4_k16_rows(int n, const tile_q4_k16* w, const act_q8_k* const* a, flo
                                                                                   _mm512_srli_epi32(P0, 8 * (j - 4) + 2), four, 0xE4), six);
             __m512i dj[T];
             for (int t = 0; t < T; t++) dj[t] = _mm512_setzero_si512();
+            __m512i qh = _mm512_setzero_si512();
+            if constexpr (five) qh = _mm512_loadu_si512(w->part[j].qh);
             for (int q = 0; q < 4; q++) {
-                const __m512i v = _mm512_loadu_si512(w->qs[4 * j + q]);
-                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                __m512i v;
+                if constexpr (five) v = _mm512_loadu_si512(w->part[j].qs[q]);
+                else v = _mm512_loadu_si512(w->qs[4 * j + q]);
+                __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                if constexpr (five) {  // bit q -> bit 4 (low values), bit 4 + q -> bit 4 (high); a | (b & c)
+                    const __m512i bit4 = _mm512_set1_epi8(0x10);
+                    lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(qh, 4 - q), bit4, 0xF8);
+                    hi = _mm512_ternarylogic_epi32(hi, q ? _mm512_srli_epi16(qh, q) : qh, bit4, 0xF8);
+                }
                 for (int t = 0; t < T; t++) {
                     int32_t xl, xh;
                     std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
@@ -620,8 +655,15 @@ void tile_tokens(int n, const void* w, const void* const* a, int count, float* o
 }
 template <int T>
 struct TileQ4K {
-    static void run(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) { tile_q4_k16_rows<T>(n, w, a, out); }
+    static void run(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) { tile_k4_rows<tile_q4_k16, T>(n, w, a, out); }
 };
+template <int T>
+struct TileQ5K {
+    static void run(int n, const tile_q5_k16* w, const act_q8_k* const* a, float* out) { tile_k4_rows<tile_q5_k16, T>(n, w, a, out); }
+};
+void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q5_k16, TileQ5K>(n, w, a, count, out);
+}
 void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_q4_k16, TileQ4K>(n, w, a, count, out);
 }
@@ -1114,6 +1156,7 @@ const Format kFormats[] = {
     {IQ4_XS, "IQ4_XS", QK_K, sizeof(block_iq4_xs), Act::Q8_K, dot_iq4_xs, kDot4IQ4XS},
 #if defined(__AVX512VNNI__)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
+    {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
 #endif
@@ -1123,7 +1166,7 @@ struct Repack {
     int type;
     RepackFn fn;
 };
-const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q5_K, repack_q5_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}};
 
 }  // namespace
 

@@ -167,6 +167,22 @@ def q6_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     return torch.cat([parts, d], dim=-1).reshape(-1)
 
 
+def q5_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
+    """The 16-row Q5_K tile layout (csrc/blocks.h tile_q5_k16), rearranged with torch alone."""
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 256, 176).transpose(1, 2)
+    G, nb = blocks.shape[:2]
+    d, dmin = blocks[..., 0:2].reshape(G, nb, 32), blocks[..., 2:4].reshape(G, nb, 32)
+    sc = blocks[..., 4:16].reshape(G, nb, 16, 3, 4).transpose(2, 3).reshape(G, nb, 192)
+    qh = blocks[..., 16:48]
+    qs = blocks[..., 48:].reshape(G, nb, 16, 4, 32)
+    values = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(G, nb, 16, 256)
+    fifth = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-2).reshape(G, nb, 16, 8, 2, 4, 4)  # [r, j, +16, q, i]
+    qh_tiles = sum(fifth[..., 0, q, :] << q | fifth[..., 1, q, :] << (4 + q) for q in range(4))  # [r, j, i]
+    qh_tiles = qh_tiles.permute(0, 1, 3, 2, 4).reshape(G, nb, 8, 64)
+    parts = torch.cat([_nibble_tiles(values).reshape(G, nb, 8, 256), qh_tiles], dim=-1).reshape(G, nb, 2560)
+    return torch.cat([d, dmin, sc, parts], dim=-1).reshape(-1)
+
+
 def iq4_xs_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     """The 16-row IQ4_XS tile layout (csrc/blocks.h tile_iq4_xs16), rearranged with torch alone."""
     blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 256, 136).transpose(1, 2)
@@ -176,8 +192,8 @@ def iq4_xs_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     return torch.cat([d, sh, sl, qs], dim=-1).reshape(-1)
 
 
-TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q6_K: q6_k_tiles_reference,
-                   GGMLType.IQ4_XS: iq4_xs_tiles_reference}
+TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q5_K: q5_k_tiles_reference,
+                   GGMLType.Q6_K: q6_k_tiles_reference, GGMLType.IQ4_XS: iq4_xs_tiles_reference}
 
 
 @pytest.mark.parametrize("fmt", list(TILE_REFERENCES), ids=lambda t: t.name)
@@ -201,7 +217,7 @@ def test_tiles_layout_and_kernel(runtime, fmt):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
         assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < 1e-6, T
-    row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136}[fmt]
+    row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136}[fmt]
     lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * row_bytes], int(fmt)))
     x = torch.randn(9, H, generator=gen)
     assert lin._weight.tiled
