@@ -161,90 +161,77 @@ inline void nibble_steps(const uint8_t* src, bool high, int r, uint8_t (*steps)[
     }
 }
 
-void repack_q4_k16(const void* src, void* dst, int n) {
+// Each block column b of a group of 16 rows: pack(block of row r, tile b, r) for r = 0..15.
+template <typename Block, typename Tile, typename Pack>
+void repack_group(const void* src, void* dst, int n, Pack pack) {
     const int nb = n / QK_K;
-    const block_q4_k* rows = (const block_q4_k*)src;
-    tile_q4_k16* tiles = (tile_q4_k16*)dst;
-    for (int b = 0; b < nb; b++) {
-        tile_q4_k16& t = tiles[b];
-        for (int r = 0; r < kTileRows; r++) {
-            const block_q4_k& blk = rows[(size_t)r * nb + b];
-            t.d[r] = blk.d, t.dmin[r] = blk.dmin;
-            for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
-            for (int j = 0; j < 8; j++)  // qs[32p + l]: value 64p + l (low nibble), 64p + 32 + l (high)
-                nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.qs + 4 * j);
-        }
-    }
+    const Block* rows = (const Block*)src;
+    Tile* tiles = (Tile*)dst;
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < kTileRows; r++) pack(rows[(size_t)r * nb + b], tiles[b], r);
 }
 
-void repack_q6_k16(const void* src, void* dst, int n) {
-    const int nb = n / QK_K;
-    const block_q6_k* rows = (const block_q6_k*)src;
-    tile_q6_k16* tiles = (tile_q6_k16*)dst;
-    for (int b = 0; b < nb; b++) {
-        tile_q6_k16& t = tiles[b];
-        for (int r = 0; r < kTileRows; r++) {
-            const block_q6_k& blk = rows[(size_t)r * nb + b];
-            t.d[r] = blk.d;
-            for (int j = 0; j < 8; j++) t.part[j / 2].sc[j % 2][r][0] = blk.scales[2 * j], t.part[j / 2].sc[j % 2][r][1] = blk.scales[2 * j + 1];
-            // value 128 half + 32k + l: low 4 bits in ql[64 half + 32 (k % 2) + l] (k < 2: low nibble),
-            // high 2 bits at bits 2k, 2k + 1 of qh[32 half + l]; sub-block j = 4 half + k
-            for (int j = 0; j < 8; j++) {
-                const int k = j % 4;
-                nibble_steps(blk.ql + 64 * (j / 4) + 32 * (k % 2), k >= 2, r, t.part[j / 2].ql + 4 * (j % 2));
-                const uint8_t* qh = blk.qh + 32 * (j / 4);
-                for (int h = 0; h < 2; h++) {  // four values' 2-bit fields a byte, four bytes at once
-                    auto bits = [&](int at) {
-                        uint32_t u;
-                        std::memcpy(&u, qh + at, 4);
-                        return (u >> (2 * k)) & 0x03030303u;
-                    };
-                    const uint32_t packed = bits(8 * h) | bits(16 + 8 * h) << 2 | bits(8 * h + 4) << 4 | bits(20 + 8 * h) << 6;
-                    std::memcpy(&t.part[j / 2].qh[2 * (j % 2) + h][4 * r], &packed, 4);
-                }
-            }
-        }
-    }
+// lane r of a Q4_K / Q5_K tile's header: d, dmin and the 12 packed scale bytes as they are
+template <typename Block, typename Tile>
+inline void k4_tile_header(const Block& blk, Tile& t, int r) {
+    t.d[r] = blk.d, t.dmin[r] = blk.dmin;
+    for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
+}
+
+void repack_q4_k16(const void* src, void* dst, int n) {
+    repack_group<block_q4_k, tile_q4_k16>(src, dst, n, [](const block_q4_k& blk, tile_q4_k16& t, int r) {
+        k4_tile_header(blk, t, r);
+        for (int j = 0; j < 8; j++)  // qs[32p + l]: value 64p + l (low nibble), 64p + 32 + l (high)
+            nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.qs + 4 * j);
+    });
 }
 
 void repack_q5_k16(const void* src, void* dst, int n) {
-    const int nb = n / QK_K;
-    const block_q5_k* rows = (const block_q5_k*)src;
-    tile_q5_k16* tiles = (tile_q5_k16*)dst;
-    for (int b = 0; b < nb; b++) {
-        tile_q5_k16& t = tiles[b];
-        for (int r = 0; r < kTileRows; r++) {
-            const block_q5_k& blk = rows[(size_t)r * nb + b];
-            t.d[r] = blk.d, t.dmin[r] = blk.dmin;
-            for (int p = 0; p < 3; p++) std::memcpy(&t.sc[p][r], blk.scales + 4 * p, 4);
-            for (int j = 0; j < 8; j++) {  // fifth bit of value 32j + l: bit j of qh[l]
-                nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.part[j].qs);
-                uint32_t packed = 0;
-                for (int q = 0; q < 4; q++) {
-                    uint32_t lo, hi;
-                    std::memcpy(&lo, blk.qh + 4 * q, 4);
-                    std::memcpy(&hi, blk.qh + 16 + 4 * q, 4);
-                    packed |= ((lo >> j) & 0x01010101u) << q | ((hi >> j) & 0x01010101u) << (4 + q);
-                }
-                std::memcpy(&t.part[j].qh[4 * r], &packed, 4);
+    repack_group<block_q5_k, tile_q5_k16>(src, dst, n, [](const block_q5_k& blk, tile_q5_k16& t, int r) {
+        k4_tile_header(blk, t, r);
+        for (int j = 0; j < 8; j++) {  // fifth bit of value 32j + l: bit j of qh[l]
+            nibble_steps(blk.qs + 32 * (j / 2), j % 2, r, t.part[j].qs);
+            uint32_t packed = 0;
+            for (int q = 0; q < 4; q++) {
+                uint32_t lo, hi;
+                std::memcpy(&lo, blk.qh + 4 * q, 4);
+                std::memcpy(&hi, blk.qh + 16 + 4 * q, 4);
+                packed |= ((lo >> j) & 0x01010101u) << q | ((hi >> j) & 0x01010101u) << (4 + q);
+            }
+            std::memcpy(&t.part[j].qh[4 * r], &packed, 4);
+        }
+    });
+}
+
+void repack_q6_k16(const void* src, void* dst, int n) {
+    repack_group<block_q6_k, tile_q6_k16>(src, dst, n, [](const block_q6_k& blk, tile_q6_k16& t, int r) {
+        t.d[r] = blk.d;
+        for (int j = 0; j < 8; j++) t.part[j / 2].sc[j % 2][r][0] = blk.scales[2 * j], t.part[j / 2].sc[j % 2][r][1] = blk.scales[2 * j + 1];
+        // value 128 half + 32k + l: low 4 bits in ql[64 half + 32 (k % 2) + l] (k < 2: low nibble),
+        // high 2 bits at bits 2k, 2k + 1 of qh[32 half + l]; sub-block j = 4 half + k
+        for (int j = 0; j < 8; j++) {
+            const int k = j % 4;
+            nibble_steps(blk.ql + 64 * (j / 4) + 32 * (k % 2), k >= 2, r, t.part[j / 2].ql + 4 * (j % 2));
+            const uint8_t* qh = blk.qh + 32 * (j / 4);
+            for (int h = 0; h < 2; h++) {  // four values' 2-bit fields a byte, four bytes at once
+                auto bits = [&](int at) {
+                    uint32_t u;
+                    std::memcpy(&u, qh + at, 4);
+                    return (u >> (2 * k)) & 0x03030303u;
+                };
+                const uint32_t packed = bits(8 * h) | bits(16 + 8 * h) << 2 | bits(8 * h + 4) << 4 | bits(20 + 8 * h) << 6;
+                std::memcpy(&t.part[j / 2].qh[2 * (j % 2) + h][4 * r], &packed, 4);
             }
         }
-    }
+    });
 }
 
 void repack_iq4_xs16(const void* src, void* dst, int n) {
-    const int nb = n / QK_K;
-    const block_iq4_xs* rows = (const block_iq4_xs*)src;
-    tile_iq4_xs16* tiles = (tile_iq4_xs16*)dst;
-    for (int b = 0; b < nb; b++) {
-        tile_iq4_xs16& t = tiles[b];
-        for (int r = 0; r < kTileRows; r++) {
-            const block_iq4_xs& blk = rows[(size_t)r * nb + b];
-            t.d[r] = blk.d, t.sh[r] = blk.scales_h;
-            std::memcpy(&t.sl[r], blk.scales_l, 4);
-            for (int step = 0; step < 32; step++) std::memcpy(&t.qs[step][4 * r], blk.qs + 4 * step, 4);
-        }
-    }
+    repack_group<block_iq4_xs, tile_iq4_xs16>(src, dst, n, [](const block_iq4_xs& blk, tile_iq4_xs16& t, int r) {
+        t.d[r] = blk.d, t.sh[r] = blk.scales_h;
+        std::memcpy(&t.sl[r], blk.scales_l, 4);
+        for (int step = 0; step < 32; step++) std::memcpy(&t.qs[step][4 * r], blk.qs + 4 * step, 4);
+    });
 }
 
 #if defined(__AVX2__)
@@ -471,6 +458,25 @@ void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
 }
 
 #if defined(__AVX512VNNI__)
+// One tile step for T tokens: acc_lo[t] += lo . (token t's bytes at+0..3), acc_hi[t] += hi .
+// (its bytes at+16..19), each token's four bytes broadcast to the 16 rows (acc_lo may be acc_hi).
+template <int T>
+inline void dpbusd_tokens(__m512i* acc_lo, __m512i* acc_hi, __m512i lo, __m512i hi, const act_q8_k* const* a, int b, int at) {
+    for (int t = 0; t < T; t++) {
+        int32_t xl, xh;
+        std::memcpy(&xl, a[t][b].qs + at, 4);
+        std::memcpy(&xh, a[t][b].qs + at + 16, 4);
+        acc_lo[t] = _mm512_dpbusd_epi32(acc_lo[t], lo, _mm512_set1_epi32(xl));
+        acc_hi[t] = _mm512_dpbusd_epi32(acc_hi[t], hi, _mm512_set1_epi32(xh));
+    }
+}
+// acc[t] += d[rows] * token t's scale * total[t]: a block's exact integer sums, scaled once
+template <int T>
+inline void scale_accumulate(__m512* acc, const fp16_t* d16, const act_q8_k* const* a, int b, const __m512i* total) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
+    for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total[t]), acc[t]);
+}
+
 // 16 rows of Q4_K (or Q5_K) tiles against T activation rows (Q8_KT): per sub-block j, four dpbusd per token
 // on the unpacked nibbles (16 rows x 4 values each) with the token's 4 bytes broadcast, then
 // times the rows' scales (one vector of 16); the mins as int16 pairs against pairs of 32-sums.
@@ -505,13 +511,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
                     lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(qh, 4 - q), bit4, 0xF8);
                     hi = _mm512_ternarylogic_epi32(hi, q ? _mm512_srli_epi16(qh, q) : qh, bit4, 0xF8);
                 }
-                for (int t = 0; t < T; t++) {
-                    int32_t xl, xh;
-                    std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
-                    std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
-                    dj[t] = _mm512_dpbusd_epi32(dj[t], lo, _mm512_set1_epi32(xl));
-                    dj[t] = _mm512_dpbusd_epi32(dj[t], hi, _mm512_set1_epi32(xh));
-                }
+                dpbusd_tokens<T>(dj, dj, lo, hi, a, b, 32 * j + 4 * q);
             }
             for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dj[t], sc));
         }
@@ -561,13 +561,7 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
                     const __m512i v = _mm512_loadu_si512(w->part[j / 2].ql[4 * (j % 2) + q]);
                     const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), hs[2 * qq], bits45, 0xF8);  // a | (b & c)
                     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hs[2 * qq + 1], bits45, 0xF8);
-                    for (int t = 0; t < T; t++) {
-                        int32_t xl, xh;
-                        std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
-                        std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
-                        dlo[t] = _mm512_dpbusd_epi32(dlo[t], lo, _mm512_set1_epi32(xl));
-                        dhi[t] = _mm512_dpbusd_epi32(dhi[t], hi, _mm512_set1_epi32(xh));
-                    }
+                    dpbusd_tokens<T>(dlo, dhi, lo, hi, a, b, 32 * j + 4 * q);
                 }
             }
             for (int t = 0; t < T; t++) {
@@ -577,11 +571,8 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
                 offs[t] = _mm512_dpwssd_epi32(offs[t], pair, _mm512_set1_epi32(bs));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
-        for (int t = 0; t < T; t++) {
-            const __m512i total = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 5));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total), acc[t]);
-        }
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 5));  // the -32s
+        scale_accumulate<T>(acc, w->d, a, b, sumi);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
@@ -612,13 +603,7 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
                 const __m512i v = _mm512_loadu_si512(w->qs[4 * j + q]);
                 const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
                 const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-                for (int t = 0; t < T; t++) {
-                    int32_t xl, xh;
-                    std::memcpy(&xl, a[t][b].qs + 32 * j + 4 * q, 4);
-                    std::memcpy(&xh, a[t][b].qs + 32 * j + 16 + 4 * q, 4);
-                    dj[t] = _mm512_dpbusd_epi32(dj[t], lo, _mm512_set1_epi32(xl));
-                    dj[t] = _mm512_dpbusd_epi32(dj[t], hi, _mm512_set1_epi32(xh));
-                }
+                dpbusd_tokens<T>(dj, dj, lo, hi, a, b, 32 * j + 4 * q);
             }
             for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dj[t], sc[j]));
         }
@@ -631,11 +616,8 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
                 offs[t] = _mm512_dpwssd_epi32(offs[t], pair, _mm512_set1_epi32(bs));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
-        for (int t = 0; t < T; t++) {
-            const __m512i total = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 7));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total), acc[t]);
-        }
+        for (int t = 0; t < T; t++) sumi[t] = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 7));  // the +128s
+        scale_accumulate<T>(acc, w->d, a, b, sumi);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
