@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,11 +120,17 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
             raise ValueError(f"rule file {rule_file} keeps linears in FP8: --model_path {model_path} must hold the "
                              f"model's (FP8) safetensors; the routed experts come from --gguf_path")
         weights = CombinedSource(SafetensorsSource(model_path, config.model_type), weights)
+    tiles = True
     if weights is not None:
-        from .optimize.memory import check_budget, plan_memory
-        check_budget(plan_memory(model, rows, weights, config, dtype, cache_lens=cache_lens), memory_budget)
+        from .optimize.memory import check_budget, plan_memory, tiles_fit
+        memory = plan_memory(model, rows, weights, config, dtype, cache_lens=cache_lens)
+        check_budget(memory, memory_budget)
+        tiles = tiles_fit(memory, memory_budget)
+        if not tiles:
+            warnings.warn("the CPU kernels' weights stay in the mapped file: RAM is short for their repacked 16-row "
+                          "tiles (decode and prefill on the CPU run slower)", stacklevel=2)
     plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
-                                  progress=progress, cpu_infer=cpu_infer)
+                                  progress=progress, cpu_infer=cpu_infer, cpu_tiles=tiles)
     return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)
 
 

@@ -95,8 +95,11 @@ class RunContext:
     not by a module global. With no batch set, attention runs cache-free over its input (plain
     HF-style `model(input_ids)` calls)."""
 
-    def __init__(self, cpu_threads: int | None = None):
+    def __init__(self, cpu_threads: int | None = None, cpu_tiles: bool = True):
         self.cpu_threads = cpu_threads
+        # the CPU kernels' weights repacked into 16-row tiles (RAM copies, faster) or computed on in
+        # the mapped file (load_model decides by what fits: optimize.memory.tiles_fit)
+        self.cpu_tiles = cpu_tiles
         self._cpu = None
         self._staging = None
         self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)

@@ -123,7 +123,7 @@ class KExpertsCPU:
             shapes = ((E, I, H), (E, I, H), (E, H, I))
             int8 = tuple(Int8Rows.from_blocks(p, s) for p, s in zip((gate, up, down), shapes))
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
-                                gate=gate, up=up, down=down, name=self.key, int8=int8)
+                                gate=gate, up=up, down=down, name=self.key, int8=int8, tiles=context.cpu_tiles)
 
     def unload(self) -> None:
         self.kernel = None

@@ -86,7 +86,7 @@ class KLinearCPU:
         else:
             data = ExpertWeights(*stored)
         self.kernel = LinearKernel(context.cpu_runtime(), in_features=self.in_features, out_features=self.out_features,
-                                   weight=data, name=self.key)
+                                   weight=data, name=self.key, tiles=context.cpu_tiles)
         self.bias = weights.load(f"{self.key}.bias", dtype=torch.float32, shape=shape[:1]) if has_bias else None
 
     def unload(self) -> None:

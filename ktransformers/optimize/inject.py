@@ -172,19 +172,21 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
 def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule],
                            gguf_path: str | os.PathLike | WeightSource,
                            config, default_device: str = "cpu", progress: bool = False,
-                           cpu_infer: int | None = None) -> list[PlanRow]:
+                           cpu_infer: int | None = None, cpu_tiles: bool = True) -> list[PlanRow]:
     """Rewrite `model` (built on the meta device) by the rules and load its weights in place.
 
     `gguf_path`: a .gguf file (split siblings found beside it), a directory of one model's GGUF
     files, a directory of safetensors, or a WeightSource already opened on one of them. `cpu_infer`: threads of the CPU kernels (default: all
-    cores this process may use). Returns the plan rows (what replaced what)."""
+    cores this process may use). `cpu_tiles`: repack the CPU kernels' Q4_K/Q5_K/Q6_K/IQ4_XS weights
+    into 16-row tiles (a RAM copy; False: compute on the mapped file). Returns the plan rows (what
+    replaced what)."""
     rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
     weights = open_weights(gguf_path, config.model_type)
     if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
         weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
     rows = plan(model, rules, default_device)
     check_devices(rows)
-    model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer))
+    model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
     model.eval()

@@ -240,11 +240,22 @@ def available_memory() -> dict[str, int]:
     return out
 
 
+def tiles_fit(mem: MemoryPlan, budget: dict[str, int] | None = None) -> bool:
+    """Whether the CPU kernels' mapped weights also fit in RAM as copies (the 16-row tiles they
+    are repacked into), beside everything else planned for the CPU, with 1 GiB + 5% to spare."""
+    ram = dict(budget or available_memory()).get("cpu")
+    if ram is None:
+        return True
+    need = sum(mem.per_device_kind().get("cpu", {}).values())
+    return need + (1 << 30) + ram // 20 <= ram
+
+
 def check_budget(mem: MemoryPlan, budget: dict[str, int] | None = None) -> None:
     """Raise MemoryBudgetError naming each device whose planned bytes exceed its budget (default:
     available_memory()). The CPU kernels' weights are pages of the mapped GGUF: reclaimable page
     cache, not allocations, so they are listed but not counted against RAM (a file larger than
-    RAM still runs, reading from disk)."""
+    RAM still runs, reading from disk). They are repacked into RAM copies (16-row tiles) only
+    where tiles_fit says RAM holds them too."""
     budget = dict(budget or available_memory())
     problems = []
     for device, kinds in mem.per_device_kind().items():
