@@ -2,7 +2,8 @@
 
 Shapes: x [T, H] float32 or bfloat16; top_k_index [T, K] int64; top_k_weights [T, K] float32;
 gate/up weights [E, I, H] and down [E, H, I] as raw GGML blocks (uint8 arrays, zero-copy views
-of the GGUF memory map where possible). Every tensor is checked here (dtype, shape, contiguity,
+of the GGUF memory map where possible; MoEKernel/LinearKernel repack Q4_K/Q5_K/Q6_K/IQ4_XS into
+16-row tiles unless tiles=False). Every tensor is checked here (dtype, shape, contiguity,
 expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 
 KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests use it to run every level the CPU has);

@@ -90,9 +90,10 @@ class KExpertsTorch:
 
 @EXPERT_OPS.register("KExpertsCPU")
 class KExpertsCPU:
-    """The C++ CPU experts on the stored GGML blocks: zero-copy views of the GGUF's stacked
-    expert tensors (per-expert files are stacked once); types the kernels do not compute on, and
-    FP8/other safetensors, are converted once to bf16."""
+    """The C++ CPU experts on the stored GGML blocks: views of the GGUF's stacked expert tensors
+    (per-expert files are stacked once), repacked into 16-row tiles where the format has them and
+    RAM holds them (context.cpu_tiles); types the kernels do not compute on, and FP8/other
+    safetensors, are converted once to bf16."""
 
     checks_routing = True  # MoEKernel checks shapes and dtypes, the C++ side every expert id
 

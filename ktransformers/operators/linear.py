@@ -66,7 +66,8 @@ def stored_weight(weights, key: str, shape: tuple[int, int]):
 
 @LINEAR_OPS.register("KLinearCPU")
 class KLinearCPU:
-    """The C++ CPU linear on the stored GGML blocks (zero-copy); bias added in torch. Types the
+    """The C++ CPU linear on the stored GGML blocks (a view of the file, or its 16-row tiles where
+    RAM holds them: context.cpu_tiles); bias added in torch. Types the
     kernels do not compute on are dequantized once to bf16 and computed on as such."""
 
     def __init__(self, key: str, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype,
