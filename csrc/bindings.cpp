@@ -45,6 +45,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
           }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
     m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
     m.attr("tiled_flag") = kTiled;
+    m.def("tile_cols", &tile_cols, "a tiled layout's row length must be a multiple of this (0: the type has none here)");
     m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none)");
     m.attr("int8_gemm") = int8_gemm_available();
@@ -72,8 +73,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  });
              }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence")
         .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {
-                 const Format* f = find_format(type);
-                 if (!f || !has_tiles(type)) throw std::invalid_argument("repack_tiles: no tiled layout for ggml type " + std::to_string(type));
+                 if (!has_tiles(type)) throw std::invalid_argument("repack_tiles: no tiled layout for ggml type " + std::to_string(type));
+                 const Format* f = find_format(type | kTiled);
                  if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
                      throw std::invalid_argument("repack_tiles: need rows % 16 == 0 and whole blocks, got " + std::to_string(rows) + " x " + std::to_string(n));
                  const size_t row = (size_t)(n / f->block_elems) * f->block_bytes;

@@ -68,6 +68,11 @@ struct tile_q5_k16 {
 };
 static_assert(sizeof(tile_q5_k16) == 16 * sizeof(block_q5_k), "q5_k tile");
 
+// 16 rows' Q8_0 blocks of two block columns (64 values; 1088 bytes = 16 x 2 x 34): qs[h][q] lane
+// r = values 32h + 4q .. 32h + 4q + 3 of row r; then d[h][r].
+struct tile_q8_0x16 { int8_t qs[2][8][64]; fp16_t d[2][16]; };
+static_assert(sizeof(tile_q8_0x16) == 32 * sizeof(block_q8_0), "q8_0 tile");
+
 // 16 rows' IQ4_XS blocks of one block column (2176 bytes = 16 x 136): d, scales_h and scales_l of
 // each row; qs[4j + q] lane r = bytes 16j + 4q .. 16j + 4q + 3 of row r's qs (a byte holds values
 // 32j + x and 32j + 16 + x, x = 4q + i: already the pairing the other tiles use).

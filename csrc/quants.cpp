@@ -93,6 +93,12 @@ void prep_q8_0(const float* x, act_q8_0* y, int n) {
     }
 }
 
+void prep_q8_0u(const float* x, act_q8_0* y, int n) {
+    prep_q8_0(x, y, n);
+    for (int b = 0; b < n / QK; b++)
+        for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)((uint8_t)y[b].qs[i] ^ 0x80);
+}
+
 void prep_q8_k(const float* x, act_q8_k* y, int n) {
     for (int b = 0; b < n / QK_K; b++, x += QK_K) {
         const float d = absmax(x, QK_K) / 127.f, id = d ? 1.f / d : 0.f;
@@ -224,6 +230,20 @@ void repack_q6_k16(const void* src, void* dst, int n) {
             }
         }
     });
+}
+
+void repack_q8_0x16(const void* src, void* dst, int n) {  // n % 64 == 0
+    const int nb = n / QK;
+    const block_q8_0* rows = (const block_q8_0*)src;
+    tile_q8_0x16* tiles = (tile_q8_0x16*)dst;
+    for (int b = 0; b < nb; b++) {
+        tile_q8_0x16& t = tiles[b / 2];
+        for (int r = 0; r < kTileRows; r++) {
+            const block_q8_0& blk = rows[(size_t)r * nb + b];
+            t.d[b % 2][r] = blk.d;
+            for (int q = 0; q < 8; q++) std::memcpy(&t.qs[b % 2][q][4 * r], blk.qs + 4 * q, 4);
+        }
+    }
 }
 
 void repack_iq4_xs16(const void* src, void* dst, int n) {
@@ -622,11 +642,43 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
+// 16 rows of Q8_0 tiles against T activation rows (Q8_0U): dpbusd of the tokens' unsigned bytes
+// (value + 128) with the signed weights, the +128 taken back as 128 * (sum of each row's 32
+// weights, one more dpbusd against ones); scaled per 32 values.
+template <int T>
+void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, float* out) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / 64; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        for (int h = 0; h < 2; h++) {
+            const int blk = 2 * b + h;
+            __m512i dot[T], sum = _mm512_setzero_si512();
+            for (int t = 0; t < T; t++) dot[t] = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q++) {
+                const __m512i v = _mm512_loadu_si512(w->qs[h][q]);
+                sum = _mm512_dpbusd_epi32(sum, ones, v);
+                for (int t = 0; t < T; t++) {
+                    int32_t x;
+                    std::memcpy(&x, a[t][blk].qs + 4 * q, 4);
+                    dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(x), v);
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d[h]));
+            const __m512i offset = _mm512_slli_epi32(sum, 7);
+            for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][blk].d)), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], offset)), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
 // any number of tokens: four at a time (each tile decoded once per four), then the rest
-template <typename Tile, template <int> class Kernel>
+template <typename Tile, template <int> class Kernel, typename ActBlock = act_q8_k>
 void tile_tokens(int n, const void* w, const void* const* a, int count, float* out) {
     const Tile* tw = (const Tile*)w;
-    const act_q8_k* const* x = (const act_q8_k* const*)a;
+    const ActBlock* const* x = (const ActBlock* const*)a;
     int i = 0;
     for (; i + 4 <= count; i += 4) Kernel<4>::run(n, tw, x + i, out + 16 * i);
     switch (count - i) {
@@ -662,6 +714,13 @@ struct TileIQ4XS {
 };
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, TileIQ4XS>(n, w, a, count, out);
+}
+template <int T>
+struct TileQ8_0 {
+    static void run(int n, const tile_q8_0x16* w, const act_q8_0* const* a, float* out) { tile_q8_0x16_rows<T>(n, w, a, out); }
+};
+void tiles_q8_0(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q8_0x16, TileQ8_0, act_q8_0>(n, w, a, count, out);
 }
 #endif
 
@@ -1140,6 +1199,7 @@ const Format kFormats[] = {
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
+    {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
 #endif
 };
@@ -1148,7 +1208,7 @@ struct Repack {
     int type;
     RepackFn fn;
 };
-const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q5_K, repack_q5_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q5_K, repack_q5_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}, {Q8_0, repack_q8_0x16}};
 
 }  // namespace
 
@@ -1171,6 +1231,11 @@ void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r,
     else dot_rows(f, n, w + (size_t)r * row_bytes, a, count, out);
 }
 
+int tile_cols(int type) {
+    const Format* f = has_tiles(type) ? find_format(type | kTiled) : nullptr;
+    return f ? f->block_elems : 0;
+}
+
 bool has_tiles(int type) {
     if (type & kTiled) return false;
     for (const Repack& r : kRepacks)
@@ -1179,8 +1244,8 @@ bool has_tiles(int type) {
 }
 
 void repack_tiles(int type, const void* src, void* dst, int rows, int n) {
-    const Format* f = find_format(type);
-    if (!f || !has_tiles(type)) throw std::invalid_argument(std::string("repack_tiles: no tiled layout for ggml type ") + std::to_string(type));
+    if (!has_tiles(type)) throw std::invalid_argument(std::string("repack_tiles: no tiled layout for ggml type ") + std::to_string(type));
+    const Format* f = find_format(type | kTiled);  // its block: the values of one tile column
     if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
         throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values: need rows % 16 == 0 and whole " +
                                     f->name + " blocks");
@@ -1230,7 +1295,8 @@ void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, f
 size_t act_row_bytes(Act act, int n) {
     switch (act) {
         case Act::F32: return sizeof(float) * n;
-        case Act::Q8_0: return sizeof(act_q8_0) * (n / QK);
+        case Act::Q8_0:
+        case Act::Q8_0U: return sizeof(act_q8_0) * (n / QK);
         case Act::Q8_K:
         case Act::Q8_KX:
         case Act::Q8_KT: return sizeof(act_q8_k) * (n / QK_K);
@@ -1242,6 +1308,7 @@ void prepare_act(Act act, const float* x, void* out, int n) {
     switch (act) {
         case Act::F32: std::memcpy(out, x, sizeof(float) * n); break;
         case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
+        case Act::Q8_0U: prep_q8_0u(x, (act_q8_0*)out, n); break;
         case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;
         case Act::Q8_KX: prep_q8_kx(x, (act_q8_k*)out, n); break;
         case Act::Q8_KT: prep_q8_kt(x, (act_q8_k*)out, n); break;

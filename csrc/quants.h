@@ -11,7 +11,9 @@ namespace kt {
 // [0..31, 64..95, 32..63, 96..127], the order 512-bit Q4_K code consumes them in. Q8_KT: Q8_K
 // with bsums[0..7] holding the sums of each 32 values in the order 0, 2, 1, 3, 4, 6, 5, 7 (pairs
 // of them are what the 16-row Q4_K tiles multiply their mins by), bsums[8..15] zero.
-enum class Act { F32, Q8_0, Q8_K, Q8_KX, Q8_KT };
+// Q8_0U: Q8_0 with every value + 128 as an unsigned byte (the unsigned side of dpbusd against
+// the Q8_0 tiles' signed weights).
+enum class Act { F32, Q8_0, Q8_0U, Q8_K, Q8_KX, Q8_KT };
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);
@@ -46,6 +48,7 @@ void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r,
 // Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (rows % 16 == 0);
 // false when this build has no tiled kernel for the type.
 bool has_tiles(int type);
+int tile_cols(int type);  // the tiled layout's columns come in multiples of this (0: no tiles)
 // Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none).
 void set_tile_prefetch(int bytes);
 void repack_tiles(int type, const void* src, void* dst, int rows, int n);

@@ -152,9 +152,13 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
     """`weights` (rows x cols values in all, rows of GGML blocks) repacked once into the 16-row
     tiles this build computes on without horizontal sums (same byte count, a new tensor), where
     it has them for the type and rows % 16 == 0; otherwise `weights` itself."""
-    if weights.tiled or rows % 16 or not runtime.ext.has_tiles(weights.ggml_type):
+    from ..weights.ggml_quants import tensor_nbytes
+    step = runtime.ext.tile_cols(weights.ggml_type)
+    if weights.tiled or not step or rows % 16 or cols % step:
         return weights
     src, nbytes = _address(weights.data)
+    if nbytes != tensor_nbytes(weights.ggml_type, rows * cols):
+        return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
     out = torch.empty(nbytes, dtype=torch.uint8)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
     return ExpertWeights(out, weights.ggml_type, tiled=True)
