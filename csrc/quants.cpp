@@ -674,53 +674,34 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
-// any number of tokens: four at a time (each tile decoded once per four), then the rest
-template <typename Tile, template <int> class Kernel, typename ActBlock = act_q8_k>
-void tile_tokens(int n, const void* w, const void* const* a, int count, float* out) {
+// any number of tokens: four at a time (each tile decoded once per four), then the rest;
+// kernel(std::integral_constant<int, T>, n, tiles, activation rows, out) runs T of them
+template <typename Tile, typename ActBlock, typename Kernel>
+void tile_tokens(int n, const void* w, const void* const* a, int count, float* out, Kernel kernel) {
     const Tile* tw = (const Tile*)w;
     const ActBlock* const* x = (const ActBlock* const*)a;
     int i = 0;
-    for (; i + 4 <= count; i += 4) Kernel<4>::run(n, tw, x + i, out + 16 * i);
+    for (; i + 4 <= count; i += 4) kernel(std::integral_constant<int, 4>{}, n, tw, x + i, out + 16 * i);
     switch (count - i) {
-        case 3: Kernel<3>::run(n, tw, x + i, out + 16 * i); break;
-        case 2: Kernel<2>::run(n, tw, x + i, out + 16 * i); break;
-        case 1: Kernel<1>::run(n, tw, x + i, out + 16 * i); break;
+        case 3: kernel(std::integral_constant<int, 3>{}, n, tw, x + i, out + 16 * i); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, n, tw, x + i, out + 16 * i); break;
+        case 1: kernel(std::integral_constant<int, 1>{}, n, tw, x + i, out + 16 * i); break;
     }
 }
-template <int T>
-struct TileQ4K {
-    static void run(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) { tile_k4_rows<tile_q4_k16, T>(n, w, a, out); }
-};
-template <int T>
-struct TileQ5K {
-    static void run(int n, const tile_q5_k16* w, const act_q8_k* const* a, float* out) { tile_k4_rows<tile_q5_k16, T>(n, w, a, out); }
-};
-void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q5_k16, TileQ5K>(n, w, a, count, out);
-}
 void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q4_k16, TileQ4K>(n, w, a, count, out);
+    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q4_k16, T>(n, tw, x, o); });
 }
-template <int T>
-struct TileQ6K {
-    static void run(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) { tile_q6_k16_rows<T>(n, w, a, out); }
-};
+void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q5_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q5_k16, T>(n, tw, x, o); });
+}
 void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q6_k16, TileQ6K>(n, w, a, count, out);
+    tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows<T>(n, tw, x, o); });
 }
-template <int T>
-struct TileIQ4XS {
-    static void run(int n, const tile_iq4_xs16* w, const act_q8_k* const* a, float* out) { tile_iq4_xs16_rows<T>(n, w, a, out); }
-};
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_iq4_xs16, TileIQ4XS>(n, w, a, count, out);
+    tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows<T>(n, tw, x, o); });
 }
-template <int T>
-struct TileQ8_0 {
-    static void run(int n, const tile_q8_0x16* w, const act_q8_0* const* a, float* out) { tile_q8_0x16_rows<T>(n, w, a, out); }
-};
 void tiles_q8_0(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q8_0x16, TileQ8_0, act_q8_0>(n, w, a, count, out);
+    tile_tokens<tile_q8_0x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q8_0x16_rows<T>(n, tw, x, o); });
 }
 #endif
 
