@@ -250,6 +250,21 @@ def test_tiles_layout_and_kernel(runtime, fmt):
         Int8Rows.from_blocks(tiled, (E, H, I))
 
 
+def test_experts_whose_rows_are_not_whole_tile_groups(runtime):
+    """I = 24: 16-row groups would straddle experts, so gate/up stay rows (E * I is a multiple of
+    16, a tiling of the whole stack would be wrong); the layer still computes what it should."""
+    E, K, H, I = 8, 2, 256, 24
+    gen = torch.Generator().manual_seed(9)
+    (g, gd), (u, ud) = (expert_weights(GGMLType.Q4_K, E, I, H, gen) for _ in range(2))
+    d, dd = expert_weights(GGMLType.BF16, E, H, I, gen)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d)
+    assert not kernel._weights[0].tiled and not kernel._weights[1].tiled
+    x = torch.randn(5, H, generator=gen)
+    ids, w = routing(5, E, K, gen)
+    ref = moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd, lambda t: round_activations(t, 256))
+    assert rel_err(kernel.forward(x, ids, w), ref) < 5e-3
+
+
 def test_bad_input_raises_before_touching_memory(runtime):
     E, K, H, I = 4, 2, 256, 256
     gen = torch.Generator().manual_seed(1)

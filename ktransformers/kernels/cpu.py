@@ -250,9 +250,10 @@ class MoEKernel:
         repack the projections this build has 16-row tiles for (tile_weights) at construction."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
-        if tiles:
+        if tiles and intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
             gate = tile_weights(runtime, gate, experts * intermediate, hidden)
             up = tile_weights(runtime, up, experts * intermediate, hidden)
+        if tiles and hidden % 16 == 0:
             down = tile_weights(runtime, down, experts * hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
