@@ -2,14 +2,15 @@
 
 Shapes: x [T, H] float32 or bfloat16; top_k_index [T, K] int64; top_k_weights [T, K] float32;
 gate/up weights [E, I, H] and down [E, H, I] as raw GGML blocks (uint8 arrays, zero-copy views
-of the GGUF memory map where possible; MoEKernel/LinearKernel repack Q4_K/Q5_K/Q6_K/IQ4_XS into
-16-row tiles unless tiles=False). Every tensor is checked here (dtype, shape, contiguity,
+of the GGUF memory map where possible; MoEKernel/LinearKernel repack Q4_K/Q5_K/Q6_K/IQ4_XS/Q8_0
+into 16-row tiles unless tiles=False). Every tensor is checked here (dtype, shape, contiguity,
 expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 
-KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests use it to run every level the CPU has);
-KT_CPU_PREFETCH=<bytes> sets how far ahead the tiled kernels prefetch weights (default 4096, 0: none;
-one page ahead measured best on the 16-core Sapphire Rapids host and no worse on the 2-core EPYC). Both
-are read here and nowhere else.
+Environment, read here and nowhere else: KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests
+use it to run every level the CPU has); KT_CPU_PREFETCH=<bytes>, how far ahead the tiled kernels
+prefetch weights (default 4096, 0: none; one page ahead measured best on the 16-core Sapphire
+Rapids host and no worse on the 2-core EPYC); KT_MOE_TASKS, tasks a thread per MoE phase
+(default 16); KT_CPU_SPIN_US, how long idle workers spin.
 """
 from __future__ import annotations
 
