@@ -73,13 +73,9 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  });
              }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence")
         .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {
-                 if (!has_tiles(type)) throw std::invalid_argument("repack_tiles: no tiled layout for ggml type " + std::to_string(type));
-                 const Format* f = find_format(type | kTiled);
-                 if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
-                     throw std::invalid_argument("repack_tiles: need rows % 16 == 0 and whole blocks, got " + std::to_string(rows) + " x " + std::to_string(n));
-                 const size_t row = (size_t)(n / f->block_elems) * f->block_bytes;
+                 const size_t row = tiled_row_bytes(type, rows, n);
                  if (src_bytes != row * rows || dst_bytes != src_bytes)
-                     throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " " + f->name + " values are " +
+                     throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values are " +
                                                  std::to_string(row * rows) + " bytes; got source " + std::to_string(src_bytes) + ", destination " + std::to_string(dst_bytes));
                  const int groups = rows / kTileRows, per_task = 64;  // 1024 rows a task
                  r.run_inline([&] {

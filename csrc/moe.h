@@ -30,7 +30,7 @@ struct MoEConfig {
 
 enum class Dtype { F32 = 0, BF16 = 1 };
 
-void set_moe_tasks_per_thread(int n);  // experiment knob (KT_MOE_TASKS): tasks a thread per phase
+void set_moe_tasks_per_thread(int n);  // tasks a thread per MoE phase (KT_MOE_TASKS; default 16)
 
 class MoE {
   public:

@@ -167,10 +167,11 @@ inline void nibble_steps(const uint8_t* src, bool high, int r, uint8_t (*steps)[
     }
 }
 
-// Each block column b of a group of 16 rows: pack(block of row r, tile b, r) for r = 0..15.
-template <typename Block, typename Tile, typename Pack>
+// Each tile column b of a group of 16 rows: pack(row r's `Block` b, tile b, r) for r = 0..15;
+// a Block spans `elems` values of a row (one tile column).
+template <typename Block, typename Tile, int elems = QK_K, typename Pack>
 void repack_group(const void* src, void* dst, int n, Pack pack) {
-    const int nb = n / QK_K;
+    const int nb = n / elems;
     const Block* rows = (const Block*)src;
     Tile* tiles = (Tile*)dst;
     for (int b = 0; b < nb; b++)
@@ -232,18 +233,15 @@ void repack_q6_k16(const void* src, void* dst, int n) {
     });
 }
 
+struct block_q8_0x2 { block_q8_0 b[2]; };  // a Q8_0 tile column: two blocks, 64 values of a row
+
 void repack_q8_0x16(const void* src, void* dst, int n) {  // n % 64 == 0
-    const int nb = n / QK;
-    const block_q8_0* rows = (const block_q8_0*)src;
-    tile_q8_0x16* tiles = (tile_q8_0x16*)dst;
-    for (int b = 0; b < nb; b++) {
-        tile_q8_0x16& t = tiles[b / 2];
-        for (int r = 0; r < kTileRows; r++) {
-            const block_q8_0& blk = rows[(size_t)r * nb + b];
-            t.d[b % 2][r] = blk.d;
-            for (int q = 0; q < 8; q++) std::memcpy(&t.qs[b % 2][q][4 * r], blk.qs + 4 * q, 4);
+    repack_group<block_q8_0x2, tile_q8_0x16, 2 * QK>(src, dst, n, [](const block_q8_0x2& two, tile_q8_0x16& t, int r) {
+        for (int h = 0; h < 2; h++) {
+            t.d[h][r] = two.b[h].d;
+            for (int q = 0; q < 8; q++) std::memcpy(&t.qs[h][q][4 * r], two.b[h].qs + 4 * q, 4);
         }
-    }
+    });
 }
 
 void repack_iq4_xs16(const void* src, void* dst, int n) {
@@ -539,7 +537,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
         const __m512i m02 = _mm512_and_si512(P1, pair6), m13 = _mm512_and_si512(_mm512_srli_epi32(P1, 8), pair6);
         const __m512i m46 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 4), _mm512_srli_epi32(P1, 2), pair4, 0xE4), pair6);
         const __m512i m57 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 12), _mm512_srli_epi32(P1, 10), pair4, 0xE4), pair6);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
+        scale_accumulate<T>(acc, w->d, a, b, sumi);
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->dmin));
         for (int t = 0; t < T; t++) {
             int32_t pr[4];
@@ -548,9 +546,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
             ms = _mm512_dpwssd_epi32(ms, m13, _mm512_set1_epi32(pr[1]));
             ms = _mm512_dpwssd_epi32(ms, m46, _mm512_set1_epi32(pr[2]));
             ms = _mm512_dpwssd_epi32(ms, m57, _mm512_set1_epi32(pr[3]));
-            const __m512 ad = _mm512_set1_ps(a[t][b].d);
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, ad), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
-            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, ad), _mm512_cvtepi32_ps(ms), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(ms), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
@@ -1224,13 +1220,17 @@ bool has_tiles(int type) {
     return false;
 }
 
-void repack_tiles(int type, const void* src, void* dst, int rows, int n) {
+size_t tiled_row_bytes(int type, int rows, int n) {
     if (!has_tiles(type)) throw std::invalid_argument(std::string("repack_tiles: no tiled layout for ggml type ") + std::to_string(type));
     const Format* f = find_format(type | kTiled);  // its block: the values of one tile column
     if (rows <= 0 || rows % kTileRows || n <= 0 || n % f->block_elems)
-        throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values: need rows % 16 == 0 and whole " +
-                                    f->name + " blocks");
-    const size_t group = (size_t)kTileRows * (n / f->block_elems) * f->block_bytes;
+        throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values: need rows % 16 == 0 and whole tile columns (" +
+                                    std::to_string(f->block_elems) + " values) of " + f->name);
+    return (size_t)(n / f->block_elems) * f->block_bytes;
+}
+
+void repack_tiles(int type, const void* src, void* dst, int rows, int n) {
+    const size_t group = kTileRows * tiled_row_bytes(type, rows, n);
     for (const Repack& r : kRepacks)
         if (r.type == type)
             for (int g = 0; g < rows / kTileRows; g++) r.fn((const uint8_t*)src + g * group, (uint8_t*)dst + g * group, n);

@@ -45,13 +45,16 @@ struct Format {
 // against count activation rows: out[i * step + k] = row r + k, token i. `w` is the matrix.
 int rows_step(const Format* f);
 void dot_step(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r, const void* const* a, int count, float* out);
-// Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (rows % 16 == 0);
-// false when this build has no tiled kernel for the type.
+// Whether this build has a tiled layout (and its kernel) for ggml type `type`.
 bool has_tiles(int type);
 int tile_cols(int type);  // the tiled layout's columns come in multiples of this (0: no tiles)
+// Bytes of one row of `rows` x `n` values of `type`, the same tiled or not; throws
+// std::invalid_argument naming what is wrong when there are no tiles or the sizes don't fit them.
+size_t tiled_row_bytes(int type, int rows, int n);
+// Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (checked as above).
+void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 // Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none).
 void set_tile_prefetch(int bytes);
-void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
 void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);

@@ -122,10 +122,11 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
         weights = CombinedSource(SafetensorsSource(model_path, config.model_type), weights)
     tiles = True
     if weights is not None:
-        from .optimize.memory import check_budget, plan_memory, tiles_fit
+        from .optimize.memory import available_memory, check_budget, plan_memory, tiles_fit
         memory = plan_memory(model, rows, weights, config, dtype, cache_lens=cache_lens)
-        check_budget(memory, memory_budget)
-        tiles = tiles_fit(memory, memory_budget)
+        budget = memory_budget or available_memory()  # read once: both checks judge the same figures
+        check_budget(memory, budget)
+        tiles = tiles_fit(memory, budget)
         if not tiles:
             warnings.warn("the CPU kernels' weights stay in the mapped file: RAM is short for their repacked 16-row "
                           "tiles (decode and prefill on the CPU run slower)", stacklevel=2)

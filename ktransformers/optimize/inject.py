@@ -177,7 +177,7 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
 
     `gguf_path`: a .gguf file (split siblings found beside it), a directory of one model's GGUF
     files, a directory of safetensors, or a WeightSource already opened on one of them. `cpu_infer`: threads of the CPU kernels (default: all
-    cores this process may use). `cpu_tiles`: repack the CPU kernels' Q4_K/Q5_K/Q6_K/IQ4_XS weights
+    cores this process may use). `cpu_tiles`: repack the CPU kernels' Q4_K/Q5_K/Q6_K/IQ4_XS/Q8_0 weights
     into 16-row tiles (a RAM copy; False: compute on the mapped file). Returns the plan rows (what
     replaced what)."""
     rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
