@@ -146,6 +146,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  std::swap(e, c.error);
                  return e;
              });
+    py::class_<Doorbell, std::shared_ptr<Doorbell>>(m, "Doorbell", py::module_local())
+        .def(py::init<std::shared_ptr<Runtime>, int>(), py::arg("runtime"), py::arg("spin_us") = 20000)
+        .def("add", &Doorbell::add, "register a call; its number is what a ring is set to")
+        .def("watch", [](Doorbell& d, uintptr_t ring, uintptr_t done) {
+                 d.watch(reinterpret_cast<uint32_t*>(ring), reinterpret_cast<uint32_t*>(done));
+             }, "poll a ring/done pair (addresses of pinned host memory that outlives this object)")
+        .def("wake", &Doorbell::wake)
+        .def_property_readonly("served", &Doorbell::served)
+        .def_property_readonly("bad_rings", &Doorbell::bad_rings);
     m.attr("moe_host_submit") = (uintptr_t)&moe_host_submit;
     m.attr("moe_host_wait") = (uintptr_t)&moe_host_wait;
 

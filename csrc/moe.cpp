@@ -4,6 +4,7 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -347,5 +348,86 @@ void moe_host_wait(void* data) {
     }
 }
 
-}  // namespace kt
+Doorbell::Doorbell(std::shared_ptr<Runtime> runtime, int spin_us) : rt_(std::move(runtime)), spin_us_(spin_us) {
+    thread_ = std::thread(&Doorbell::loop, this);
+}
 
+Doorbell::~Doorbell() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+}
+
+uint32_t Doorbell::add(std::shared_ptr<MoEHostCall> call) {
+    if (!call) throw std::invalid_argument("Doorbell: no call");
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back(std::move(call));
+    return (uint32_t)calls_.size();
+}
+
+void Doorbell::watch(uint32_t* ring, uint32_t* done) {
+    if (!ring || !done || ring == done || ((uintptr_t)ring | (uintptr_t)done) % alignof(uint32_t))
+        throw std::invalid_argument("Doorbell: ring and done must be distinct, 4-byte aligned words");
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_.push_back({ring, done});
+    version_.fetch_add(1, std::memory_order_release);
+}
+
+std::shared_ptr<MoEHostCall> Doorbell::call(uint32_t number) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return number <= calls_.size() ? calls_[number - 1] : nullptr;
+}
+
+void Doorbell::wake() {
+    woken_.store(true, std::memory_order_release);
+    cv_.notify_one();
+}
+
+void Doorbell::loop() {
+    rt_->pool().pin_caller();  // where the dispatcher runs: this thread is the pool's thread 0 when serving
+    std::vector<Slot> slots;
+    uint64_t seen = ~uint64_t(0);
+    using clock = std::chrono::steady_clock;
+    auto last = clock::now();
+    const auto spin = std::chrono::microseconds(spin_us_);
+    while (!stop_.load(std::memory_order_acquire)) {
+        if (version_.load(std::memory_order_acquire) != seen) {
+            std::lock_guard<std::mutex> lock(mu_);
+            slots = slots_;
+            seen = version_.load(std::memory_order_relaxed);
+        }
+        bool served = false;
+        for (const Slot& s : slots) {
+            const uint32_t number = __atomic_load_n(s.ring, __ATOMIC_ACQUIRE);
+            if (number == 0) continue;
+            __atomic_store_n(s.ring, 0u, __ATOMIC_RELAXED);  // before `done`: the stream rings again only after it
+            if (auto c = call(number)) {
+                try {
+                    c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype);
+                } catch (const std::exception& ex) {
+                    if (c->error.empty()) c->error = ex.what();
+                }
+                served_.fetch_add(1, std::memory_order_relaxed);
+            } else {
+                bad_.fetch_add(1, std::memory_order_relaxed);
+            }
+            __atomic_store_n(s.done, 1u, __ATOMIC_RELEASE);
+            served = true;
+        }
+        const auto now = clock::now();
+        if (served || woken_.exchange(false, std::memory_order_acq_rel)) last = now;
+        if (now - last < spin) {
+            for (int i = 0; i < 8; i++) KT_PAUSE();
+            continue;
+        }
+        // idle: look every 100 us, after a second every millisecond (an idle server costs ~nothing)
+        const auto nap = std::chrono::microseconds(now - last < std::chrono::seconds(1) ? 100 : 1000);
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, nap, [&] { return stop_.load() || woken_.load(); });
+    }
+}
+
+}  // namespace kt

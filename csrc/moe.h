@@ -3,10 +3,14 @@
 // Shapes: x [T, H] (f32 or bf16), ids [T, K] int64, w [T, K] f32, y [T, H] (x's dtype);
 // gate/up [E, I, H] and down [E, H, I] as stored in the GGUF (rows of blocks), never copied.
 #pragma once
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "int8.h"
@@ -105,6 +109,48 @@ struct MoEHostCall {
 };
 void moe_host_submit(void* call);  // MoE::submit of the call (returns at once)
 void moe_host_wait(void* call);    // waits for the runtime's queued jobs
+
+// The same calls handed over without host functions. A layer (an MoE kernel fed from a GPU) has
+// two 32-bit words in pinned host memory: `ring`, to which the GPU stream writes the number of the
+// call to run once its inputs are copied (cuStreamWriteValue32), and `done`, set to 1 here once
+// y is written, which the stream waits for (cuStreamWaitValue32) before setting it back to 0 and
+// copying y to the GPU. One thread polls the rings and runs each call inline, as the pool's
+// thread 0: the GPU waits for no host-function node, and no job goes through the dispatcher and
+// back. It spins for spin_us after its last call or wake(), then looks every 100 us (after a
+// second idle, every millisecond): a ring is never missed, at worst served later. A failing call records its error and still sets `done`
+// (a number that names no call counts in bad_rings()).
+class Doorbell {
+  public:
+    Doorbell(std::shared_ptr<Runtime> runtime, int spin_us);
+    ~Doorbell();
+    Doorbell(const Doorbell&) = delete;
+    Doorbell& operator=(const Doorbell&) = delete;
+    uint32_t add(std::shared_ptr<MoEHostCall> call);  // the call's number (from 1), what a ring is set to
+    // Poll a pair of 4-byte aligned, distinct words (alive as long as this object).
+    void watch(uint32_t* ring, uint32_t* done);
+    void wake();  // a step is about to ring: spin again
+    uint64_t served() const { return served_.load(std::memory_order_relaxed); }
+    uint64_t bad_rings() const { return bad_.load(std::memory_order_relaxed); }
+
+  private:
+    struct Slot {
+        uint32_t* ring;
+        uint32_t* done;
+    };
+    void loop();
+    std::shared_ptr<MoEHostCall> call(uint32_t number);
+
+    std::shared_ptr<Runtime> rt_;
+    const int spin_us_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<std::shared_ptr<MoEHostCall>> calls_;  // guarded by mu_
+    std::vector<Slot> slots_;                          // guarded by mu_; the loop copies it when version_ moves
+    std::atomic<uint64_t> version_{0};
+    std::atomic<bool> stop_{false}, woken_{false};
+    std::atomic<uint64_t> served_{0}, bad_{0};
+    std::thread thread_;
+};
 
 }  // namespace kt
 

@@ -1,32 +1,46 @@
 #!/usr/bin/env bash
 # On the GPU machine: the hybrid end-to-end benchmark (bench.e2e) of a 48-layer Qwen3-30B-A3B-shaped
-# Q4_K_M file beside llama.cpp's CUDA build with its experts on the CPU. Two device calls on one
-# warm machine (it is released after ~30 s idle, so issue the second at once):
-#   1) PART=build  bash scripts/gpu_e2e.sh   builds llama-bench from .peer/llama.tar.gz (~5 min,
-#      the vendored llama.cpp of llama-cpp-python 0.3.36's sdist, see ../shared/PEERS.md) and writes
-#      /tmp/q3-48.gguf; carry [".whl", ".peer"].
-#   2) PART=bench  bash scripts/gpu_e2e.sh   runs bench.e2e with llama-bench beside it.
+# Q4_K_M file beside llama.cpp's CUDA build with its experts on the CPU, and the hand-off benchmark
+# (bench.handoff). Two device calls on one warm machine (it is released after ~30 s idle, so issue
+# the second at once); carry [".whl", ".peer"]:
+#   1) PART=prep  bash scripts/gpu_e2e.sh   starts building llama-bench from .peer/llama.tar.gz
+#      (~5 min, the vendored llama.cpp of llama-cpp-python 0.3.36's sdist, see ../shared/PEERS.md),
+#      builds ours, writes /tmp/q3-48.gguf, runs the CUDA hand-off tests meanwhile (TESTS=0: not),
+#      then, the build done, bench.handoff.
+#   2) PART=bench bash scripts/gpu_e2e.sh   bench.e2e with llama-bench beside it (doorbell hand-off),
+#      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B.
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-THREADS=${THREADS:-16}
+THREADS=${THREADS:-14}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
-if [ "${PART:-build}" = build ]; then
+LLAMA=/tmp/llama/llama.cpp/build/bin/llama-bench
+if [ "${PART:-prep}" = prep ]; then
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; } | tee "$OUT/machine.txt"
   mkdir -p /tmp/llama && tar xzf .peer/llama.tar.gz -C /tmp/llama
-  ( cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+  setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/llama_cmake.log 2>&1 \
-      && cmake --build build -j16 --target llama-bench > /tmp/llama_build.log 2>&1; echo "llama build rc $?" >> /tmp/llama_build.log ) &
+      && cmake --build build -j16 --target llama-bench > /tmp/llama_build.log 2>&1; echo "llama build rc $?" > /tmp/llama_done' &
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-  python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3-48.gguf | tail -2
-  [ -n "${TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -8
+  python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3-48.gguf > "$OUT/synth.txt" 2>&1 &
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" ${TEST_FILES:-tests/test_cuda_host.py tests/test_gpu_rules.py} \
+        2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+  fi
   wait
-  tail -3 /tmp/llama_build.log; tail -3 /tmp/llama_cmake.log
-  ls -la /tmp/llama/llama.cpp/build/bin/ 2>&1 | tail -3
+  for _ in $(seq 120); do [ -f /tmp/llama_done ] && break; sleep 5; done
+  cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"; tail -1 "$OUT/synth.txt"
+  python3 -m ktransformers.bench.handoff --threads "$THREADS" ${HANDOFF_ARGS:-} 2>"$OUT/handoff.err" | tee "$OUT/handoff.txt"
+  tail -3 "$OUT/handoff.err"
 else
+  [ -f "$LLAMA" ] || { echo "no llama-bench: run PART=prep first"; exit 1; }
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-  python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" \
-      --llama-bench /tmp/llama/llama.cpp/build/bin/llama-bench ${E2E_ARGS:-} 2>"$OUT/e2e.err" | tee "$OUT/e2e.txt"
-  tail -5 "$OUT/e2e.err"
+  python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 --decode 64 \
+      --llama-bench "$LLAMA" ${E2E_ARGS:-} 2>"$OUT/e2e.err" | tee "$OUT/e2e.txt"
+  tail -3 "$OUT/e2e.err"
+  echo "# KT_CUDA_HANDOFF=host" | tee -a "$OUT/e2e.txt"
+  KT_CUDA_HANDOFF=host python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 \
+      --decode 64 --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
 fi

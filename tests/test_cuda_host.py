@@ -2,6 +2,7 @@
 them as the stream would), and on CUDA, hybrid experts through pinned staging and CUDA-graph
 decode steps equal to eager ones."""
 import ctypes
+import time
 
 import pytest
 import torch
@@ -47,6 +48,55 @@ def test_host_functions_run_the_moe_call(dtype):
         staging.check_errors()
 
 
+def _word(address: int) -> ctypes.c_uint32:
+    return ctypes.c_uint32.from_address(address)
+
+
+def _ring_and_wait(staging, kernel, T, dtype, number=None, timeout=10.0):
+    """Do what the GPU stream does in doorbell mode: ring, wait for done, clear it."""
+    ring, done = staging.flags(kernel)
+    _word(ring).value = staging.number(kernel, T, dtype) if number is None else number
+    staging.wake()
+    deadline = time.monotonic() + timeout
+    while _word(done).value != 1:
+        assert time.monotonic() < deadline, "the doorbell never set done"
+        time.sleep(1e-4)
+    assert _word(ring).value == 0  # cleared by the doorbell before it set done
+    _word(done).value = 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_doorbell_runs_the_rung_call(dtype):
+    """The doorbell thread serves a ring as the stream would see it: y written before done, for
+    calls of several sizes on one layer's words; a bad id and a number naming no call are
+    recorded, and done is still set (the GPU never hangs)."""
+    runtime = CPURuntime(2)
+    kernels = [_kernel(runtime), _kernel(runtime, E=5)]
+    staging = HostStaging(runtime, pinned=False)
+    g = torch.Generator().manual_seed(2)
+    served = 0
+    for T in (1, 5, 3, 1):
+        for kernel in kernels:
+            x, ids, w, y, call = staging.prepare(kernel, T, dtype)
+            x.copy_(torch.randn(T, 256, generator=g))
+            ids.copy_(torch.stack([torch.randperm(kernel.experts, generator=g)[:2] for _ in range(T)]))
+            w.copy_(torch.rand(T, 2, generator=g))
+            y.fill_(float("nan"))
+            _ring_and_wait(staging, kernel, T, dtype)
+            served += 1
+            assert staging.doorbell.served == served
+            assert call.take_error() == ""
+            assert torch.equal(y, kernel.forward(x.clone(), ids.clone(), w.clone()))
+    ids[0, 0] = 7
+    _ring_and_wait(staging, kernels[1], 1, dtype)
+    staging.used.append((call, "layer 4 experts"))
+    with pytest.raises(ValueError, match=r"layer 4 experts: MoE: expert id 7 .* outside \[0, 5\)"):
+        staging.check_errors()
+    _ring_and_wait(staging, kernels[0], 1, dtype, number=10_000)
+    assert staging.doorbell.bad_rings == 1
+    assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
+
+
 def test_host_function_addresses_are_c_functions():
     ext = CPURuntime(1).ext
     assert isinstance(ext.moe_host_submit, int) and ext.moe_host_submit != ext.moe_host_wait
@@ -79,6 +129,34 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
             assert engine.graphs.batch_sizes == [1, 2]
     err = ((results[0] - results[1]).norm() / results[0].norm()).item()
     assert err < 1e-2, f"graph vs eager {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
+    """The two hand-offs of CPU experts fed from a GPU stream (kernels/cuda_host.py) give the same
+    logits, eagerly and replayed from CUDA graphs; the doorbell is what the stream used."""
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(10)).tolist()
+    results = {}
+    for mode in ("host", "doorbell"):
+        monkeypatch.setenv("KT_CUDA_HANDOFF", mode)
+        model = build_skeleton(hf.config, torch.bfloat16)
+        optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+        for graphs in (False, True):
+            engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
+            seq = engine.new_sequence()
+            out = [engine.prefill(seq, ids[:9])[0]] + [engine.decode(seq, t)[0] for t in ids[9:]]
+            results[mode, graphs] = torch.stack(out).float().cpu()
+        staging = engine.context._staging
+        assert set(staging.mode.values()) == {mode}
+        assert (staging.doorbell is not None) == (mode == "doorbell")
+        if mode == "doorbell":
+            assert staging.doorbell.served >= len(ids) and staging.doorbell.bad_rings == 0
+    for graphs in (False, True):
+        assert torch.equal(results["host", graphs], results["doorbell", graphs]), f"graphs={graphs}"
 
 
 @pytest.mark.gpu

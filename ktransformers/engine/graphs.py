@@ -169,6 +169,8 @@ class DecodeGraphs:
         if B not in self.segments[0].graphs:
             self._capture(batch, B)
         staging = self.engine.context._staging
+        if staging is not None:
+            staging.wake()  # CPU experts rung from the graph: their doorbell spins from now
         previous = ()
         for seg in self.segments:
             graph, static_in, outputs, calls = seg.graphs[B]

@@ -10,7 +10,9 @@ Environment, read here and nowhere else: KT_CPU_ISA=avx2|avx512|amx forces an IS
 use it to run every level the CPU has); KT_CPU_PREFETCH=<bytes>, how far ahead the tiled kernels
 prefetch weights (default 4096, 0: none; one page ahead measured best on the 16-core Sapphire
 Rapids host and no worse on the 2-core EPYC); KT_MOE_TASKS, tasks a thread per MoE phase
-(default 16); KT_CPU_SPIN_US, how long idle workers spin.
+(default 16); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
+experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
+host functions where the GPU lacks stream memory operations).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ ISA_ORDER = ("amx", "avx512", "avx2")  # best first
 # Mirrors csrc/quants.cpp's format table; the reference below rounds activations the same way.
 ACTIVATION_BLOCK = {0: None, 1: None, 30: None, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+HANDOFFS = ("doorbell", "host")  # KT_CUDA_HANDOFF: how a GPU stream starts and waits for CPU experts
 
 
 def _cpu_flags() -> set[str]:
@@ -113,6 +116,9 @@ class CPURuntime:
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
+        self.handoff = os.environ.get("KT_CUDA_HANDOFF", "doorbell").strip().lower()
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"KT_CUDA_HANDOFF={self.handoff!r}: valid values are {', '.join(HANDOFFS)}")
 
     def hold(self, *tensors) -> None:
         self._keep.extend(tensors)

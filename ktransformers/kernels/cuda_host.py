@@ -1,16 +1,26 @@
-"""CPU experts in order with a GPU stream: host functions, pinned staging buffers.
+"""CPU experts in order with a GPU stream: pinned staging buffers, and a hand-off the stream
+(and a CUDA graph captured from it) runs without Python.
 
 A MoE layer whose experts run on the CPU and whose activations live on a GPU is enqueued on the
 current CUDA stream as
 
-    copy x, ids, weights -> pinned buffers  |  host fn: submit the MoE job  |  (GPU work: shared
-    experts, hot experts)  |  host fn: wait for the job  |  copy y -> GPU
+    copy x, ids, weights -> pinned  |  start the CPU job  |  (GPU work: shared experts, hot
+    experts)  |  wait for the job  |  copy y -> GPU
 
 so Python never blocks on the GPU, the GPU runs the shared experts while the CPU computes, and a
-CUDA graph captured from the stream contains the whole step, CPU experts included. The host
-functions are plain C functions of the extension (`moe_host_submit` / `moe_host_wait`, no
-Python inside), enqueued with the driver's cuLaunchHostFunc through ctypes: the extension itself
-needs no CUDA to build.
+CUDA graph of the step contains the CPU experts too. Two ways to start and wait (KT_CUDA_HANDOFF,
+read in kernels/cpu.py):
+
+- `doorbell` (default): the stream writes the call's number into the layer's `ring` word in
+  pinned memory (cuStreamWriteValue32); the extension's Doorbell thread, polling the rings, runs
+  the call inline on the pool and sets the layer's `done` word, which the stream waits for
+  (cuStreamWaitValue32) and clears. No host-function node, no thread hand-off in between.
+- `host`: host functions (cuLaunchHostFunc) of the extension, `moe_host_submit` queueing the job
+  on the runtime's dispatcher and `moe_host_wait` waiting for it; the fallback where stream
+  memory operations do not work (checked once per device, eagerly and inside a graph).
+
+Both call plain C++ (no Python runs on the stream's behalf), through the driver's functions by
+ctypes: the extension itself needs no CUDA to build.
 
 One staging area serves every layer of a model: the stream runs the layers one after another,
 and each layer's job is waited for (on the stream) before the next layer's inputs are copied.
@@ -40,6 +50,73 @@ def _launch_host_func():
     return _driver_fn("cuLaunchHostFunc", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))
 
 
+def _driver_versioned(name: str, argtypes: tuple):
+    """`name`_v2 (what CUDA 12's headers call) where the driver has it, else `name`."""
+    try:
+        return _driver_fn(name + "_v2", argtypes)
+    except AttributeError:
+        return _driver_fn(name, argtypes)
+
+
+_MEMOP_ARGS = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+def stream_write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Enqueue: write the 32-bit `value` at `address` (pinned host memory) after the stream's earlier
+    work, behind a system-wide fence (the v2 API's only mode: it refuses NO_MEMORY_BARRIER)."""
+    rc = _driver_versioned("cuStreamWriteValue32", _MEMOP_ARGS)(
+        ctypes.c_void_p(stream.cuda_stream), address, value, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWriteValue32 failed (CUresult {rc})")
+
+
+def stream_wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Enqueue: hold the stream until the 32-bit word at `address` equals `value`."""
+    rc = _driver_versioned("cuStreamWaitValue32", _MEMOP_ARGS)(
+        ctypes.c_void_p(stream.cuda_stream), address, value, WAIT_EQ)
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {rc})")
+
+
+def device_address(host: int) -> int:
+    """The device's address of pinned host memory (under unified addressing, the same number)."""
+    fn = _driver_versioned("cuMemHostGetDevicePointer", (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint))
+    out = ctypes.c_uint64(0)
+    rc = fn(ctypes.byref(out), ctypes.c_void_p(host), 0)
+    if rc != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed (CUresult {rc}): is the memory pinned?")
+    return out.value
+
+
+@functools.lru_cache(maxsize=None)
+def stream_memops_work(device_index: int) -> str | None:
+    """None when cuStreamWriteValue32/cuStreamWaitValue32 on pinned memory work on this GPU, eagerly
+    and replayed from a CUDA graph; else why not."""
+    try:
+        with torch.cuda.device(device_index):
+            words = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+            base = device_address(words.data_ptr())
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                stream_write_value(stream, base, 1)
+                stream_wait_value(stream, base, 1)
+                stream_write_value(stream, base + 4, 7)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                stream_write_value(stream, base + 8, 3)
+                stream_wait_value(stream, base + 8, 3)
+                stream_write_value(stream, base + 12, 5)
+            graph.replay()
+            torch.cuda.synchronize()
+            if words[:4].tolist() != [1, 7, 3, 5]:
+                return f"the words read {words[:4].tolist()}, expected [1, 7, 3, 5]"
+    except Exception as e:  # noqa: BLE001 - any failure means: use host functions
+        return str(e)
+    return None
+
+
 def launch_host_func(fn: int, data: int, stream: torch.cuda.Stream | None = None) -> None:
     """Enqueue the C function `fn(data)` on a CUDA stream (default: the current one)."""
     stream = stream or torch.cuda.current_stream()
@@ -54,16 +131,25 @@ def call_host_func(fn: int, data: int) -> None:
 
 
 class HostStaging:
-    """Pinned buffers for one MoE call at a time (x, ids, weights, y) and the extension's
-    MoEHostCall objects pointing at them, one per (kernel, token count, dtype)."""
+    """Pinned buffers for one MoE call at a time (x, ids, weights, y), the extension's MoEHostCall
+    objects pointing at them, one per (kernel, token count, dtype), and in doorbell mode each
+    kernel's ring/done words and the Doorbell thread that watches them."""
+
+    WORD_STRIDE = 16  # int32 words between two flags: ring and done of a layer sit on cache lines of their own
+    FLAG_CHUNK = 256  # layers' flag pairs per pinned chunk (chunks are never moved: graphs hold their addresses)
 
     def __init__(self, runtime, pinned: bool = True):
         self.runtime = runtime
         self.pinned = pinned
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._calls: dict[tuple, object] = {}
+        self._calls: dict[tuple, tuple] = {}
         self._retired: list = []
         self.used: list = []  # the calls enqueued since the last check_errors()
+        self.doorbell = None  # the extension's Doorbell, once a kernel is fed in doorbell mode
+        self._flags: dict[int, tuple[int, int, object]] = {}  # id(kernel) -> (ring, done) host addresses, kernel
+        self._flag_chunks: list[torch.Tensor] = []
+        self._free_flags = 0
+        self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
         item = torch.tensor([], dtype=dtype).element_size()
@@ -85,17 +171,71 @@ class HostStaging:
 
     def prepare(self, kernel, tokens: int, dtype: torch.dtype):
         """(x, ids, weights, y) pinned views and the MoEHostCall that reads/writes them."""
-        from .cpu import _DTYPE_CODE
         x, ids, weights, y = self._views(tokens, kernel.hidden, kernel.top_k, dtype)
+        return (x, ids, weights, y, self._call(kernel, tokens, dtype, x, ids, weights, y)[0])
+
+    def _call(self, kernel, tokens, dtype, x, ids, weights, y) -> tuple:
+        """(MoEHostCall, kernel, its doorbell number or 0) for this buffer."""
+        from .cpu import _DTYPE_CODE
         key = (id(kernel), tokens, dtype, self._buffer.data_ptr())
-        call = self._calls.get(key)
-        if call is None:
+        entry = self._calls.get(key)
+        if entry is None:
             call = self.runtime.ext.MoEHostCall(kernel._moe, self.runtime._rt, tokens, ids.data_ptr(),
                                                 weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[dtype])
-            self._calls[key] = (call, kernel)  # (the kernel is kept alive with its call)
-        else:
-            call = call[0]
-        return x, ids, weights, y, call
+            entry = self._calls[key] = (call, kernel, 0)  # (the kernel is kept alive with its call)
+        return entry
+
+    def handoff(self, device: torch.device) -> str:
+        """How calls fed from this GPU start and finish: 'doorbell' or 'host' (see the module doc)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.mode and torch.cuda.is_current_stream_capturing():
+            return "host"  # (no probe inside a capture; engines warm up eagerly first, so this is rare)
+        if index not in self.mode:
+            mode = self.runtime.handoff
+            if mode == "doorbell" and self.pinned:
+                why = stream_memops_work(index)
+                if why is not None:
+                    import warnings
+                    warnings.warn(f"CPU experts on cuda:{index}: stream memory operations do not work ({why}); "
+                                  "using host functions", stacklevel=3)
+                    mode = "host"
+            self.mode[index] = mode if self.pinned else "host"
+        return self.mode[index]
+
+    def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
+        """The doorbell number of the call for these views (registering it on first use)."""
+        key = (id(kernel), tokens, dtype, self._buffer.data_ptr())
+        call, kernel_, number = self._calls[key]
+        if not number:
+            number = self._bell().add(call)
+            self._calls[key] = (call, kernel_, number)
+        return number
+
+    def flags(self, kernel) -> tuple[int, int]:
+        """(ring, done) host addresses of the kernel's words, watched by the doorbell."""
+        entry = self._flags.get(id(kernel))
+        if entry is None:
+            if self._free_flags == 0:
+                self._flag_chunks.append(torch.zeros(2 * self.FLAG_CHUNK * self.WORD_STRIDE, dtype=torch.int32,
+                                                     pin_memory=self.pinned))
+                self._free_flags = self.FLAG_CHUNK
+            chunk, k = self._flag_chunks[-1], self.FLAG_CHUNK - self._free_flags
+            self._free_flags -= 1
+            ring = chunk.data_ptr() + 2 * k * self.WORD_STRIDE * 4
+            done = ring + self.WORD_STRIDE * 4
+            self._bell().watch(ring, done)
+            entry = self._flags[id(kernel)] = (ring, done, kernel)
+        return entry[0], entry[1]
+
+    def _bell(self):
+        if self.doorbell is None:
+            self.doorbell = self.runtime.ext.Doorbell(self.runtime._rt)
+        return self.doorbell
+
+    def wake(self) -> None:
+        """A step is about to run: let the doorbell spin (no-op in host mode)."""
+        if self.doorbell is not None:
+            self.doorbell.wake()
 
     def check_errors(self) -> None:
         """Raise the first error a host call recorded (after the stream ran them)."""
@@ -123,8 +263,19 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     wp.copy_(weights.to(torch.float32), non_blocking=True)
     ext = kernel.runtime.ext
     stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
-    launch_host_func(ext.moe_host_submit, call.address, stream)
     staging.used.append((call, kernel.name))
+    if staging.handoff(x.device) == "doorbell":
+        number = staging.number(kernel, T, dtype)
+        ring, done = staging.flags(kernel)
+        stream_write_value(stream, device_address(ring), number)  # (fenced: the copies land first)
+        staging.wake()
+
+        def wait_doorbell() -> torch.Tensor:
+            stream_wait_value(stream, device_address(done), 1)
+            stream_write_value(stream, device_address(done), 0)
+            return yp.to(x.device, non_blocking=True).to(out_dtype)
+        return wait_doorbell
+    launch_host_func(ext.moe_host_submit, call.address, stream)
 
     def wait() -> torch.Tensor:
         launch_host_func(ext.moe_host_wait, call.address, stream)
