@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -87,6 +88,21 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  });
              }, py::call_guard<py::gil_scoped_release>(),
              "Rows of a ggml type repacked into its 16-row tiled layout (same byte count), on the pool")
+        .def("copy", [](Runtime& r, uintptr_t dst, uintptr_t src, size_t bytes) {
+                 if (!dst || !src) throw std::invalid_argument("copy: null address");
+                 if ((dst < src && dst + bytes > src) || (src < dst && src + bytes > dst))
+                     throw std::invalid_argument("copy: the source and destination overlap");
+                 constexpr size_t kChunk = size_t(2) << 20;  // 2 MiB a task: every thread streams its own pages
+                 const size_t tasks = (bytes + kChunk - 1) / kChunk;
+                 if (tasks > size_t(INT32_MAX)) throw std::invalid_argument("copy: too many bytes");
+                 r.run_inline([&] {
+                     r.pool().parallel_for((int)tasks, [&](int task, int) {
+                         const size_t at = (size_t)task * kChunk, n = std::min(kChunk, bytes - at);
+                         std::memcpy((uint8_t*)dst + at, cptr<uint8_t>(src) + at, n);
+                     });
+                 });
+             }, py::call_guard<py::gil_scoped_release>(),
+             "memcpy on the pool (sizes checked by the Python caller): e.g. mapped file -> pinned staging")
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
                  r.sync();  // the pool is free once queued jobs are done
                  return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);

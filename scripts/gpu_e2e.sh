@@ -8,7 +8,10 @@
 #      builds ours, writes /tmp/q3-48.gguf, runs the CUDA hand-off tests meanwhile (TESTS=0: not),
 #      then, the build done, bench.handoff.
 #   2) PART=bench bash scripts/gpu_e2e.sh   bench.e2e with llama-bench beside it (doorbell hand-off),
-#      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B.
+#      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B (HOST_AB=0: not), and
+#      decode at the thread counts of THREAD_SWEEP (e.g. "15 16").
+# PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
+# tests run while llama.cpp builds).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -17,7 +20,8 @@ THREADS=${THREADS:-14}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
 LLAMA=/tmp/llama/llama.cpp/build/bin/llama-bench
-if [ "${PART:-prep}" = prep ]; then
+PART=${PART:-prep}
+if [ "$PART" = prep ] || [ "$PART" = all ]; then
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; } | tee "$OUT/machine.txt"
   mkdir -p /tmp/llama && tar xzf .peer/llama.tar.gz -C /tmp/llama
   setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
@@ -26,21 +30,32 @@ if [ "${PART:-prep}" = prep ]; then
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
   python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3-48.gguf > "$OUT/synth.txt" 2>&1 &
   if [ "${TESTS:-1}" != 0 ]; then
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" ${TEST_FILES:-tests/test_cuda_host.py tests/test_gpu_rules.py} \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu or triton}" \
+        ${TEST_FILES:-tests/test_cuda_host.py tests/test_gpu_rules.py} \
         2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
   fi
   wait
   for _ in $(seq 120); do [ -f /tmp/llama_done ] && break; sleep 5; done
   cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"; tail -1 "$OUT/synth.txt"
-  python3 -m ktransformers.bench.handoff --threads "$THREADS" ${HANDOFF_ARGS:-} 2>"$OUT/handoff.err" | tee "$OUT/handoff.txt"
-  tail -3 "$OUT/handoff.err"
-else
+  if [ "${HANDOFF:-1}" != 0 ]; then
+    python3 -m ktransformers.bench.handoff --threads "$THREADS" ${HANDOFF_ARGS:-} 2>"$OUT/handoff.err" | tee "$OUT/handoff.txt"
+    tail -3 "$OUT/handoff.err"
+  fi
+fi
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
   [ -f "$LLAMA" ] || { echo "no llama-bench: run PART=prep first"; exit 1; }
-  python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+  [ "$PART" = bench ] && { python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }; }
   python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 --decode 64 \
       --llama-bench "$LLAMA" ${E2E_ARGS:-} 2>"$OUT/e2e.err" | tee "$OUT/e2e.txt"
   tail -3 "$OUT/e2e.err"
-  echo "# KT_CUDA_HANDOFF=host" | tee -a "$OUT/e2e.txt"
-  KT_CUDA_HANDOFF=host python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 \
-      --decode 64 --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
+  for t in ${THREAD_SWEEP:-}; do  # decode at other thread counts (ours only)
+    echo "# --threads $t" | tee -a "$OUT/e2e.txt"
+    python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$t" --repeats 1 --decode 64 --prompts 512 \
+        2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
+  done
+  if [ "${HOST_AB:-1}" != 0 ]; then
+    echo "# KT_CUDA_HANDOFF=host" | tee -a "$OUT/e2e.txt"
+    KT_CUDA_HANDOFF=host python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 \
+        --decode 64 --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
+  fi
 fi

@@ -6,6 +6,7 @@ references: one that rounds activations the same way (checks the kernel's arithm
 and KExpertsTorch's float formula on the dequantized weights (checks the overall error)."""
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -409,3 +410,17 @@ def test_rope_write_attend_gqa(runtime, heads, kv_heads, d, L):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     with pytest.raises(ValueError, match="outside"):
         rope_write_attend_gqa(runtime, q, k, v, cos, sin, k_cache, v_cache, total, slots, d ** -0.5)
+
+
+def test_runtime_copy_moves_every_byte():
+    """CPURuntime.copy (the pool's memcpy, mapped file -> pinned staging) at sizes around its
+    2 MiB task size; a size mismatch raises before anything is copied."""
+    runtime = CPURuntime(2)
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 4095, 2 << 20, (5 << 20) + 17):
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        runtime.copy(dst, src.numpy())
+        assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="copy: 5 source bytes into a 4-byte destination"):
+        runtime.copy(torch.zeros(4, dtype=torch.uint8), np.zeros(5, dtype=np.uint8))

@@ -49,7 +49,12 @@ def test_cpu_rules_count_the_mapped_file(qwen3):
 def test_gpu_rules_put_dense_parts_and_cache_on_the_gpu(qwen3):
     path, config = qwen3
     kinds = memory(path, config, GPU_RULES["qwen3_moe"]).per_device_kind()
-    assert kinds["cpu"] == {"experts (mapped file)": stored_bytes(path, "_exps.")}
+    src = GGUFSource(path)
+    layers = [sum(tensor_nbytes(t.ggml_type, math.prod(t.shape)) for n, t in src.files.tensors.items()
+                  if n.startswith(f"blk.{i}.") and "_exps." in n) for i in range(config.num_hidden_layers)]
+    # layer-wise prefill stages two layers' stored experts in page-locked RAM
+    assert kinds["cpu"] == {"experts (mapped file)": stored_bytes(path, "_exps."),
+                            "layer-wise prefill staging (pinned)": 2 * max(layers)}
     gpu = kinds["cuda:0"]
     assert gpu["KV cache"] > 0 and gpu["graph buffers"] > 0 and gpu["layer-wise prefill buffers"] > 0
     # Q4_K attention projections become int4 + 8 bytes of scale/offset per 32 weights

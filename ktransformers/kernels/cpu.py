@@ -129,6 +129,15 @@ class CPURuntime:
         finally:
             self._keep.clear()
 
+    def copy(self, dst: torch.Tensor, src) -> None:
+        """dst[:] = src's bytes, copied by every pool thread (src: a contiguous CPU tensor or
+        numpy array, e.g. a view of the mapped GGUF; dst: a contiguous CPU tensor of as many bytes)."""
+        (d, nd), (s, ns) = _address(dst), _address(src)
+        if nd != ns:
+            raise ValueError(f"copy: {ns} source bytes into a {nd}-byte destination")
+        if nd:
+            self._rt.copy(d, s, nd)
+
 
 def _address(data) -> tuple[int, int]:
     """(address, byte count) of a contiguous uint8 numpy array or torch tensor."""

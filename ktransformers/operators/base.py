@@ -102,6 +102,7 @@ class RunContext:
         self.cpu_tiles = cpu_tiles
         self._cpu = None
         self._staging = None
+        self._pinned_slots = None
         self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)
         self.cache = None  # a cache.PagedCache
         self.batch = None  # the cache.ForwardBatch of the forward in flight
@@ -118,6 +119,13 @@ class RunContext:
             from ..kernels.cuda_host import HostStaging
             self._staging = HostStaging(self.cpu_runtime(), pinned=torch.cuda.is_available())
         return self._staging
+
+    def pinned_slots(self):
+        """The page-locked buffers layer-wise prefill stages experts in (operators/experts.py)."""
+        if self._pinned_slots is None:
+            from .experts import PinnedSlots
+            self._pinned_slots = PinnedSlots()
+        return self._pinned_slots
 
     def check_host_errors(self) -> None:
         """Raise what a CPU job run from a CUDA stream failed with (call after the stream ran)."""

@@ -214,13 +214,35 @@ class KExpertsGPU:
 EXPERT_OPS.register("KExpertsMarlin")(KExpertsGPU)  # upstream's name for GPU experts
 
 
+class PinnedSlots:
+    """Two page-locked host buffers that layer-wise prefill stages a layer's stored experts in,
+    alternately: the CPU pool copies the next layer's bytes from the mapped file into one while
+    the other's copy to the GPU (from pinned memory: at the bus's speed, and asynchronous) may
+    still be in flight. Shared by a model's MoE layers (RunContext.pinned_slots)."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]  # the CUDA event of each buffer's last copy to the GPU
+        self.turn = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(index, a pinned uint8 buffer of at least nbytes) whose previous copy has finished."""
+        i, self.turn = self.turn, 1 - self.turn
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        if self.buffers[i] is None or self.buffers[i].numel() < nbytes:
+            self.buffers[i] = None  # (free the smaller one first)
+            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return i, self.buffers[i]
+
+
 class LayerwisePrefill:
     """Long prompts on the GPU although the experts live in RAM: the layer's expert tensors, as
-    stored (GGML blocks, 4-6 bits a weight), are copied to the GPU on a copy stream — the next
-    layer's while this one computes (double buffer) — dequantized there to bf16 and run by the
-    fused-MoE kernel. Worth it when the prompt is long enough that compute, not the copy, is
-    the cost (`prefill_gpu_threshold` tokens). (Copies are from pageable memory: page-locking the
-    mapped file in place with cuMemHostRegister made copies fail on the GPU host; to revisit.)"""
+    stored (GGML blocks, 4-6 bits a weight), are copied to the GPU — the next layer's while this
+    one computes — dequantized there to bf16 and run by the fused-MoE kernel. Worth it when the
+    prompt is long enough that compute, not the copy, is the cost (`prefill_gpu_threshold`
+    tokens). The bytes go mapped file -> pinned staging (PinnedSlots, copied by the CPU pool) ->
+    GPU on a copy stream: pageable memory reached the GPU at ~5 GB/s, one driver thread staging it."""
 
     def __init__(self, spec: ExpertSpec, device: torch.device):
         self.spec, self.key, self.device = spec, spec.key, device
@@ -228,8 +250,10 @@ class LayerwisePrefill:
         self.next: LayerwisePrefill | None = None  # the following MoE layer, prefetched while this one runs
         self._pending = None  # (event, gpu byte tensors) of a copy in flight
         self._stream = None
+        self._context = None
 
-    def load(self, weights) -> None:
+    def load(self, weights, context=None) -> None:
+        self._context = context
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
             stored = weights.raw_stacked(f"{self.key}.{proj}_proj")
@@ -238,15 +262,32 @@ class LayerwisePrefill:
             data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
             self.parts.append((data, int(stored[1].ggml_type), shape))
 
+    def _staged(self) -> tuple[int, list[torch.Tensor]]:
+        """(slot, this layer's bytes in that pinned buffer, one view a part), copied by the CPU pool."""
+        slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
+        sizes = [data.numel() for data, _, _ in self.parts]
+        slot, buffer = slots.take(sum(sizes))
+        views, at = [], 0
+        for (data, _, _), n in zip(self.parts, sizes):
+            views.append(buffer[at:at + n])
+            runtime.copy(views[-1], data)
+            at += n
+        return slot, views
+
     def _copy(self):
         """Start copying this layer's bytes to the GPU on the copy stream; (event, tensors)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
+        slot, sources = None, [data for data, _, _ in self.parts]
+        if self._context is not None and torch.cuda.is_available():
+            slot, sources = self._staged()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            on_gpu = [data.to(self.device, non_blocking=True) for data, _, _ in self.parts]
+            on_gpu = [data.to(self.device, non_blocking=True) for data in sources]
             event = torch.cuda.Event()
             event.record(self._stream)
+        if slot is not None:  # the staging buffer may be refilled once this copy is done
+            self._context.pinned_slots().events[slot] = event
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +295,6 @@ class LayerwisePrefill:
         event, on_gpu = self._pending or self._copy()
         self._pending = None
         torch.cuda.current_stream(self.device).wait_event(event)
-        if self.next is not None:  # the next layer's copy runs while this layer computes
-            self.next._pending = self.next._copy()
         (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
         bf16 = torch.bfloat16
         gate_up = torch.cat([dequantize(g, tg, sg, bf16), dequantize(u, tu, su, bf16)], 1)
@@ -264,7 +303,10 @@ class LayerwisePrefill:
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from ..kernels.triton.fused_moe import fused_moe
         gate_up, down = self._weights()
-        return fused_moe(x.to(self.device), ids.to(self.device), weights.to(self.device), gate_up, down)
+        y = fused_moe(x.to(self.device), ids.to(self.device), weights.to(self.device), gate_up, down)
+        if self.next is not None:  # the next layer's bytes are staged and copied while this one computes
+            self.next._pending = self.next._copy()
+        return y
 
 
 @dataclass(frozen=True)
@@ -342,7 +384,7 @@ class KTransformersExperts(BaseInjectedModule):
             self.hot.load(self.weights, self.run_context())
             self.hot_mask = self.hot_mask.to(self.hot.device)
         if self.layerwise is not None:
-            self.layerwise.load(self.weights)
+            self.layerwise.load(self.weights, self.run_context())
 
     def unload(self) -> None:
         for op in self.ops.values():

@@ -147,6 +147,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
 
     done_experts = set()
     layerwise: dict[str, float] = {}
+    staging = 0.0
     attention = {r.name: r for r in rows if r.cls is not None and r.operator.endswith("Attention")}
     for name, p in model.named_parameters():
         row = owner(name)
@@ -182,6 +183,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
                 # transient, the largest layer: one layer dequantized to bf16 + two layers' stored bytes in flight
                 need = numel * 2 + 2 * (stored or numel * 2)
                 layerwise[out_device] = max(layerwise.get(out_device, 0), need)
+                staging = max(staging, 2 * (stored or numel * 2))  # two layers' bytes in pinned RAM
         else:
             mem.add(device, "weights", numel * dbytes)
         mla = attention.get(name.rpartition(".kv_b_proj.")[0]) if ".kv_b_proj." in name else None
@@ -189,6 +191,8 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             mem.add(mla.device, "weights", numel * 4)  # W_uk / W_uv kept in float32 for absorption
     for device, need in layerwise.items():
         mem.add(device, "layer-wise prefill buffers", need)
+    if staging:
+        mem.add("cpu", "layer-wise prefill staging (pinned)", staging)
     if cache_lens:  # each layer's pages live on its attention's device
         capacity = -(-cache_lens // page_size) * page_size
         per_token = cache_values_per_token(config)
