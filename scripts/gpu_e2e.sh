@@ -11,7 +11,7 @@
 #      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B (HOST_AB=0: not), and
 #      decode at the thread counts of THREAD_SWEEP (e.g. "15 16").
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
-# tests run while llama.cpp builds).
+# tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -23,8 +23,8 @@ LLAMA=/tmp/llama/llama.cpp/build/bin/llama-bench
 PART=${PART:-prep}
 if [ "$PART" = prep ] || [ "$PART" = all ]; then
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; } | tee "$OUT/machine.txt"
-  mkdir -p /tmp/llama && tar xzf .peer/llama.tar.gz -C /tmp/llama
-  setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+  [ "${NO_LLAMA:-0}" = 1 ] || { mkdir -p /tmp/llama && tar xzf .peer/llama.tar.gz -C /tmp/llama; }
+  [ "${NO_LLAMA:-0}" = 1 ] || setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/llama_cmake.log 2>&1 \
       && cmake --build build -j16 --target llama-bench > /tmp/llama_build.log 2>&1; echo "llama build rc $?" > /tmp/llama_done' &
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
@@ -35,18 +35,23 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
         2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
   fi
   wait
-  for _ in $(seq 120); do [ -f /tmp/llama_done ] && break; sleep 5; done
-  cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"; tail -1 "$OUT/synth.txt"
+  if [ "${NO_LLAMA:-0}" != 1 ]; then
+    for _ in $(seq 120); do [ -f /tmp/llama_done ] && break; sleep 5; done
+    cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"
+  fi
+  tail -1 "$OUT/synth.txt"
   if [ "${HANDOFF:-1}" != 0 ]; then
     python3 -m ktransformers.bench.handoff --threads "$THREADS" ${HANDOFF_ARGS:-} 2>"$OUT/handoff.err" | tee "$OUT/handoff.txt"
     tail -3 "$OUT/handoff.err"
   fi
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
-  [ -f "$LLAMA" ] || { echo "no llama-bench: run PART=prep first"; exit 1; }
+  PEER=(--llama-bench "$LLAMA")
+  [ "${NO_LLAMA:-0}" = 1 ] && PEER=()
+  [ "${NO_LLAMA:-0}" = 1 ] || [ -f "$LLAMA" ] || { echo "no llama-bench: run PART=prep first"; exit 1; }
   [ "$PART" = bench ] && { python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }; }
   python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 --decode 64 \
-      --llama-bench "$LLAMA" ${E2E_ARGS:-} 2>"$OUT/e2e.err" | tee "$OUT/e2e.txt"
+      "${PEER[@]}" ${E2E_ARGS:-} 2>"$OUT/e2e.err" | tee "$OUT/e2e.txt"
   tail -3 "$OUT/e2e.err"
   for t in ${THREAD_SWEEP:-}; do  # decode at other thread counts (ours only)
     echo "# --threads $t" | tee -a "$OUT/e2e.txt"

@@ -59,6 +59,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 BACKENDS = ("auto", "torch", "triton")
 
+# Up to this many tokens a step's q/k norms and RoPE run in one Triton launch (decode-sized:
+# the ~14 small torch ops cost more than the work); longer steps keep torch's ops
+TRITON_ROPE_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class AttentionOptions(Placement):
@@ -244,10 +248,13 @@ class KGQAAttention(_CachedAttention):
         sliding = layer_types is None or layer_types[self.layer_idx] == "sliding_attention"
         self.window = getattr(config, "sliding_window", None) if sliding else None
         self._runtime = None  # the CPU runtime, for the C++ decode path (set by load() on the CPU)
+        self.triton_rope = False  # set by load(): q/k norms and RoPE in one Triton launch here
 
     def load(self) -> None:
+        from ..kernels.triton.common import runs_on
         self._choose_backend()
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
+        self.triton_rope = runs_on(self.device)
 
     def _decode_all(self, queries, batch) -> torch.Tensor:
         """Triton: every sequence's query against its K/V history in place."""
@@ -283,24 +290,60 @@ class KGQAAttention(_CachedAttention):
         q = self.q_proj(hidden_states).view(B, S, -1, d)
         k = self.k_proj(hidden_states).view(B, S, -1, d)
         v = self.v_proj(hidden_states).view(B, S, -1, d)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         batch = self.context.batch if self.context is not None else None
         one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
         caches = self._cpp_cache() if one_token_each and cos.shape[-1] == d and cos.dtype == torch.float32 else None
         if caches is not None:  # RoPE, cache write and attention in one C++ call per sequence
+            q, k = self._qk_norm(q, k)
             outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],
                                           sin[0, t], *caches, int(batch.slots[t]), batch.read_slots[i], self.scaling)
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, S, heads, d] as they are
+        q, k = self._norm_rope(q, k, cos, sin)  # [B, S, heads, d] as they are
         dev = self.device
         q = q.reshape(B * S, -1, d).to(dev)
         k = k.reshape(B * S, -1, d).to(dev)
         out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S)  # [T, h, d]
         return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorms of q and k [B, S, heads, d], where the model has them."""
+        if hasattr(self, "q_norm"):
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def _norm_rope(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norms and RoPE: one Triton launch for both q and k of a decode-sized step where
+        Triton runs (the norms fused when they are KRMSNorms of q's dtype), else torch's ops."""
+        B, S, _, d = q.shape
+        if not (self.triton_rope and B * S <= TRITON_ROPE_TOKENS and q.device == cos.device == sin.device
+                and cos.shape[1:] == (S, d) and cos.shape[0] in (1, B)
+                and sin.shape == cos.shape and sin.dtype == cos.dtype and q.dtype == k.dtype):
+            q, k = self._qk_norm(q, k)
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        from ..kernels.triton.norm_rope import qk_norm_rope
+        cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for every row: stride 0
+        norms = self._fusable_norms(q)
+        if norms is None:
+            q, k = self._qk_norm(q, k)
+            return qk_norm_rope(q, k, cos, sin)
+        return qk_norm_rope(q, k, cos, sin, *norms)
+
+    def _fusable_norms(self, q: torch.Tensor):
+        """(q weight, k weight, (q eps, k eps)) when both norms are KRMSNorms the RoPE kernel can run
+        (weights [d] of q's dtype on q's device), (None, None, eps) without norms, else None."""
+        from .layernorm import KRMSNorm
+        if not hasattr(self, "q_norm"):
+            return None, None, (1e-6, 1e-6)
+        qn, kn = self.q_norm, self.k_norm
+        if not (isinstance(qn, KRMSNorm) and isinstance(kn, KRMSNorm)):
+            return None
+        if any(n.weight is None or n.weight.dtype != q.dtype or n.weight.device != q.device
+               or n.weight.shape != (q.shape[-1],) for n in (qn, kn)):
+            return None
+        return qn.weight, kn.weight, (qn.eps, kn.eps)
 
     def _attend(self, q, k, v, start: int) -> torch.Tensor:
         """q [q, h, d], k/v [L, kv_heads, d] -> [q, h, d] (float32 math). The g = h / kv_heads

@@ -4,7 +4,8 @@ forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], t
 - KMoEGate: DeepSeek-V3 — sigmoid scores, + e_score_correction_bias for the choice only, group
   top-k (best `topk_group` of `n_group` groups by the sum of their top-2), weights from the raw
   scores, optionally normalized, times routed_scaling_factor.
-- KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized.
+- KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized; for
+  decode-sized steps where Triton runs, in one launch (kernels/triton/router.softmax_topk).
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from torch import nn
 
 from .base import BaseInjectedModule
 from .registry import register_operator
+
+# Up to this many tokens the softmax top-k epilogue runs as one Triton launch (torch's softmax,
+# topk, sum and division are ~6 launches); longer steps keep torch's ops
+TRITON_ROUTE_TOKENS = 64
 
 
 def route_sigmoid_grouped(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
@@ -103,9 +108,27 @@ class KMoEGateSoftmax(_Router):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.norm = getattr(orig_module, "norm_topk_prob", True)  # Mixtral always renormalizes
         self.cast_back = hasattr(orig_module, "norm_topk_prob")  # Qwen casts weights to the logits' dtype
+        self.triton_route = None  # set by load() where Triton runs: kernels.triton.router.softmax_topk
+
+    def load(self) -> None:
+        from ..kernels.triton.common import runs_on
+        super().load()
+        self.triton_route = None
+        # not beside the C++ router GEMV: the CPU decode layer repeats torch's epilogue bit for bit
+        if runs_on(self.device) and self.kernel is None:
+            from ..kernels.triton import router
+            if self.weight_shape[0] <= router.MAX_EXPERTS and self.top_k <= min(router.MAX_K, self.weight_shape[0]):
+                self.triton_route = router.softmax_topk
+
+    def unload(self) -> None:
+        super().unload()
+        self.triton_route = None
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
         logits = self.logits(x).to(x.dtype)
+        if self.triton_route is not None and logits.shape[0] <= TRITON_ROUTE_TOKENS:
+            out_dtype = logits.dtype if self.cast_back else torch.float32
+            return logits, *self.triton_route(logits, self.top_k, self.norm, out_dtype)
         weights, index = route_softmax(logits, top_k=self.top_k, norm=self.norm)
         return logits, weights.to(logits.dtype) if self.cast_back else weights, index

@@ -1,6 +1,8 @@
 """RMSNorm as one fused torch op (`F.rms_norm`) in place of transformers' five-op version: a
 decode step runs 2-4 norms per layer on a single token, where per-op overhead is the cost.
-Same function: x * rsqrt(mean(x^2) + eps) in float32, cast back, times the weight."""
+Same function: x * rsqrt(mean(x^2) + eps) in float32, cast back, times the weight. Decode-sized
+inputs run it in one Triton launch where Triton runs (kernels/triton/norm_rope), float32 ones on
+the CPU in the C++ row norm."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,9 @@ from torch import nn
 from ..kernels.cpu import rms_norm
 from .base import BaseInjectedModule
 from .registry import OPERATORS
+
+# Decode-sized: up to 64 tokens' rows, or the per-head rows (q/k norms) of fewer tokens
+TRITON_ROWS = 4096
 
 
 class KRMSNorm(BaseInjectedModule):
@@ -21,20 +26,28 @@ class KRMSNorm(BaseInjectedModule):
             raise ValueError(f"{key}: {type(orig_module).__name__} is not an RMSNorm (needs a 1-D weight and an eps)")
         self.shape, self.eps, self.dtype = tuple(weight.shape), float(eps), weight.dtype
         self.weight = self.ext = None
+        self.triton_norm = None  # set by load() where Triton runs: kernels.triton.norm_rope.rms_norm
 
     def load(self) -> None:
+        from ..kernels.triton.common import runs_on
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.dtype, shape=self.shape)
-        self.ext = None
+        self.ext = self.triton_norm = None
+        if runs_on(self.device):
+            from ..kernels.triton.norm_rope import rms_norm as triton_norm
+            self.triton_norm = triton_norm
         if self.device.type == "cpu" and self.dtype == torch.float32 and len(self.shape) == 1:
             self.ext = self.run_context().cpu_runtime().ext  # the C++ row norm for decode-sized inputs
 
     def unload(self) -> None:
-        self.weight = self.ext = None
+        self.weight = self.ext = self.triton_norm = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states.numel() // self.shape[0]
         if (self.ext is not None and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
-                and hidden_states.numel() <= 64 * self.shape[0]):
+                and rows <= 64):
             return rms_norm(self.ext, hidden_states, self.weight, self.eps)
+        if self.triton_norm is not None and rows <= TRITON_ROWS and hidden_states.device == self.weight.device:
+            return self.triton_norm(hidden_states, self.weight, self.eps)
         if hidden_states.dtype == torch.float32:
             return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
         normed = F.rms_norm(hidden_states.float(), self.shape, None, self.eps)

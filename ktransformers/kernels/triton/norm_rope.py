@@ -1,0 +1,175 @@
+"""RMSNorm, and Qwen3's per-head q/k norms fused with RoPE, each in one launch: a decode step runs
+these on one token per sequence, where the four to ten small torch ops each one costs are the time.
+
+Shapes: rows [.., D] (D = H for the layer norms, d = head_dim for q/k); q [B, S, h, d],
+k [B, S, h_kv, d], cos/sin [B, S, d] (HF's rotate_half convention).
+
+Roundings follow the torch references step by step (HF's RMSNorm: float32 norm, cast to the
+input's dtype, times the weight in float32 rounded to the result dtype; RoPE: q*cos and
+rotate_half(q)*sin each rounded, then their sum), so in bf16 the results equal torch's except
+where a different float32 summation order of mean(x^2) moves a value across a rounding step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KRMSNorm's torch path: rows of x [.., D] normalized, times weight [D]."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6)):
+    """Optional per-head RMSNorm of q and k, then transformers' RoPE on [B, S, heads, d]."""
+    if q_weight is not None:
+        q, k = rms_norm_reference(q, q_weight, eps[0]), rms_norm_reference(k, k_weight, eps[1])
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+
+
+@triton.jit
+def round_to(x, TY: tl.constexpr):
+    """float32 x rounded to the nearest TY value (ties to even), kept in float32, as torch rounds.
+    bf16 by bits: Triton's interpreter truncates a float32 -> bf16 cast where the GPU rounds."""
+    if TY == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 (a NaN stays a NaN)
+    elif TY == tl.float32:
+        return x
+    else:
+        return x.to(TY).to(tl.float32)
+
+
+@triton.jit
+def _normalize(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
+    """float32 row x (zero past D) -> weight * (x * rsqrt(mean(x^2) + eps) as ROUND_TY), as OUT_TY."""
+    r = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
+    return round_to(w * round_to(x * r, ROUND_TY), OUT_TY)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, s_x, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + row * s_x + d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    y = _normalize(x, w, D, eps, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [R, D] with unit element stride (a view when the strides allow one, else a copy)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of x [.., D] (bf16/fp16/fp32, any leading dims) normalized, times weight [D]; the result
+    has torch's promoted dtype of x and weight, as rms_norm_reference."""
+    D = x.shape[-1]
+    if weight.shape != (D,) or weight.device != x.device or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: weight must be a contiguous [{D}] on {x.device}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    rows = _rows(x)
+    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    if rows.shape[0]:
+        block = triton.next_power_of_2(D)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), float(eps), BLOCK_D=block,
+                                           num_warps=_warps(block))
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
+                         Hq, Hk, S, half, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
+                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+    """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row is read as its
+    two rotary halves, so rotate_half is a swap of registers."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    is_q = j < Hq
+    h = tl.where(is_q, j, j - Hq).to(tl.int64)
+    b, s = t // S, t % S
+    i = tl.arange(0, BLOCK_HALF)
+    m = i < half
+    if is_q:
+        src, w_ptr, dst, eps = q_ptr + t * s_qt + h * s_qh, qw_ptr, qo_ptr + (t * Hq + h) * 2 * half, q_eps
+    else:
+        src, w_ptr, dst, eps = k_ptr + t * s_kt + h * s_kh, kw_ptr, ko_ptr + (t * Hk + h) * 2 * half, k_eps
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
+    if NORM:  # both halves' squares in one reduction
+        r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * half) + eps)
+        ty = q_ptr.dtype.element_ty
+        x1 = round_to(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * round_to(x1 * r, ty), ty)
+        x2 = round_to(tl.load(w_ptr + half + i, mask=m, other=0.0).to(tl.float32) * round_to(x2 * r, ty), ty)
+    c = cos_ptr + b * s_cb + s * s_ct
+    sn = sin_ptr + b * s_sb + s * s_st
+    c1 = tl.load(c + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c + half + i, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
+    out_ty = qo_ptr.dtype.element_ty
+    y1 = round_to(round_to(x1 * c1, out_ty) + round_to(-x2 * s1, out_ty), out_ty)
+    y2 = round_to(round_to(x2 * c2, out_ty) + round_to(x1 * s2, out_ty), out_ty)
+    tl.store(dst + i, y1.to(out_ty), mask=m)
+    tl.store(dst + half + i, y2.to(out_ty), mask=m)
+
+
+def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x [B, S, h, d] with unit element stride and one stride per token (B and S merge)."""
+    if x.dim() != 4:
+        raise ValueError(f"qk_norm_rope: {what} must be [B, S, heads, d], got {tuple(x.shape)}")
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * x.stride(1):
+        x = x.contiguous()
+    return x
+
+
+def _check(q, k, cos, sin, q_weight, k_weight) -> None:
+    B, S, _, d = q.shape
+    if k.shape[:2] != (B, S) or k.shape[3] != d or d % 2 or q.dtype != k.dtype:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not match")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (B, S, d) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
+            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {d}] with unit stride like cos on {q.device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: q_weight and k_weight come together")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.shape != (d,) or w.dtype != q.dtype or w.device != q.device or not w.is_contiguous()):
+            raise ValueError(f"qk_norm_rope: {name} must be a contiguous [{d}] of q's dtype {q.dtype} on {q.device}")
+
+
+def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6)):
+    """qk_norm_rope_reference in one launch: q [B, S, h, d], k [B, S, h_kv, d] -> rotated contiguous
+    copies, of torch's promoted dtype of q and cos. The norm weights, when given, have q's dtype."""
+    q, k = _heads(q, "q"), _heads(k, "k")
+    _check(q, k, cos, sin, q_weight, k_weight)
+    B, S, Hq, d = q.shape
+    Hk = k.shape[2]
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    qo = torch.empty(q.shape, device=q.device, dtype=out_dtype)
+    ko = torch.empty(k.shape, device=q.device, dtype=out_dtype)
+    if B * S == 0:
+        return qo, ko
+    norm = q_weight is not None
+    qw, kw = (q_weight, k_weight) if norm else (cos, cos)
+    half = d // 2
+    # no fused multiply-adds: torch rounds each product before the sum
+    _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half,
+                                           q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+                                           cos.stride(1), cos.stride(0), sin.stride(1), sin.stride(0),
+                                           float(eps[0]), float(eps[1]), BLOCK_HALF=triton.next_power_of_2(half),
+                                           NORM=norm, num_warps=1, enable_fp_fusion=False)
+    return qo, ko

@@ -1,0 +1,141 @@
+"""The decode-step Triton kernels (RMSNorm, q/k norm + RoPE, softmax top-k routing) against their
+torch references on random inputs: bit for bit in bf16 where the roundings allow (on CUDA, else in
+Triton's interpreter on the CPU)."""
+import pytest
+import torch
+from tiny import kernel_device
+
+from ktransformers.operators.gate import route_softmax
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return kernel_device()
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_max(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def assert_match(out, ref, what):
+    """bf16: identical; float32: within a float32 rounding (a different order of summing x^2)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype} {out.shape} vs {ref.dtype} {ref.shape}"
+    if ref.dtype == torch.float32:
+        assert rel_max(out, ref) < 1e-6, f"{what}: {rel_max(out, ref):.2e}"
+    else:
+        assert torch.equal(out, ref), f"{what}: {(out != ref).sum().item()} of {ref.numel()} differ"
+
+
+def rope_tables(B, S, d, dtype, g):
+    pos = torch.randint(0, 4096, (B, S), generator=g).float()
+    freqs = pos[..., None] / 1e6 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 2048, 7168])
+def test_rms_norm(dev, dtype, D):
+    from ktransformers.kernels.triton.norm_rope import rms_norm, rms_norm_reference
+    g = gen(D)
+    w = (torch.randn(D, generator=g) * 0.3 + 1).to(dtype).to(dev)
+    rows = [(1, D), (2, 3, D)] + ([(2, 3, 4, D)] if D <= 128 else [])
+    for shape in rows:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype).to(dev)
+        assert_match(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), f"{shape}")
+    # rows with a stride (a split of a wider projection, as MLA's kv_a_layernorm input)
+    wide = (torch.randn(2, 3, D + 64, generator=g)).to(dtype).to(dev)
+    x = wide[..., :D]
+    assert_match(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), "strided rows")
+    if dtype == torch.bfloat16:  # a float32 weight promotes the result, as torch's product does
+        w32 = w.float()
+        assert_match(rms_norm(x, w32, 1e-6), rms_norm_reference(x, w32, 1e-6), "float32 weight")
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,B,S", [
+    (32, 4, 128, 1, 1), (16, 2, 64, 2, 5), (64, 8, 64, 1, 1), (16, 2, 128, 2, 1), (32, 4, 64, 1, 5)])
+def test_qk_norm_rope(dev, heads, kv_heads, d, B, S):
+    """q and k as views of one [B, S, (h + 2 h_kv) d] projection (a token stride, not contiguous)."""
+    from ktransformers.kernels.triton.norm_rope import (
+        qk_norm_rope,
+        qk_norm_rope_reference,
+    )
+    g = gen(heads * d + S)
+    combos = [(torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, False),
+              (torch.bfloat16, torch.float32, True), (torch.float32, torch.float32, True)]
+    for dtype, table_dtype, norm in combos[:4 if B * S * heads <= 64 else 2]:
+        qkv = torch.randn(B, S, (heads + 2 * kv_heads) * d, generator=g).to(dtype).to(dev)
+        q = qkv[..., :heads * d].view(B, S, heads, d)
+        k = qkv[..., heads * d:(heads + kv_heads) * d].view(B, S, kv_heads, d)
+        cos, sin = (t.to(dev) for t in rope_tables(1, S, d, table_dtype, g))
+        cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for the batch, as HF passes it
+        weights = [(torch.randn(d, generator=g) * 0.3 + 1).to(dtype).to(dev) for _ in range(2)] if norm else [None] * 2
+        out = qk_norm_rope(q, k, cos, sin, *weights, eps=(1e-6, 1e-5))
+        ref = qk_norm_rope_reference(q, k, cos, sin, *weights, eps=(1e-6, 1e-5))
+        for o, r, name in zip(out, ref, "qk"):
+            assert_match(o, r, f"{name} {dtype} tables {table_dtype} norm={norm}")
+
+
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_softmax_topk(dev, T):
+    from ktransformers.kernels.triton.router import softmax_topk
+    for E, K in [(8, 2), (8, 4), (60, 4), (60, 8), (128, 2), (128, 8), (256, 4), (256, 8)]:
+        norm = (E + K) % 3 != 0  # both, across the grid
+        logits = torch.randn(T, E, generator=gen(T * E + K)) * 2
+        weights, index = softmax_topk(logits.to(dev), K, norm)
+        ref_w, ref_i = route_softmax(logits, top_k=K, norm=norm)
+        assert torch.equal(index.cpu(), ref_i), f"E={E} K={K} norm={norm}"
+        assert weights.dtype == torch.float32 and rel_max(weights.cpu(), ref_w) < 1e-6, f"E={E} K={K} norm={norm}"
+    # bf16 logits (the GPU model's) with Qwen's cast back to bf16 in the kernel's store. They tie
+    # often: torch.topk orders equal values in no fixed way, the kernel by the lower index, so the
+    # picks are compared by their probabilities
+    logits = torch.randn(T, 128, generator=gen(T)).to(torch.bfloat16)
+    weights, index = softmax_topk(logits.to(dev), 8, True, torch.bfloat16)
+    ref_w, ref_i = route_softmax(logits, top_k=8, norm=True)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert weights.dtype == torch.bfloat16 and torch.equal(weights.cpu(), ref_w.to(torch.bfloat16))
+    assert torch.equal(probs.gather(1, index.cpu()), probs.gather(1, ref_i))
+
+
+def test_bad_inputs(dev):
+    from ktransformers.kernels.triton.norm_rope import qk_norm_rope, rms_norm
+    from ktransformers.kernels.triton.router import softmax_topk
+    with pytest.raises(ValueError, match=r"rms_norm: weight must be a contiguous \[64\]"):
+        rms_norm(torch.randn(2, 64, device=dev), torch.ones(32, device=dev), 1e-6)
+    q, k = torch.randn(1, 1, 4, 64, device=dev), torch.randn(1, 1, 2, 64, device=dev)
+    with pytest.raises(ValueError, match=r"cos must be \[1, 1, 64\]"):
+        qk_norm_rope(q, k, torch.ones(1, 1, 32, device=dev), torch.ones(1, 1, 32, device=dev))
+    with pytest.raises(ValueError, match="top_k 9 of 8 experts"):
+        softmax_topk(torch.randn(1, 8, device=dev), 9, True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_softmax_router_operator(dev, family):
+    """KMoEGateSoftmax with bf16 weights (as on the GPU) routes through the kernel, same result as
+    route_softmax on its logits, weights cast back to bf16 for Qwen only."""
+    from test_operators import prefixed
+    from tiny import tiny_config
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from ktransformers.operators.gate import KMoEGateSoftmax
+    config = tiny_config(family)
+    hf = (Qwen3MoeTopKRouter if family == "qwen3_moe" else MixtralTopKRouter)(config).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.1, generator=gen(3))
+    op = KMoEGateSoftmax("g", prefixed("g", hf), config, hf, generate_device=dev, prefill_device=dev)
+    op.load()
+    assert op.triton_route is not None
+    x = torch.randn(3, config.hidden_size, generator=gen(4)).to(torch.bfloat16).to(dev)
+    logits, weights, index = op(x)
+    ref_w, ref_i = route_softmax(logits, top_k=op.top_k, norm=op.norm)
+    probs = torch.softmax(logits.float(), dim=-1)
+    want = ref_w.to(torch.bfloat16) if family == "qwen3_moe" else ref_w
+    assert weights.dtype == want.dtype and (weights.float() - want.float()).abs().max() <= 1e-6
+    assert torch.equal(probs.gather(1, index), probs.gather(1, ref_i))
