@@ -104,8 +104,9 @@ PYBIND11_MODULE(KT_MODULE, m) {
              }, py::call_guard<py::gil_scoped_release>(),
              "memcpy on the pool (sizes checked by the Python caller): e.g. mapped file -> pinned staging")
         .def("stream_checksum", [](Runtime& r, uintptr_t data, size_t bytes) {
-                 r.sync();  // the pool is free once queued jobs are done
-                 return stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes);
+                 uint64_t sum = 0;
+                 r.run_inline([&] { sum = stream_checksum(r.pool(), reinterpret_cast<const uint8_t*>(data), bytes); });
+                 return sum;
              }, py::call_guard<py::gil_scoped_release>(), "XOR of a buffer read by every pool thread (a bandwidth probe)");
 
     py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE", py::module_local())

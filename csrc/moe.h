@@ -117,8 +117,8 @@ void moe_host_wait(void* call);    // waits for the runtime's queued jobs
 // copying y to the GPU. One thread polls the rings and runs each call inline, as the pool's
 // thread 0: the GPU waits for no host-function node, and no job goes through the dispatcher and
 // back. It spins for spin_us after its last call or wake(), then looks every 100 us (after a
-// second idle, every millisecond): a ring is never missed, at worst served later. A failing call records its error and still sets `done`
-// (a number that names no call counts in bad_rings()).
+// second idle, every millisecond): a ring is never missed, at worst served later. A failing call
+// records its error and still sets `done` (a number that names no call counts in bad_rings()).
 class Doorbell {
   public:
     Doorbell(std::shared_ptr<Runtime> runtime, int spin_us);

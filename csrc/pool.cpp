@@ -9,12 +9,6 @@
 #include <pthread.h>
 #include <sched.h>
 #endif
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define KT_PAUSE() _mm_pause()
-#else
-#define KT_PAUSE()
-#endif
 
 namespace kt {
 namespace {
@@ -119,8 +113,10 @@ Runtime::~Runtime() {
 }
 
 void Runtime::reserve_scratch(size_t bytes) {
-    sync();  // no job may be using the arena while it moves
-    if (bytes > scratch_.size()) scratch_.resize(bytes);
+    // exclusive, as a job: no job (nor a Doorbell call) may be using the arena while it moves
+    run_inline([&] {
+        if (bytes > scratch_.size()) scratch_.resize(bytes);
+    });
 }
 
 void Runtime::submit(std::function<void()> job) {

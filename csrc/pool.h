@@ -11,6 +11,13 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KT_PAUSE() _mm_pause()
+#else
+#define KT_PAUSE()
+#endif
+
 namespace kt {
 
 class ThreadPool {

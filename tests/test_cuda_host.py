@@ -94,6 +94,9 @@ def test_doorbell_runs_the_rung_call(dtype):
         staging.check_errors()
     _ring_and_wait(staging, kernels[0], 1, dtype, number=10_000)
     assert staging.doorbell.bad_rings == 1
+    with pytest.raises(RuntimeError, match="number that names no call"):
+        staging.check_errors()
+    staging.check_errors()  # (said once)
     assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
 
 

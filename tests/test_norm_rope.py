@@ -103,6 +103,22 @@ def test_softmax_topk(dev, T):
     assert torch.equal(probs.gather(1, index.cpu()), probs.gather(1, ref_i))
 
 
+def test_softmax_topk_nan_logits_stay_in_range(dev):
+    """A NaN logit (a broken model or input) gives NaN weights, never an expert id outside [0, E):
+    a graph-replayed decode step does not check the ids before the experts index with them."""
+    from ktransformers.kernels.triton.router import softmax_topk
+    logits = torch.randn(3, 60, generator=gen(9))
+    logits[0] = float("nan")  # a whole row
+    logits[1, 7] = float("nan")  # one logit: its softmax row is all NaN too
+    weights, index = softmax_topk(logits.to(dev), 4, True)
+    index, weights = index.cpu(), weights.cpu()
+    assert ((index >= 0) & (index < 60)).all(), index
+    assert all(len(set(row.tolist())) == 4 for row in index)  # distinct picks
+    assert weights[:2].isnan().all()
+    ref_w, ref_i = route_softmax(logits[2:], top_k=4, norm=True)  # the clean row is unaffected
+    assert torch.equal(index[2:], ref_i) and rel_max(weights[2:], ref_w) < 1e-6
+
+
 def test_bad_inputs(dev):
     from ktransformers.kernels.triton.norm_rope import qk_norm_rope, rms_norm
     from ktransformers.kernels.triton.router import softmax_topk

@@ -177,3 +177,30 @@ def test_rmsnorm_operator_matches_transformers(dtype, shape):
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+
+
+def test_moe_block_waits_for_started_experts_when_shared_experts_fail():
+    """A CPU call the block started is waited for even when the shared experts raise (on a GPU
+    stream an unwaited doorbell call would leave its `done` word set for the next step's wait)."""
+    from ktransformers.operators.moe import KMoEBlock
+    events = []
+
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            return x, torch.ones(x.shape[0], 2), torch.zeros(x.shape[0], 2, dtype=torch.long)
+
+    class Experts(torch.nn.Module):
+        def submit(self, x, ids, weights):
+            events.append("submit")
+            return lambda: events.append("wait") or torch.zeros_like(x)
+
+    class Shared(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    block = KMoEBlock.__new__(KMoEBlock)
+    torch.nn.Module.__init__(block)
+    block.gate, block.experts, block.shared_experts = Gate(), Experts(), Shared()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        block(torch.randn(1, 3, 8))
+    assert events == ["submit", "wait"]

@@ -81,7 +81,8 @@ def stream_wait_value(stream: torch.cuda.Stream, address: int, value: int) -> No
 
 def device_address(host: int) -> int:
     """The device's address of pinned host memory (under unified addressing, the same number)."""
-    fn = _driver_versioned("cuMemHostGetDevicePointer", (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint))
+    args = (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint)
+    fn = _driver_versioned("cuMemHostGetDevicePointer", args)
     out = ctypes.c_uint64(0)
     rc = fn(ctypes.byref(out), ctypes.c_void_p(host), 0)
     if rc != 0:
@@ -98,10 +99,12 @@ def stream_memops_work(device_index: int) -> str | None:
             words = torch.zeros(16, dtype=torch.int32, pin_memory=True)
             base = device_address(words.data_ptr())
             stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                stream_write_value(stream, base, 1)
-                stream_wait_value(stream, base, 1)
-                stream_write_value(stream, base + 4, 7)
+            stream_write_value(stream, base, 1)
+            stream.synchronize()
+            if words[0] != 1:  # (checked before any wait on it: a dropped write must not hang the probe)
+                return f"a written word reads {int(words[0])}, expected 1"
+            stream_wait_value(stream, base, 1)
+            stream_write_value(stream, base + 4, 7)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
@@ -147,9 +150,11 @@ class HostStaging:
         self.used: list = []  # the calls enqueued since the last check_errors()
         self.doorbell = None  # the extension's Doorbell, once a kernel is fed in doorbell mode
         self._flags: dict[int, tuple[int, int, object]] = {}  # id(kernel) -> (ring, done) host addresses, kernel
+        self._device_flags: dict[int, tuple[int, int]] = {}  # id(kernel) -> the same as device addresses
         self._flag_chunks: list[torch.Tensor] = []
         self._free_flags = 0
         self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
+        self._bad_rings = 0  # the doorbell's count of rings naming no call, as last checked
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
         item = torch.tensor([], dtype=dtype).element_size()
@@ -191,15 +196,14 @@ class HostStaging:
         if index not in self.mode and torch.cuda.is_current_stream_capturing():
             return "host"  # (no probe inside a capture; engines warm up eagerly first, so this is rare)
         if index not in self.mode:
-            mode = self.runtime.handoff
-            if mode == "doorbell" and self.pinned:
-                why = stream_memops_work(index)
-                if why is not None:
-                    import warnings
-                    warnings.warn(f"CPU experts on cuda:{index}: stream memory operations do not work ({why}); "
-                                  "using host functions", stacklevel=3)
-                    mode = "host"
-            self.mode[index] = mode if self.pinned else "host"
+            mode = self.runtime.handoff if self.pinned else "host"
+            why = stream_memops_work(index) if mode == "doorbell" else None
+            if why is not None:
+                import warnings
+                warnings.warn(f"CPU experts on cuda:{index}: stream memory operations do not work ({why}); "
+                              "using host functions", stacklevel=3)
+                mode = "host"
+            self.mode[index] = mode
         return self.mode[index]
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
@@ -227,9 +231,20 @@ class HostStaging:
             entry = self._flags[id(kernel)] = (ring, done, kernel)
         return entry[0], entry[1]
 
+    def device_flags(self, kernel) -> tuple[int, int]:
+        """(ring, done) as the GPU addresses them (looked up once a kernel)."""
+        entry = self._device_flags.get(id(kernel))
+        if entry is None:
+            entry = self._device_flags[id(kernel)] = tuple(device_address(a) for a in self.flags(kernel))
+        return entry
+
+    # The doorbell thread spins this long after its last call: longer than the gap between two
+    # decode steps (sampling, detokenizing), so a generation's steps find it awake.
+    DOORBELL_SPIN_US = 20_000
+
     def _bell(self):
         if self.doorbell is None:
-            self.doorbell = self.runtime.ext.Doorbell(self.runtime._rt)
+            self.doorbell = self.runtime.ext.Doorbell(self.runtime._rt, self.DOORBELL_SPIN_US)
         return self.doorbell
 
     def wake(self) -> None:
@@ -244,6 +259,11 @@ class HostStaging:
             error = call.take_error()
             if error:
                 raise ValueError(f"{name}: {error}")
+        bad = self.doorbell.bad_rings if self.doorbell is not None else 0
+        if bad != self._bad_rings:
+            self._bad_rings = bad
+            raise RuntimeError("a GPU stream rang the CPU experts' doorbell with a number that names no call "
+                               "(their outputs of that step are stale)")
 
 
 def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -264,20 +284,19 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     ext = kernel.runtime.ext
     stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
     staging.used.append((call, kernel.name))
-    if staging.handoff(x.device) == "doorbell":
-        number = staging.number(kernel, T, dtype)
-        ring, done = staging.flags(kernel)
-        stream_write_value(stream, device_address(ring), number)  # (fenced: the copies land first)
+    bell = staging.handoff(x.device) == "doorbell"
+    if bell:
+        ring, done = staging.device_flags(kernel)
+        stream_write_value(stream, ring, staging.number(kernel, T, dtype))  # (fenced: the copies land first)
         staging.wake()
-
-        def wait_doorbell() -> torch.Tensor:
-            stream_wait_value(stream, device_address(done), 1)
-            stream_write_value(stream, device_address(done), 0)
-            return yp.to(x.device, non_blocking=True).to(out_dtype)
-        return wait_doorbell
-    launch_host_func(ext.moe_host_submit, call.address, stream)
+    else:
+        launch_host_func(ext.moe_host_submit, call.address, stream)
 
     def wait() -> torch.Tensor:
-        launch_host_func(ext.moe_host_wait, call.address, stream)
+        if bell:
+            stream_wait_value(stream, done, 1)
+            stream_write_value(stream, done, 0)
+        else:
+            launch_host_func(ext.moe_host_wait, call.address, stream)
         return yp.to(x.device, non_blocking=True).to(out_dtype)
     return wait

@@ -224,6 +224,12 @@ class PinnedSlots:
         self.buffers: list[torch.Tensor | None] = [None, None]
         self.events: list = [None, None]  # the CUDA event of each buffer's last copy to the GPU
         self.turn = 0
+        self.size = 0  # bytes a buffer: the largest layer's (need() at load, before the first take)
+
+    def need(self, nbytes: int) -> None:
+        """A layer of nbytes will be staged here (torch keeps freed pinned memory cached, so the
+        buffers are allocated once, at the largest layer's size)."""
+        self.size = max(self.size, nbytes)
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(index, a pinned uint8 buffer of at least nbytes) whose previous copy has finished."""
@@ -231,18 +237,20 @@ class PinnedSlots:
         if self.events[i] is not None:
             self.events[i].synchronize()
         if self.buffers[i] is None or self.buffers[i].numel() < nbytes:
-            self.buffers[i] = None  # (free the smaller one first)
-            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self.size = max(self.size, nbytes)
+            self.buffers[i] = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
         return i, self.buffers[i]
 
 
 class LayerwisePrefill:
     """Long prompts on the GPU although the experts live in RAM: the layer's expert tensors, as
-    stored (GGML blocks, 4-6 bits a weight), are copied to the GPU — the next layer's while this
-    one computes — dequantized there to bf16 and run by the fused-MoE kernel. Worth it when the
-    prompt is long enough that compute, not the copy, is the cost (`prefill_gpu_threshold`
-    tokens). The bytes go mapped file -> pinned staging (PinnedSlots, copied by the CPU pool) ->
-    GPU on a copy stream: pageable memory reached the GPU at ~5 GB/s, one driver thread staging it."""
+    stored (GGML blocks, 4-6 bits a weight), are copied to the GPU, dequantized there to bf16 and
+    run by the fused-MoE kernel. Worth it when the prompt is long enough that compute, not the
+    copy, is the cost (`prefill_gpu_threshold` tokens). The bytes go mapped file -> pinned staging
+    (PinnedSlots, copied by the CPU pool) -> GPU on a copy stream: pageable memory reached the GPU
+    at ~5 GB/s, one driver thread staging it. Once a layer's compute is enqueued the CPU stages
+    the next layer's bytes (overlapping that compute); their copy to the GPU follows the compute
+    on the copy stream (it waits for the current stream, whose blocks the copy's may reuse)."""
 
     def __init__(self, spec: ExpertSpec, device: torch.device):
         self.spec, self.key, self.device = spec, spec.key, device
@@ -261,6 +269,8 @@ class LayerwisePrefill:
                 raise ValueError(f"{self.key}: layer-wise prefill needs the {proj} experts stored as one GGML tensor")
             data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
             self.parts.append((data, int(stored[1].ggml_type), shape))
+        if context is not None:
+            context.pinned_slots().need(sum(data.numel() for data, _, _ in self.parts))
 
     def _staged(self) -> tuple[int, list[torch.Tensor]]:
         """(slot, this layer's bytes in that pinned buffer, one view a part), copied by the CPU pool."""
@@ -275,7 +285,8 @@ class LayerwisePrefill:
         return slot, views
 
     def _copy(self):
-        """Start copying this layer's bytes to the GPU on the copy stream; (event, tensors)."""
+        """Stage this layer's bytes (CPU, blocking) and enqueue their copy to the GPU on the copy
+        stream; (event, tensors)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         slot, sources = None, [data for data, _, _ in self.parts]
@@ -431,7 +442,11 @@ class KTransformersExperts(BaseInjectedModule):
         gpu_y = None
         if split:
             dev = self.hot.device
-            gpu_y = self.hot.forward(hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+            try:
+                gpu_y = self.hot.forward(hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+            except BaseException:
+                pending()  # the CPU call started above is waited for (see KMoEBlock.forward)
+                raise
 
         def wait() -> torch.Tensor:
             y = pending().to(out, dtype)

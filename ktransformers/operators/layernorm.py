@@ -13,7 +13,8 @@ from ..kernels.cpu import rms_norm
 from .base import BaseInjectedModule
 from .registry import OPERATORS
 
-# Decode-sized: up to 64 tokens' rows, or the per-head rows (q/k norms) of fewer tokens
+# Up to this many rows (decode steps, short prefill chunks; q/k norms have a row per head) one
+# Triton launch; longer inputs keep torch's ops (whose launch overheads no longer matter there)
 TRITON_ROWS = 4096
 
 

@@ -34,7 +34,11 @@ class KMoEBlock(BaseInjectedModule):
         if submit is None or not self._has_shared():  # HF's experts module, or nothing to overlap with
             return (self.experts(x, top_k_index, top_k_weights) + self._shared(x)).reshape(shape)
         wait = submit(x, top_k_index, top_k_weights)  # CPU experts run on their threads meanwhile
-        shared = self._shared(x)
+        try:
+            shared = self._shared(x)
+        except BaseException:
+            wait()  # a started CPU call is always waited for (on a GPU stream: its `done` word cleared)
+            raise
         return (wait().to(x.device, x.dtype) + shared).reshape(shape)
 
     def _has_shared(self) -> bool:

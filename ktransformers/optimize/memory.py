@@ -183,7 +183,8 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
                 # transient, the largest layer: one layer dequantized to bf16 + two layers' stored bytes in flight
                 need = numel * 2 + 2 * (stored or numel * 2)
                 layerwise[out_device] = max(layerwise.get(out_device, 0), need)
-                staging = max(staging, 2 * (stored or numel * 2))  # two layers' bytes in pinned RAM
+                # two buffers of the largest layer's bytes in pinned RAM (torch rounds each up to a power of two)
+                staging = max(staging, 2 * (1 << (int(stored or numel * 2) - 1).bit_length()))
         else:
             mem.add(device, "weights", numel * dbytes)
         mla = attention.get(name.rpartition(".kv_b_proj.")[0]) if ".kv_b_proj." in name else None

@@ -26,13 +26,14 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, 0)
     p = tl.where(valid, p, -1.0)  # below every probability: never picked
+    p = tl.where(p != p, -0.5, p)  # NaN (from a NaN logit): after every number, as a NaN weight, in range
     kk = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), tl.float32)
     index = tl.zeros((BLOCK_K,), tl.int32)
     for j in tl.static_range(K):  # K rounds of argmax, each pick masked out for the next
         best = tl.max(p, 0)
         pick = tl.min(tl.where(p == best, e, BLOCK_E), 0)
-        weights = tl.where(kk == j, best, weights)
+        weights = tl.where(kk == j, tl.where(best == -0.5, float("nan"), best), weights)
         index = tl.where(kk == j, pick, index)
         p = tl.where(e == pick, -2.0, p)
     if NORM:
