@@ -100,6 +100,37 @@ def test_doorbell_runs_the_rung_call(dtype):
     assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
 
 
+def test_doorbell_and_python_calls_share_the_pool():
+    """The doorbell thread and Python both drive the one pool (a GPU step's CPU experts while
+    Python runs a CPU kernel, e.g. a bandwidth probe or a CPU-placed layer): they take turns,
+    every result is right and nothing deadlocks."""
+    import threading
+    runtime = CPURuntime(2)
+    kernel = _kernel(runtime)
+    staging = HostStaging(runtime, pinned=False)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 256, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(3)])
+    w = torch.rand(3, 2, generator=g)
+    expected = kernel.forward(x, ids, w)
+    bad: list = []
+
+    def python_side():
+        for _ in range(40):
+            if not torch.equal(kernel.forward(x, ids, w), expected):
+                bad.append("python")
+    other = threading.Thread(target=python_side)
+    other.start()
+    xp, idp, wp, yp, _ = staging.prepare(kernel, 3, torch.float32)
+    for _ in range(40):
+        xp.copy_(x), idp.copy_(ids), wp.copy_(w), yp.fill_(float("nan"))
+        _ring_and_wait(staging, kernel, 3, torch.float32)
+        if not torch.equal(yp, expected):
+            bad.append("doorbell")
+    other.join(timeout=60)
+    assert not other.is_alive() and not bad
+
+
 def test_host_function_addresses_are_c_functions():
     ext = CPURuntime(1).ext
     assert isinstance(ext.moe_host_submit, int) and ext.moe_host_submit != ext.moe_host_wait

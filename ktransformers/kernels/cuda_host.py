@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -133,6 +134,14 @@ def call_host_func(fn: int, data: int) -> None:
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.c_void_p(data))
 
 
+@dataclass
+class _HostCall:
+    """An MoEHostCall on the staging buffer, its kernel (kept alive with it), its doorbell number (0: none yet)."""
+    call: object
+    kernel: object
+    number: int = 0
+
+
 class HostStaging:
     """Pinned buffers for one MoE call at a time (x, ids, weights, y), the extension's MoEHostCall
     objects pointing at them, one per (kernel, token count, dtype), and in doorbell mode each
@@ -145,7 +154,7 @@ class HostStaging:
         self.runtime = runtime
         self.pinned = pinned
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._calls: dict[tuple, tuple] = {}
+        self._calls: dict[tuple, _HostCall] = {}  # (id(kernel), tokens, dtype, buffer address) -> call
         self._retired: list = []
         self.used: list = []  # the calls enqueued since the last check_errors()
         self.doorbell = None  # the extension's Doorbell, once a kernel is fed in doorbell mode
@@ -177,17 +186,18 @@ class HostStaging:
     def prepare(self, kernel, tokens: int, dtype: torch.dtype):
         """(x, ids, weights, y) pinned views and the MoEHostCall that reads/writes them."""
         x, ids, weights, y = self._views(tokens, kernel.hidden, kernel.top_k, dtype)
-        return (x, ids, weights, y, self._call(kernel, tokens, dtype, x, ids, weights, y)[0])
+        return (x, ids, weights, y, self._entry(kernel, tokens, dtype, (x, ids, weights, y)).call)
 
-    def _call(self, kernel, tokens, dtype, x, ids, weights, y) -> tuple:
-        """(MoEHostCall, kernel, its doorbell number or 0) for this buffer."""
+    def _entry(self, kernel, tokens: int, dtype: torch.dtype, views: tuple | None = None) -> _HostCall:
+        """The call of (kernel, tokens, dtype) on the current buffer, made from its views on first use."""
         from .cpu import _DTYPE_CODE
         key = (id(kernel), tokens, dtype, self._buffer.data_ptr())
         entry = self._calls.get(key)
         if entry is None:
+            x, ids, weights, y = views
             call = self.runtime.ext.MoEHostCall(kernel._moe, self.runtime._rt, tokens, ids.data_ptr(),
                                                 weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[dtype])
-            entry = self._calls[key] = (call, kernel, 0)  # (the kernel is kept alive with its call)
+            entry = self._calls[key] = _HostCall(call, kernel)
         return entry
 
     def handoff(self, device: torch.device) -> str:
@@ -207,13 +217,11 @@ class HostStaging:
         return self.mode[index]
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
-        """The doorbell number of the call for these views (registering it on first use)."""
-        key = (id(kernel), tokens, dtype, self._buffer.data_ptr())
-        call, kernel_, number = self._calls[key]
-        if not number:
-            number = self._bell().add(call)
-            self._calls[key] = (call, kernel_, number)
-        return number
+        """The doorbell number of the call prepare() made for these (registered on first use)."""
+        entry = self._entry(kernel, tokens, dtype)
+        if not entry.number:
+            entry.number = self._bell().add(entry.call)
+        return entry.number
 
     def flags(self, kernel) -> tuple[int, int]:
         """(ring, done) host addresses of the kernel's words, watched by the doorbell."""
