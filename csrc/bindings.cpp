@@ -164,7 +164,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  return e;
              });
     py::class_<Doorbell, std::shared_ptr<Doorbell>>(m, "Doorbell", py::module_local())
-        .def(py::init<std::shared_ptr<Runtime>, int>(), py::arg("runtime"), py::arg("spin_us") = 20000)
+        .def(py::init<std::shared_ptr<Runtime>, int>(), py::arg("runtime"), py::arg("spin_us"))
         .def("add", &Doorbell::add, "register a call; its number is what a ring is set to")
         .def("watch", [](Doorbell& d, uintptr_t ring, uintptr_t done) {
                  d.watch(reinterpret_cast<uint32_t*>(ring), reinterpret_cast<uint32_t*>(done));

@@ -17,26 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
 from ..kernels.cpu import CPURuntime
 from ..kernels.cuda_host import HostStaging, submit_on_stream
-from .moe import SHAPES, build_layers, make_calls
+from .moe import SHAPES, build_layers, make_calls, time_layer
 
 BENCH_SHAPES = {"tiny": dict(hidden=2048, intermediate=256, experts=8, top_k=2), "qwen3": SHAPES["qwen3"]}
-
-
-def cpu_alone(layers, calls) -> float:
-    """Median seconds of one call of the CPU kernel from Python (tensors already on the CPU)."""
-    times = []
-    for i, (x, ids, w) in enumerate(calls):
-        start = time.perf_counter()
-        layers[i % len(layers)].kernel.forward(x, ids, w)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def chain(layers, staging, base, ids, weights, n: int):
@@ -82,7 +70,7 @@ def run_shape(args, runtime, name: str) -> list[dict]:
     copies = 1 if name == "tiny" else args.copies
     layers = build_layers(runtime, shape, "Q4_K_M", copies, shape["experts"], gen)
     calls = make_calls(20, 1, shape["experts"], shape["top_k"], shape["hidden"], gen)
-    alone = cpu_alone(layers, calls)
+    alone, _ = time_layer(layers, calls)  # the CPU kernel called from Python, tensors on the CPU
     dev = torch.device("cuda")
     n = args.layers
     base = torch.randn(1, shape["hidden"], generator=gen).to(dev, torch.bfloat16)

@@ -260,7 +260,7 @@ class LayerwisePrefill:
         self._stream = None
         self._context = None
 
-    def load(self, weights, context=None) -> None:
+    def load(self, weights, context) -> None:
         self._context = context
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
@@ -269,8 +269,7 @@ class LayerwisePrefill:
                 raise ValueError(f"{self.key}: layer-wise prefill needs the {proj} experts stored as one GGML tensor")
             data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
             self.parts.append((data, int(stored[1].ggml_type), shape))
-        if context is not None:
-            context.pinned_slots().need(sum(data.numel() for data, _, _ in self.parts))
+        context.pinned_slots().need(sum(data.numel() for data, _, _ in self.parts))
 
     def _staged(self) -> tuple[int, list[torch.Tensor]]:
         """(slot, this layer's bytes in that pinned buffer, one view a part), copied by the CPU pool."""
@@ -289,16 +288,13 @@ class LayerwisePrefill:
         stream; (event, tensors)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-        slot, sources = None, [data for data, _, _ in self.parts]
-        if self._context is not None and torch.cuda.is_available():
-            slot, sources = self._staged()
+        slot, sources = self._staged()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             on_gpu = [data.to(self.device, non_blocking=True) for data in sources]
             event = torch.cuda.Event()
             event.record(self._stream)
-        if slot is not None:  # the staging buffer may be refilled once this copy is done
-            self._context.pinned_slots().events[slot] = event
+        self._context.pinned_slots().events[slot] = event  # the buffer may be refilled once this copy is done
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
