@@ -11,7 +11,8 @@
 #      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B (HOST_AB=0: not), and
 #      decode at the thread counts of THREAD_SWEEP (e.g. "15 16").
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
-# tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row).
+# tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
+# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file.
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -33,6 +34,13 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu or triton}" \
         ${TEST_FILES:-tests/test_cuda_host.py tests/test_gpu_rules.py} \
         2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+  fi
+  if [ "${BENCH_GPU:-0}" = 1 ]; then
+    python3 -m ktransformers.bench.gpu 2>"$OUT/bench_gpu.err" | tee "$OUT/bench_gpu.txt"; tail -3 "$OUT/bench_gpu.err"
+  fi
+  if [ "${PROFILE:-0}" = 1 ]; then
+    python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --layers 4 --vocab 32000 --out /tmp/q3-4.gguf > /dev/null
+    python3 scripts/gpu_profile.py /tmp/q3-4.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/profile.txt" | head -40
   fi
   wait
   if [ "${NO_LLAMA:-0}" != 1 ]; then

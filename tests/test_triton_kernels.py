@@ -68,6 +68,51 @@ def test_group_gemm(dev, fmt, M):
         ql.group_gemm(torch.randn(2, 512, device=dev), w.to(dev))
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "int4"])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_group_gemv_single_launch(dev, fmt, M):
+    """Decode rows: the single-launch GEMV (output written in its dtype, no split of K) against
+    the dequantized reference and against the split-K kernel, at shapes whose column count
+    leaves a partial program and whose K is not a power of two."""
+    from ktransformers.kernels.triton import quant_linear as ql
+    for N, K in ((72, 768), (520, 256), (8, 1024)):
+        g = gen(M * N + K + len(fmt))
+        if fmt == "int4":
+            w = ql.quantize_int4(torch.randn(N, K, generator=g))
+        else:
+            t = gq.ggml_type(fmt)
+            w = ql.from_ggml(gq.random_blocks(t, N * K // gq.FORMATS[t].block_elems, g), t, (N, K))
+        ref_w = w.dequantize()
+        x = torch.randn(M, K, generator=g)
+        y = ql.group_gemm(x.to(dev), w.to(dev), torch.float32)
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        assert rel_err(y.cpu(), x @ ref_w.T) < tol(dev), f"{fmt} M={M} N={N} K={K}"
+        split = ql.group_gemm(x.to(dev), w.to(dev), torch.float32, gemv=False)
+        assert rel_err(y.cpu(), split.cpu()) < tol(dev)
+        yb = ql.group_gemm(x.to(dev), w.to(dev), torch.bfloat16)  # rounded once, from the float32 sums
+        assert yb.dtype == torch.bfloat16
+        assert rel_err(yb.cpu(), x @ ref_w.T) < 1e-2
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512)])
+def test_dense_gemv(dev, M, N, K):
+    """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype."""
+    from ktransformers.kernels.triton import quant_linear as ql
+    g = gen(M + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    ref = x.double() @ w.double().T
+    y = ql.dense_gemv(x.to(dev), w.to(dev)).cpu()
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
+    xb = x.to(torch.bfloat16)
+    yb = ql.dense_gemv(xb.to(dev), w.to(dev), torch.bfloat16).cpu()
+    assert yb.dtype == torch.bfloat16
+    assert rel_err(yb, xb.double() @ w.double().T) < 1e-2
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        ql.dense_gemv(torch.randn(5, K, device=dev), w.to(dev))
+    with pytest.raises(ValueError, match="row-major"):
+        ql.dense_gemv(x.to(dev), w.to(dev)[:, :K - 1])
+
+
 @pytest.mark.parametrize("M", [1, 20, 130])
 def test_fp8_gemm(dev, M):
     from ktransformers.kernels.triton import fp8
@@ -100,6 +145,11 @@ def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window):
     q = torch.randn(len(lens), heads, dim, generator=g)
     slots, n = pad_slots(read, dev)
     out = A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, dim ** -0.5, window=window).cpu()
+    # the output dtype rounds the same float32 result once (one split or a merge of several)
+    out_bf16 = A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, dim ** -0.5, window=window,
+                                  out_dtype=torch.bfloat16).cpu()
+    assert out.dtype == torch.float32 and out_bf16.dtype == torch.bfloat16
+    assert rel_err(out_bf16, out) < 1e-2
     for b, idx in enumerate(read):
         ref = A.attention_reference(q[b:b + 1], k[idx.long()], v[idx.long()], len(idx) - 1, dim ** -0.5, window=window)
         assert rel_err(out[b], ref[0]) < tol(dev), f"sequence {b}"

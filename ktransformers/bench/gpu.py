@@ -9,7 +9,7 @@ Rows:
   linear  int4 (GGUF Q4_K, lossless), int8 (Q8_0) and FP8 GEMM at DeepSeek-V3 / Qwen3 shapes,
           M = 1, 16, 512 tokens, beside torch's bf16 F.linear on the same shape;
   mla     absorbed MLA decode over the paged latent cache (128 heads, r 512, rope 64),
-          batches of 1 and 8 sequences of 1k / 8k tokens;
+          batches of 1 and 8 sequences of 1k / 8k tokens; Qwen3's GQA decode (32 / 4 heads);
   moe     fused MoE at the Qwen3-30B-A3B shape (E 128, K 8, H 2048, I 768), bf16 and int4.
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def row(kernel: str, shape: str, us: float, nbytes: int, flops: float, hbm: floa
 
 
 LINEAR_SHAPES = {"dsv3.q_b": (24576, 1536), "dsv3.o": (7168, 16384), "dsv3.mlp_up": (18432, 7168),
-                 "qwen3.qkv": (5120, 2048), "qwen3.o": (2048, 4096)}
+                 "qwen3.qkv": (5120, 2048), "qwen3.q": (4096, 2048), "qwen3.kv": (512, 2048),
+                 "qwen3.o": (2048, 4096), "qwen3.router": (128, 2048)}
 
 
 def linear_rows(hbm: float, tokens=(1, 16, 512)) -> list[dict]:
@@ -93,13 +94,27 @@ def linear_rows(hbm: float, tokens=(1, 16, 512)) -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             flops = 2.0 * M * N * K
             for fmt, w in weights.items():
+                label = f"linear {fmt}->{'int4' if w.bits == 4 else 'int8'}"
                 us = timed(lambda w=w: ql.group_gemm(x, w))
-                rows.append(row(f"linear {fmt}->{'int4' if w.bits == 4 else 'int8'}", f"{name} M={M}", us,
-                                w.nbytes() + x.numel() * 2, flops, hbm))
+                rows.append(row(label, f"{name} M={M}", us, w.nbytes() + x.numel() * 2, flops, hbm,
+                                "gemv" if M <= ql.GEMV_ROWS else ""))
+                if M <= ql.GEMV_ROWS:  # the tiled split-K kernel on the same call, for comparison
+                    us = timed(lambda w=w: ql.group_gemm(x, w, gemv=False))
+                    rows.append(row(label, f"{name} M={M}", us, w.nbytes() + x.numel() * 2, flops, hbm, "split-K"))
             us = timed(lambda: fp8.fp8_gemm(x, f8))
             rows.append(row("linear fp8", f"{name} M={M}", us, f8.nbytes() + x.numel() * 2, flops, hbm))
             us = timed(lambda: F.linear(x, dense))
             rows.append(row("linear bf16 (torch)", f"{name} M={M}", us, dense.numel() * 2, flops, hbm))
+            if M <= ql.GEMV_ROWS:
+                us = timed(lambda: ql.dense_gemv(x, dense, torch.bfloat16))
+                rows.append(row("linear bf16 (triton)", f"{name} M={M}", us, dense.numel() * 2, flops, hbm, "gemv"))
+                if name.endswith("router"):  # the router's float32 weight (kept so at load)
+                    d32 = dense.float()
+                    us = timed(lambda: ql.dense_gemv(x, d32, torch.bfloat16))
+                    rows.append(row("linear fp32 (triton)", f"{name} M={M}", us, d32.numel() * 4, flops, hbm, "gemv"))
+                    us = timed(lambda: F.linear(x.float(), d32).to(torch.bfloat16))
+                    rows.append(row("linear fp32 (torch)", f"{name} M={M}", us, d32.numel() * 4, flops, hbm,
+                                    "+ casts"))
     return rows
 
 
@@ -118,6 +133,16 @@ def mla_rows(hbm: float) -> list[dict]:
                                             k2=cache[:, None, r:]))
         flops = 2.0 * B * h * L * (r + p + r)
         rows.append(row("mla decode", f"B={B} L={L}", us, cache.numel() * 2, flops, hbm))
+    # Qwen3-30B-A3B's GQA (32 query heads on 4 kv heads of 128) as a graph replays it: the slot
+    # table as wide as the cache (8192), the history shorter
+    hq, hkv, d, width = 32, 4, 128, 8192
+    k, v = (torch.randn(width, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(width, device="cuda", dtype=torch.int32)[None]
+    q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+    for L in (512, 4096):
+        lens = torch.full((1,), L, dtype=torch.int32, device="cuda")
+        us = timed(lambda: decode_attention(q, k, v, slots, lens, 0.088, out_dtype=torch.bfloat16))
+        rows.append(row("gqa decode", f"B=1 L={L}", us, 2 * L * hkv * d * 2, 4.0 * hq * L * d, hbm))
     return rows
 
 

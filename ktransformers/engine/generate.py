@@ -11,6 +11,7 @@ streamed text that never splits a UTF-8 character, and the timing stats upstream
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -187,6 +188,7 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
+        self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
         self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
@@ -241,9 +243,7 @@ class Engine:
             else:
                 logits = self._eager_step(batch, new_tokens)
             if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
-                for device in set(self.layer_devices):
-                    if torch.device(device).type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()
+                self._wait_gpu()
                 self.context.check_host_errors()
         except BaseException:
             for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
@@ -252,6 +252,23 @@ class Engine:
         for s, tokens in zip(seqs, new_tokens):
             self._tokens.setdefault(s.seq_id, []).extend(tokens)
         return logits
+
+    def _wait_gpu(self) -> None:
+        """Wait for the step's GPU streams. Where the CPU experts' threads fed from them leave
+        fewer than two cores (for this thread and the CUDA driver's), sleep on a blocking event:
+        cudaStreamSynchronize spins, and a spinning thread here takes a core from the experts."""
+        staging = self.context._staging
+        crowded = staging is not None and staging.runtime.threads + 2 > len(os.sched_getaffinity(0))
+        for device in sorted({d for d in self.layer_devices if d.type == "cuda"}, key=str):
+            stream = torch.cuda.current_stream(device)
+            if not crowded:
+                stream.synchronize()
+                continue
+            event = self._done_events.get(device)
+            if event is None:
+                event = self._done_events[device] = torch.cuda.Event(blocking=True)
+            event.record(stream)
+            event.synchronize()
 
     def _eager_step(self, batch, new_tokens: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long,

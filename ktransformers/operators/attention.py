@@ -262,7 +262,8 @@ class KGQAAttention(_CachedAttention):
         (q,) = queries
         k_cache, v_cache = self.context.cache.layers[self.layer_idx]
         slots, lens = batch.slot_table(k_cache.device)
-        return decode_attention(q, k_cache, v_cache, slots, lens, self.scaling, window=self.window or 0)
+        return decode_attention(q, k_cache, v_cache, slots, lens, self.scaling, window=self.window or 0,
+                                out_dtype=q.dtype)  # (what o_proj takes: no cast after)
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,

@@ -249,8 +249,12 @@ class LayerwisePrefill:
     copy, is the cost (`prefill_gpu_threshold` tokens). The bytes go mapped file -> pinned staging
     (PinnedSlots, copied by the CPU pool) -> GPU on a copy stream: pageable memory reached the GPU
     at ~5 GB/s, one driver thread staging it. Once a layer's compute is enqueued the CPU stages
-    the next layer's bytes (overlapping that compute); their copy to the GPU follows the compute
-    on the copy stream (it waits for the current stream, whose blocks the copy's may reuse)."""
+    the next layer's bytes in chunks of CHUNK bytes, each chunk's copy to the GPU enqueued as soon
+    as it is staged: the bus moves one chunk while the pool fills the next, and both overlap the
+    compute already on the GPU (the copy stream does not wait for it; the GPU buffers are marked
+    used by the compute stream, so the allocator reuses them only after it)."""
+
+    CHUNK = 32 << 20
 
     def __init__(self, spec: ExpertSpec, device: torch.device):
         self.spec, self.key, self.device = spec, spec.key, device
@@ -271,37 +275,36 @@ class LayerwisePrefill:
             self.parts.append((data, int(stored[1].ggml_type), shape))
         context.pinned_slots().need(sum(data.numel() for data, _, _ in self.parts))
 
-    def _staged(self) -> tuple[int, list[torch.Tensor]]:
-        """(slot, this layer's bytes in that pinned buffer, one view a part), copied by the CPU pool."""
+    def _copy(self):
+        """Stage this layer's bytes chunk by chunk (CPU pool, blocking) and enqueue each chunk's
+        copy to the GPU on the copy stream once it is staged; (event, GPU byte tensors)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
         slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
         sizes = [data.numel() for data, _, _ in self.parts]
         slot, buffer = slots.take(sum(sizes))
-        views, at = [], 0
-        for (data, _, _), n in zip(self.parts, sizes):
-            views.append(buffer[at:at + n])
-            runtime.copy(views[-1], data)
-            at += n
-        return slot, views
-
-    def _copy(self):
-        """Stage this layer's bytes (CPU, blocking) and enqueue their copy to the GPU on the copy
-        stream; (event, tensors)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        slot, sources = self._staged()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            on_gpu = [data.to(self.device, non_blocking=True) for data in sources]
+            on_gpu = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            at = 0
+            for (data, _, _), n, dst in zip(self.parts, sizes, on_gpu):
+                for c in range(0, n, self.CHUNK):
+                    e = min(n, c + self.CHUNK)
+                    runtime.copy(buffer[at + c:at + e], data[c:e])
+                    dst[c:e].copy_(buffer[at + c:at + e], non_blocking=True)
+                at += n
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._context.pinned_slots().events[slot] = event  # the buffer may be refilled once this copy is done
+        slots.events[slot] = event  # the buffer may be refilled once this copy is done
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         from ..weights.ggml_quants import dequantize
         event, on_gpu = self._pending or self._copy()
         self._pending = None
-        torch.cuda.current_stream(self.device).wait_event(event)
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        for t in on_gpu:  # allocated on the copy stream, read on this one: freed after this one's use
+            t.record_stream(stream)
         (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
         bf16 = torch.bfloat16
         gate_up = torch.cat([dequantize(g, tg, sg, bf16), dequantize(u, tu, su, bf16)], 1)

@@ -19,6 +19,8 @@ from .registry import register_operator
 # Up to this many tokens the softmax top-k epilogue runs as one Triton launch (torch's softmax,
 # topk, sum and division are ~6 launches); longer steps keep torch's ops
 TRITON_ROUTE_TOKENS = 64
+# Up to this many tokens the router's logits are one Triton GEMV launch (quant_linear.GEMV_ROWS)
+ROUTER_GEMV_TOKENS = 4
 
 
 def route_sigmoid_grouped(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
@@ -55,10 +57,12 @@ class _Router(BaseInjectedModule):
         self.weight_dtype, self.weight_shape = orig_module.weight.dtype, tuple(orig_module.weight.shape)
         self.weight: torch.Tensor | None = None
         self.kernel = None
+        self.gemv = None  # set by load() where Triton runs: kernels.triton.quant_linear.dense_gemv
 
     def load(self) -> None:
+        from ..kernels.triton.common import runs_on
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype, self.weight_shape)
-        self.kernel = None
+        self.kernel = self.gemv = None
         if self.device.type == "cpu" and self.weight.dtype == torch.float32:
             # the same fp32 dot products on the C++ pool (all cores stream the weight; torch's
             # single-threaded decode GEMV reads it at half the speed)
@@ -66,15 +70,22 @@ class _Router(BaseInjectedModule):
             self.kernel = LinearKernel(self.run_context().cpu_runtime(), in_features=self.weight_shape[1],
                                        out_features=self.weight_shape[0],
                                        weight=ExpertWeights(self.weight.contiguous(), 0), name=self.key)
+        elif runs_on(self.device):
+            # float32 once (not a cast of the weight every step); decode steps in one GEMV launch
+            from ..kernels.triton.quant_linear import dense_gemv
+            self.weight = self.weight.float().contiguous()
+            self.gemv = dense_gemv
 
     def unload(self) -> None:
-        self.weight = self.kernel = None
+        self.weight = self.kernel = self.gemv = None
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> router logits [T, E] in float32."""
+    def logits(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E]: float32 products and sums, rounded to out_dtype."""
         if self.kernel is not None and x.shape[0] <= 4:  # decode: bandwidth; prefill: torch's GEMM
-            return self.kernel.forward(x.float().contiguous())
-        return F.linear(x.float(), self.weight.float())
+            return self.kernel.forward(x.float().contiguous()).to(out_dtype)
+        if self.gemv is not None and x.shape[0] <= ROUTER_GEMV_TOKENS:
+            return self.gemv(x, self.weight, out_dtype)
+        return F.linear(x.float(), self.weight.float()).to(out_dtype)
 
 
 @register_operator("KMoEGate")
@@ -126,7 +137,7 @@ class KMoEGateSoftmax(_Router):
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
-        logits = self.logits(x).to(x.dtype)
+        logits = self.logits(x, x.dtype)
         if self.triton_route is not None and logits.shape[0] <= TRITON_ROUTE_TOKENS:
             out_dtype = logits.dtype if self.cast_back else torch.float32
             return logits, *self.triton_route(logits, self.top_k, self.norm, out_dtype)

@@ -137,7 +137,8 @@ class _TritonLinear:
     def unload(self) -> None:
         self.weight = self.bias = None
 
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y = x Wᵀ rounded once to out_dtype (float32 sums)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,8 @@ class _TritonLinear:
         if isinstance(self.weight, torch.Tensor):
             y = F.linear(flat.to(self.weight.dtype), self.weight)
         else:
-            y = self._gemm(flat)
+            # without a bias the kernel writes the output dtype itself (no cast after it)
+            y = self._gemm(flat, torch.float32 if self.bias is not None else self.dtype)
         if self.bias is not None:
             y = y.float() + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
@@ -170,9 +172,9 @@ class KLinearMarlin(_TritonLinear):
             return ql.quantize_int4(self._dense(weights))
         return self._dense(weights)
 
-    def _gemm(self, x):
+    def _gemm(self, x, out_dtype):
         from ..kernels.triton.quant_linear import group_gemm
-        return group_gemm(x, self.weight, torch.float32)
+        return group_gemm(x, self.weight, out_dtype)
 
 
 @LINEAR_OPS.register("KLinearQ8")
@@ -202,9 +204,9 @@ class KLinearFP8(_TritonLinear):
             return FP8Weight(stored[0].contiguous(), stored[1].float().contiguous())
         return quantize_fp8(self._dense(weights))
 
-    def _gemm(self, x):
+    def _gemm(self, x, out_dtype):
         from ..kernels.triton.fp8 import fp8_gemm
-        return fp8_gemm(x, self.weight, torch.float32)
+        return fp8_gemm(x, self.weight, out_dtype)
 
 
 @dataclass(frozen=True)

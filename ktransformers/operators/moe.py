@@ -31,7 +31,9 @@ class KMoEBlock(BaseInjectedModule):
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         _, top_k_weights, top_k_index = self.gate(x)
         submit = getattr(self.experts, "submit", None)
-        if submit is None or not self._has_shared():  # HF's experts module, or nothing to overlap with
+        if not self._has_shared():  # nothing to overlap with (and no `+ 0` launch)
+            return self.experts(x, top_k_index, top_k_weights).reshape(shape)
+        if submit is None:  # HF's experts module
             return (self.experts(x, top_k_index, top_k_weights) + self._shared(x)).reshape(shape)
         wait = submit(x, top_k_index, top_k_weights)  # CPU experts run on their threads meanwhile
         try:

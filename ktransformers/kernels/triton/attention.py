@@ -101,12 +101,13 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
 
 def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
-                     window: int = 0, max_len: int | None = None) -> torch.Tensor:
+                     window: int = 0, max_len: int | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One query per sequence over its cached history.
 
     q1 [B, Hq, D1], q2 [B, Hq, D2]; k1 [S, Hkv, D1], k2 [S, Hkv, D2], v [S, Hkv, DV] (cache rows by
     slot; any row stride), or v=None when the value is k1 itself (MLA); slots [B, max_len] int32,
-    lens [B] int32 (>= 1). Returns float32 [B, Hq, DV]."""
+    lens [B] int32 (>= 1). Returns [B, Hq, DV] of out_dtype (float32 math, rounded once)."""
     B, Hq, D1 = q1.shape
     Hkv = k1.shape[1]
     if Hq % Hkv:
@@ -126,7 +127,8 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     splits = max(1, min(triton.cdiv(span, 4 * BLOCK_T), triton.cdiv(2 * sms, programs)))
     tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
     splits = triton.cdiv(span, tokens_per_split)
-    acc = torch.empty(B, Hq, splits, DV, device=q1.device, dtype=torch.float32)
+    # one split: the kernel's stores round straight to out_dtype (nothing to merge)
+    acc = torch.empty(B, Hq, splits, DV, device=q1.device, dtype=torch.float32 if splits > 1 else out_dtype)
     lse = torch.empty(B, Hq, splits, device=q1.device, dtype=torch.float32)
     q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
     v_ = k1 if v is None else v
@@ -140,8 +142,27 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
                          num_warps=8 if max(D1, DV) >= 256 else 4, num_stages=2 if q1.device.type == "cuda" else 1)
     if splits == 1:
         return acc[:, :, 0]
-    weights = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits weigh 0
-    return (acc * weights[..., None]).sum(2)
+    out = torch.empty(B, Hq, DV, device=q1.device, dtype=out_dtype)
+    _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), BLOCK_DV=_pow2(DV),
+                                    num_warps=4 if DV >= 256 else 1)
+    return out
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """out[row] = Σ_s exp(lse_s - logsumexp(lse)) acc[row, s] for one (sequence, head) row: the
+    splits' normalised partial outputs weighed by their share of the softmax (empty splits, -inf,
+    weigh 0; a split is never empty for every row: lens >= 1)."""
+    row = tl.program_id(0).to(tl.int64)
+    rs = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(lse_ptr + row * splits + rs, mask=rs < splits, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    acc = tl.load(acc_ptr + (row * splits + rs[:, None]) * DV + dv[None, :],
+                  mask=(rs < splits)[:, None] & (dv < DV)[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0)
+    tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 @triton.jit
