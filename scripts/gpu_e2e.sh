@@ -12,7 +12,8 @@
 #      decode at the thread counts of THREAD_SWEEP (e.g. "15 16").
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
 # tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
-# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file.
+# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file,
+# STAGING=1 scripts/gpu_staging.py (layer-wise prefill's copy and dequantize rates).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -30,6 +31,7 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
       && cmake --build build -j16 --target llama-bench > /tmp/llama_build.log 2>&1; echo "llama build rc $?" > /tmp/llama_done' &
   python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
   python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --vocab 32000 --out /tmp/q3-48.gguf > "$OUT/synth.txt" 2>&1 &
+  SYNTH=$!
   if [ "${TESTS:-1}" != 0 ]; then
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu or triton}" \
         ${TEST_FILES:-tests/test_cuda_host.py tests/test_gpu_rules.py} \
@@ -37,6 +39,10 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
   fi
   if [ "${BENCH_GPU:-0}" = 1 ]; then
     python3 -m ktransformers.bench.gpu 2>"$OUT/bench_gpu.err" | tee "$OUT/bench_gpu.txt"; tail -3 "$OUT/bench_gpu.err"
+  fi
+  if [ "${STAGING:-0}" = 1 ]; then  # layer-wise prefill's steps, one layer's bytes (needs the 48-layer file)
+    wait "$SYNTH"
+    python3 scripts/gpu_staging.py /tmp/q3-48.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/staging.txt"
   fi
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --layers 4 --vocab 32000 --out /tmp/q3-4.gguf > /dev/null

@@ -68,32 +68,6 @@ def test_group_gemm(dev, fmt, M):
         ql.group_gemm(torch.randn(2, 512, device=dev), w.to(dev))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "int4"])
-@pytest.mark.parametrize("M", [1, 2, 4])
-def test_group_gemv_single_launch(dev, fmt, M):
-    """Decode rows: the single-launch GEMV (output written in its dtype, no split of K) against
-    the dequantized reference and against the split-K kernel, at shapes whose column count
-    leaves a partial program and whose K is not a power of two."""
-    from ktransformers.kernels.triton import quant_linear as ql
-    for N, K in ((72, 768), (520, 256), (8, 1024)):
-        g = gen(M * N + K + len(fmt))
-        if fmt == "int4":
-            w = ql.quantize_int4(torch.randn(N, K, generator=g))
-        else:
-            t = gq.ggml_type(fmt)
-            w = ql.from_ggml(gq.random_blocks(t, N * K // gq.FORMATS[t].block_elems, g), t, (N, K))
-        ref_w = w.dequantize()
-        x = torch.randn(M, K, generator=g)
-        y = ql.group_gemm(x.to(dev), w.to(dev), torch.float32)
-        assert y.dtype == torch.float32 and y.shape == (M, N)
-        assert rel_err(y.cpu(), x @ ref_w.T) < tol(dev), f"{fmt} M={M} N={N} K={K}"
-        split = ql.group_gemm(x.to(dev), w.to(dev), torch.float32, gemv=False)
-        assert rel_err(y.cpu(), split.cpu()) < tol(dev)
-        yb = ql.group_gemm(x.to(dev), w.to(dev), torch.bfloat16)  # rounded once, from the float32 sums
-        assert yb.dtype == torch.bfloat16
-        assert rel_err(yb.cpu(), x @ ref_w.T) < 1e-2
-
-
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512)])
 def test_dense_gemv(dev, M, N, K):
     """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype."""
@@ -111,6 +85,25 @@ def test_dense_gemv(dev, M, N, K):
         ql.dense_gemv(torch.randn(5, K, device=dev), w.to(dev))
     with pytest.raises(ValueError, match="row-major"):
         ql.dense_gemv(x.to(dev), w.to(dev)[:, :K - 1])
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_K"])
+def test_dequantize_kernel(dev, fmt):
+    """Layer-wise prefill's GGML -> bf16 decode on the GPU: bit-identical to the torch reference
+    (Q5_K has no kernel: the reference itself runs), wrong sizes rejected as the reference does."""
+    from ktransformers.kernels.triton import dequant as D
+    t = gq.ggml_type(fmt)
+    per = gq.FORMATS[t].block_elems
+    for shape in ((3, 512), (7, 2, 768)):
+        raw = gq.random_blocks(t, shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1) // per,
+                               gen(sum(shape))).reshape(-1)
+        for dtype in (torch.bfloat16, torch.float32):
+            out = D.dequantize(raw.to(dev), t, shape, dtype)
+            ref = gq.dequantize(raw, t, shape, dtype)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert torch.equal(out.cpu(), ref), f"{fmt} {shape} {dtype}"
+    with pytest.raises(ValueError, match="expected"):
+        D.dequantize(raw[:-1].to(dev), t, shape)
 
 
 @pytest.mark.parametrize("M", [1, 20, 130])

@@ -96,11 +96,7 @@ def linear_rows(hbm: float, tokens=(1, 16, 512)) -> list[dict]:
             for fmt, w in weights.items():
                 label = f"linear {fmt}->{'int4' if w.bits == 4 else 'int8'}"
                 us = timed(lambda w=w: ql.group_gemm(x, w))
-                rows.append(row(label, f"{name} M={M}", us, w.nbytes() + x.numel() * 2, flops, hbm,
-                                "gemv" if M <= ql.GEMV_ROWS else ""))
-                if M <= ql.GEMV_ROWS:  # the tiled split-K kernel on the same call, for comparison
-                    us = timed(lambda w=w: ql.group_gemm(x, w, gemv=False))
-                    rows.append(row(label, f"{name} M={M}", us, w.nbytes() + x.numel() * 2, flops, hbm, "split-K"))
+                rows.append(row(label, f"{name} M={M}", us, w.nbytes() + x.numel() * 2, flops, hbm))
             us = timed(lambda: fp8.fp8_gemm(x, f8))
             rows.append(row("linear fp8", f"{name} M={M}", us, f8.nbytes() + x.numel() * 2, flops, hbm))
             us = timed(lambda: F.linear(x, dense))

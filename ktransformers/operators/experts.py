@@ -298,7 +298,7 @@ class LayerwisePrefill:
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..weights.ggml_quants import dequantize
+        from ..kernels.triton.dequant import dequantize  # one launch a tensor (Q4_K, Q6_K, Q8_0)
         event, on_gpu = self._pending or self._copy()
         self._pending = None
         stream = torch.cuda.current_stream(self.device)

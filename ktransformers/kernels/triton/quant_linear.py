@@ -7,15 +7,14 @@ int8: codes int8 [K, N], offset absent (symmetric).
 GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes int8 likewise.
 `quantize_int4` / `quantize_int8` re-quantize float weights (lossy), only when asked.
 
-Kernels:
-- decode (M <= GEMV_ROWS): `_group_gemv_kernel`, one launch writing y in its dtype. A program owns
-  BLOCK_N columns over the whole of K; each group's codes are dotted with x unscaled, then scaled
-  once (s * (x . q) + o * sum(x)), so the inner loop is one multiply-add a weight. No split of K:
-  no zeroed buffer, no atomics, no cast after (three launches became one).
-- otherwise one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are unpacked and
-  scaled in registers, fed to tl.dot in bf16, accumulated in float32. Up to DENSE_ROWS rows split
-  K across programs (float32 atomics into a zeroed buffer) so that every SM streams weights.
-`dense_gemv` is the decode kernel's float form (W [N, K] rows as torch stores them): routers.
+Kernel: one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are unpacked and scaled
+in registers, fed to tl.dot in bf16, accumulated in float32. Few rows (decode) split K across
+programs (float32 atomics into a zeroed buffer) so that every SM streams weights. (A single-launch
+GEMV without the split, its own program over all of K for a few columns, measured 1.3-2.2x slower
+on the H200 at Qwen3's shapes despite its two launches fewer: too few loads in flight a program.)
+
+`dense_gemv`: float weights W [N, K] as torch stores them against up to GEMV_ROWS rows, in one
+launch (the routers' logits: 5.2 us on the H200 where F.linear and its casts took 8.6).
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from ...weights.ggml_quants import GGMLType, group_affine
 from .common import DENSE_ROWS, dot_f32, sm_count, split_k
 
 GROUP = 32
-# Up to this many rows of x the single-launch GEMV runs (its registers hold BLOCK_M rows of a tile).
+# Rows of x dense_gemv takes (its registers hold BLOCK_M rows of a tile).
 GEMV_ROWS = 4
 
 
@@ -170,42 +169,6 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, 
 
 
 @triton.jit
-def _group_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[:M, cols] for this program's BLOCK_N columns, all of K (a multiple of the group size)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    G: tl.constexpr = BLOCK_K // GROUP_SIZE
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
-                    other=0.0).to(tl.float32)
-        if BITS == 4:
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
-                            other=0)
-            shifts = tl.arange(0, 8) * 4
-            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 15, (BLOCK_K, BLOCK_N))
-        else:
-            q = tl.load(codes_ptr + rk[:, None] * N + rn[None, :], mask=(rk < K)[:, None] & mask_n[None, :], other=0)
-        rg = k0 // GROUP_SIZE + tl.arange(0, G)
-        mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
-        s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-        a3 = tl.reshape(a, (BLOCK_M, G, GROUP_SIZE))
-        q3 = tl.reshape(q.to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
-        part = tl.sum(a3[:, :, :, None] * q3[None, :, :, :], axis=2) * s[None, :, :]  # [BLOCK_M, G, BLOCK_N]
-        if HAS_OFFSET:
-            o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-            part += tl.sum(a3, axis=2)[:, :, None] * o[None, :, :]
-        acc += tl.sum(part, axis=1)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & mask_n[None, :])
-
-
-@triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows, in float32."""
@@ -279,10 +242,8 @@ def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
     return out
 
 
-def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None,
-               gemv: bool = True) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for a GroupQuantWeight on x's device (`gemv=False`: the tiled
-    split-K kernel also for M <= GEMV_ROWS, for comparisons)."""
+def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for a GroupQuantWeight on x's device."""
     K, N = w.in_features, w.out_features
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"group_gemm: x must be [M, {K}], got {tuple(x.shape)}")
@@ -294,15 +255,6 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     if M > DENSE_ROWS and x.device.type == "cuda":
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
     offset = w.offset if w.offset is not None else w.scale
-    if gemv and M <= GEMV_ROWS:
-        y = torch.empty(M, N, device=x.device, dtype=out_dtype)
-        block_m, block_n, block_k = _gemv_blocks(M, N, K, x.device, GROUP)
-        _group_gemv_kernel[(triton.cdiv(N, block_n),)](x, w.codes, w.scale, offset, y, M, N, K, x.stride(0),
-                                                       y.stride(0), BITS=w.bits, HAS_OFFSET=w.offset is not None,
-                                                       GROUP_SIZE=GROUP, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                       BLOCK_K=block_k, num_warps=4,
-                                                       num_stages=3 if x.device.type == "cuda" else 1)
-        return y
     BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
     if M <= 16:
         BLOCK_M, BLOCK_N = 16, 64

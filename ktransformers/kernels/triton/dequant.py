@@ -1,0 +1,94 @@
+"""GGML blocks -> bf16/f16/f32 on the GPU in one launch: what layer-wise prefill runs on each
+layer's expert bytes once they are copied to the GPU (weights.ggml_quants.dequantize, the torch
+reference, decodes the same blocks in a dozen elementwise launches over float32 temporaries).
+
+Types: Q4_K, Q6_K, Q8_0 (what Q4_K_M / Q6_K / Q8_0 files store their experts in); others go to
+the reference (`dequantize` falls back). Each program decodes BLOCKS blocks, every value computed
+from its own bytes with the reference's float32 arithmetic (bit-identical after the rounding).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...weights.ggml_quants import FORMATS, GGMLType, ggml_type, tensor_nbytes
+from ...weights.ggml_quants import dequantize as dequantize_reference
+from .norm_rope import round_to
+
+BLOCKS = 8  # blocks a program (8 x 256 values)
+
+
+@triton.jit
+def _f16_at(ptr):
+    """float32 of the little-endian f16 whose first byte `ptr` points at (any alignment)."""
+    lo = tl.load(ptr).to(tl.uint16)
+    hi = tl.load(ptr + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequant_kernel(src_ptr, out_ptr, n_blocks, TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                    BLOCK_ELEMS: tl.constexpr, BLOCKS: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    valid = blk < n_blocks
+    e = tl.arange(0, BLOCK_ELEMS)
+    base = src_ptr + blk[:, None] * BLOCK_BYTES  # [BLOCKS, 1] block starts
+    m = valid[:, None] & (e < BLOCK_ELEMS)[None, :]
+    if TYPE == 12:  # Q4_K: d f16 | dmin f16 | 12 bytes of 6-bit (scale, min) pairs | 128 bytes of nibbles
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES)
+        dmin = _f16_at(src_ptr + blk * BLOCK_BYTES + 2)
+        j = e // 32  # sub-block
+        jl = j % 4
+        lo = tl.load(base + 4 + jl[None, :], mask=m, other=0).to(tl.int32)   # bytes 0-3 of the field
+        mid = tl.load(base + 8 + jl[None, :], mask=m, other=0).to(tl.int32)  # bytes 4-7
+        hi = tl.load(base + 12 + jl[None, :], mask=m, other=0).to(tl.int32)  # bytes 8-11
+        first = (j < 4)[None, :]
+        sc = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4))
+        mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4))
+        r = e % 64
+        q = tl.load(base + 16 + (e // 64 * 32 + r % 32)[None, :], mask=m, other=0).to(tl.int32)
+        q = (q >> (4 * (r // 32))[None, :]) & 15
+        scale = d[:, None] * sc.to(tl.float32)
+        low = dmin[:, None] * mn.to(tl.float32)
+        v = scale * q.to(tl.float32) - low
+    elif TYPE == 14:  # Q6_K: ql[128] | qh[64] | 16 int8 scales | d f16
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES + 208)
+        half = e // 128
+        r = e % 128
+        ql = tl.load(base + (half * 64 + r % 64)[None, :], mask=m, other=0).to(tl.int32)
+        qh = tl.load(base + 128 + (half * 32 + r % 32)[None, :], mask=m, other=0).to(tl.int32)
+        q = ((ql >> (4 * (r // 64))[None, :]) & 15) | (((qh >> (2 * (r // 32))[None, :]) & 3) << 4)
+        sc = tl.load(base + 192 + (e // 16)[None, :], mask=m, other=0).to(tl.int8, bitcast=True)
+        scale = d[:, None] * sc.to(tl.float32)
+        v = scale * (q.to(tl.float32) - 32)
+    else:  # Q8_0: d f16 | 32 int8
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES)
+        q = tl.load(base + 2 + e[None, :], mask=m, other=0).to(tl.int8, bitcast=True)
+        v = d[:, None] * q.to(tl.float32)
+    out = out_ptr + blk[:, None] * BLOCK_ELEMS + e[None, :]
+    tl.store(out, round_to(v, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=m)
+
+
+KERNEL_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
+
+
+def dequantize(raw: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """ggml_quants.dequantize(raw, t, shape, dtype) for bytes on a device Triton runs on: one
+    launch for KERNEL_TYPES, the reference for other types (and for what it rejects: wrong sizes)."""
+    fmt = FORMATS[ggml_type(t)]
+    shape = tuple(int(s) for s in shape)
+    if fmt.type not in KERNEL_TYPES or dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+            raw.dtype != torch.uint8 or not raw.is_contiguous() or (shape and shape[-1] % fmt.block_elems) or \
+            raw.numel() != tensor_nbytes(fmt.type, math.prod(shape)):
+        return dequantize_reference(raw, t, shape, dtype)
+    n_blocks = raw.numel() // fmt.block_bytes
+    out = torch.empty(shape, dtype=dtype, device=raw.device)
+    if n_blocks:
+        _dequant_kernel[(triton.cdiv(n_blocks, BLOCKS),)](raw, out, n_blocks, TYPE=int(fmt.type),
+                                                          BLOCK_BYTES=fmt.block_bytes,
+                                                          BLOCK_ELEMS=fmt.block_elems, BLOCKS=BLOCKS,
+                                                          num_warps=8)
+    return out
