@@ -144,13 +144,23 @@ void prep_q8_kt(const float* x, act_q8_k* y, int n) {
 // Bytes ahead of the tile being read that the tiled kernels prefetch (0: none, the hardware's
 // prefetchers alone); set once by set_tile_prefetch before any kernel runs.
 int g_tile_prefetch = 0;
+// Which cache level those prefetches fill: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
+int g_tile_prefetch_hint = 0;
+inline void prefetch_line(const char* p) {
+    switch (g_tile_prefetch_hint) {  // (set once: the branch always goes the same way)
+        case 1: _mm_prefetch(p, _MM_HINT_T1); break;
+        case 2: _mm_prefetch(p, _MM_HINT_T2); break;
+        case 3: _mm_prefetch(p, _MM_HINT_NTA); break;
+        default: _mm_prefetch(p, _MM_HINT_T0);
+    }
+}
 // prefetch part `part` (of `parts`) of the lines `g_tile_prefetch` bytes past `tile`
 template <typename Tile>
 inline void prefetch_ahead(const Tile* tile, int part, int parts) {
     if (!g_tile_prefetch) return;
     constexpr int lines = (sizeof(Tile) + 63) / 64;
     const char* at = (const char*)tile + g_tile_prefetch;
-    for (int l = part * lines / parts; l < (part + 1) * lines / parts; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+    for (int l = part * lines / parts; l < (part + 1) * lines / parts; l++) prefetch_line(at + 64 * l);
 }
 // One tile step group from 32 bytes holding a sub-block's 32 values as nibbles (the low nibbles
 // when !high): the 16 bytes [value x | value x + 16 << 4] for x = 0..15, stored as the four
@@ -1196,9 +1206,11 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
     for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
 }
 
-void set_tile_prefetch(int bytes) {
+void set_tile_prefetch(int bytes, int hint) {
     if (bytes < 0 || bytes > (1 << 20)) throw std::invalid_argument("tile prefetch distance must be 0..1 MiB, got " + std::to_string(bytes));
+    if (hint < 0 || hint > 3) throw std::invalid_argument("tile prefetch hint must be 0..3 (T0, T1, T2, NTA), got " + std::to_string(hint));
     g_tile_prefetch = bytes;
+    g_tile_prefetch_hint = hint;
 }
 
 int rows_step(const Format* f) { return f->tile ? kTileRows : 1; }

@@ -53,8 +53,9 @@ int tile_cols(int type);  // the tiled layout's columns come in multiples of thi
 size_t tiled_row_bytes(int type, int rows, int n);
 // Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (checked as above).
 void repack_tiles(int type, const void* src, void* dst, int rows, int n);
-// Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none).
-void set_tile_prefetch(int bytes);
+// Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none), into the
+// cache level of `hint`: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
+void set_tile_prefetch(int bytes, int hint = 0);
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
 void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);

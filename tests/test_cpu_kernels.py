@@ -295,6 +295,33 @@ def test_bad_input_raises_before_touching_memory(runtime):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
 
 
+def test_tile_prefetch_settings(monkeypatch):
+    """KT_CPU_PREFETCH(_HINT) change where the tiled kernels prefetch, never what they compute;
+    values out of range are refused by name."""
+    gen = torch.Generator().manual_seed(11)
+    E, K, H, I = 5, 2, 512, 256
+    g, u, d = (expert_weights(GGMLType.Q4_K, E, r, c, gen)[0] for r, c in ((I, H), (I, H), (H, I)))
+    x = torch.randn(3, H, generator=gen)
+    ids, w = routing(3, E, K, gen)
+    outs = []
+    for distance, hint in (("0", "t0"), ("4096", "t0"), ("4096", "t1"), ("8192", "nta")):
+        monkeypatch.setenv("KT_CPU_PREFETCH", distance)
+        monkeypatch.setenv("KT_CPU_PREFETCH_HINT", hint)
+        rt = CPURuntime(2)
+        outs.append(MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d).forward(x, ids, w))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    monkeypatch.setenv("KT_CPU_PREFETCH_HINT", "t3")
+    with pytest.raises(ValueError, match="KT_CPU_PREFETCH_HINT='t3'"):
+        CPURuntime(1)
+    monkeypatch.setenv("KT_CPU_PREFETCH_HINT", "t0")
+    monkeypatch.setenv("KT_CPU_PREFETCH", str(2 << 20))
+    with pytest.raises(ValueError, match="0..1 MiB"):
+        CPURuntime(1)
+    monkeypatch.delenv("KT_CPU_PREFETCH")
+    monkeypatch.delenv("KT_CPU_PREFETCH_HINT")
+    CPURuntime(1)  # (the setting is the extension's, process-wide: back to the defaults)
+
+
 def test_isa_override(monkeypatch):
     have = supported_isas()
     assert have and have[-1] == "avx2"

@@ -9,7 +9,8 @@ expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 Environment, read here and nowhere else: KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests
 use it to run every level the CPU has); KT_CPU_PREFETCH=<bytes>, how far ahead the tiled kernels
 prefetch weights (default 4096, 0: none; one page ahead measured best on the 16-core Sapphire
-Rapids host and no worse on the 2-core EPYC); KT_MOE_TASKS, tasks a thread per MoE phase
+Rapids host and no worse on the 2-core EPYC), KT_CPU_PREFETCH_HINT=t0|t1|t2|nta into which cache
+(default t0, L1); KT_MOE_TASKS, tasks a thread per MoE phase
 (default 16); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
 experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
 host functions where the GPU lacks stream memory operations).
@@ -101,6 +102,9 @@ def load_extension(isa: str | None = None):
         raise ImportError(f"the CPU kernels for {isa} are not built ({e}); reinstall with `pip install -e .`") from None
 
 
+PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # KT_CPU_PREFETCH_HINT, in the extension's order
+
+
 class CPURuntime:
     """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
 
@@ -111,7 +115,10 @@ class CPURuntime:
             spin_us = int(os.environ.get("KT_CPU_SPIN_US", "300"))
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
-        self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")))
+        hint = os.environ.get("KT_CPU_PREFETCH_HINT", "t0").strip().lower()
+        if hint not in PREFETCH_HINTS:
+            raise ValueError(f"KT_CPU_PREFETCH_HINT={hint!r}: expected one of {', '.join(PREFETCH_HINTS)}")
+        self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")), PREFETCH_HINTS.index(hint))
         self.ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "16")))
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
