@@ -50,6 +50,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
+    m.def("tile_prefetch", &tile_prefetch, "(bytes, hint) of the tiled kernels' software prefetch, as last set");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

@@ -1206,6 +1206,8 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
     for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
 }
 
+std::pair<int, int> tile_prefetch() { return {g_tile_prefetch, g_tile_prefetch_hint}; }
+
 void set_tile_prefetch(int bytes, int hint) {
     if (bytes < 0 || bytes > (1 << 20)) throw std::invalid_argument("tile prefetch distance must be 0..1 MiB, got " + std::to_string(bytes));
     if (hint < 0 || hint > 3) throw std::invalid_argument("tile prefetch hint must be 0..3 (T0, T1, T2, NTA), got " + std::to_string(hint));

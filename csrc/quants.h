@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "blocks.h"
 
@@ -56,6 +57,7 @@ void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 // Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none), into the
 // cache level of `hint`: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
 void set_tile_prefetch(int bytes, int hint = 0);
+std::pair<int, int> tile_prefetch();  // (bytes, hint) as last set
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
 void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);

@@ -308,6 +308,7 @@ def test_tile_prefetch_settings(monkeypatch):
         monkeypatch.setenv("KT_CPU_PREFETCH", distance)
         monkeypatch.setenv("KT_CPU_PREFETCH_HINT", hint)
         rt = CPURuntime(2)
+        assert rt.ext.tile_prefetch() == (int(distance), ("t0", "t1", "t2", "nta").index(hint))
         outs.append(MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d).forward(x, ids, w))
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     monkeypatch.setenv("KT_CPU_PREFETCH_HINT", "t3")

@@ -195,9 +195,12 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_layerwise_prefill_equals_cpu_experts(tmp_path):
+def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
     """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
-    (next layer prefetched) and give what the CPU experts give."""
+    (next layer prefetched) and give what the CPU experts give. The staging chunk is made small
+    and a size no GGML block divides, so every tensor crosses several chunks at odd offsets."""
+    from ktransformers.operators.experts import LayerwisePrefill
+    monkeypatch.setattr(LayerwisePrefill, "CHUNK", 1000)
     family = "qwen3_moe"
     hf = tiny_model(family, layers=3)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)

@@ -189,6 +189,7 @@ class Engine:
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
+        self._cores = len(os.sched_getaffinity(0))
         self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
@@ -257,8 +258,7 @@ class Engine:
         """Wait for the step's GPU streams. Where the CPU experts' threads fed from them leave
         fewer than two cores (for this thread and the CUDA driver's), sleep on a blocking event:
         cudaStreamSynchronize spins, and a spinning thread here takes a core from the experts."""
-        staging = self.context._staging
-        crowded = staging is not None and staging.runtime.threads + 2 > len(os.sched_getaffinity(0))
+        crowded = self.context.cpu_pool_threads() + 2 > self._cores
         for device in sorted({d for d in self.layer_devices if d.type == "cuda"}, key=str):
             stream = torch.cuda.current_stream(device)
             if not crowded:

@@ -113,6 +113,10 @@ class RunContext:
             self._cpu = CPURuntime(self.cpu_threads)
         return self._cpu
 
+    def cpu_pool_threads(self) -> int:
+        """Threads of the CPU runtime, once it exists (0 before)."""
+        return self._cpu.threads if self._cpu is not None else 0
+
     def host_staging(self):
         """Pinned buffers and host calls that run CPU experts in order with a CUDA stream."""
         if self._staging is None:

@@ -283,18 +283,20 @@ class LayerwisePrefill:
         slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
         sizes = [data.numel() for data, _, _ in self.parts]
         slot, buffer = slots.take(sum(sizes))
+        event = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             on_gpu = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-            at = 0
-            for (data, _, _), n, dst in zip(self.parts, sizes, on_gpu):
-                for c in range(0, n, self.CHUNK):
-                    e = min(n, c + self.CHUNK)
-                    runtime.copy(buffer[at + c:at + e], data[c:e])
-                    dst[c:e].copy_(buffer[at + c:at + e], non_blocking=True)
-                at += n
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        slots.events[slot] = event  # the buffer may be refilled once this copy is done
+            try:
+                at = 0
+                for (data, _, _), n, dst in zip(self.parts, sizes, on_gpu):
+                    for c in range(0, n, self.CHUNK):
+                        e = min(n, c + self.CHUNK)
+                        runtime.copy(buffer[at + c:at + e], data[c:e])
+                        dst[c:e].copy_(buffer[at + c:at + e], non_blocking=True)
+                    at += n
+            finally:  # (also after a failed chunk: the copies enqueued from the buffer are waited for)
+                event.record(self._stream)
+                slots.events[slot] = event  # the buffer may be refilled once this copy is done
         return event, on_gpu
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,9 +308,11 @@ class LayerwisePrefill:
         for t in on_gpu:  # allocated on the copy stream, read on this one: freed after this one's use
             t.record_stream(stream)
         (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
-        bf16 = torch.bfloat16
-        gate_up = torch.cat([dequantize(g, tg, sg, bf16), dequantize(u, tu, su, bf16)], 1)
-        return gate_up, dequantize(d, td, sd, bf16)
+        E, I, H = sg
+        gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
+        dequantize(g, tg, sg, out=gate_up[:, :I])
+        dequantize(u, tu, su, out=gate_up[:, I:])
+        return gate_up, dequantize(d, td, sd, torch.bfloat16)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from ..kernels.triton.fused_moe import fused_moe

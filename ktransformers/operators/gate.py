@@ -19,8 +19,6 @@ from .registry import register_operator
 # Up to this many tokens the softmax top-k epilogue runs as one Triton launch (torch's softmax,
 # topk, sum and division are ~6 launches); longer steps keep torch's ops
 TRITON_ROUTE_TOKENS = 64
-# Up to this many tokens the router's logits are one Triton GEMV launch (quant_linear.GEMV_ROWS)
-ROUTER_GEMV_TOKENS = 4
 
 
 def route_sigmoid_grouped(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
@@ -58,6 +56,7 @@ class _Router(BaseInjectedModule):
         self.weight: torch.Tensor | None = None
         self.kernel = None
         self.gemv = None  # set by load() where Triton runs: kernels.triton.quant_linear.dense_gemv
+        self.gemv_rows = 0  # and the most tokens it takes (quant_linear.GEMV_ROWS)
 
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
@@ -72,9 +71,9 @@ class _Router(BaseInjectedModule):
                                        weight=ExpertWeights(self.weight.contiguous(), 0), name=self.key)
         elif runs_on(self.device):
             # float32 once (not a cast of the weight every step); decode steps in one GEMV launch
-            from ..kernels.triton.quant_linear import dense_gemv
+            from ..kernels.triton.quant_linear import GEMV_ROWS, dense_gemv
             self.weight = self.weight.float().contiguous()
-            self.gemv = dense_gemv
+            self.gemv, self.gemv_rows = dense_gemv, GEMV_ROWS
 
     def unload(self) -> None:
         self.weight = self.kernel = self.gemv = None
@@ -83,7 +82,7 @@ class _Router(BaseInjectedModule):
         """x [T, H] -> router logits [T, E]: float32 products and sums, rounded to out_dtype."""
         if self.kernel is not None and x.shape[0] <= 4:  # decode: bandwidth; prefill: torch's GEMM
             return self.kernel.forward(x.float().contiguous()).to(out_dtype)
-        if self.gemv is not None and x.shape[0] <= ROUTER_GEMV_TOKENS:
+        if self.gemv is not None and x.shape[0] <= self.gemv_rows:
             return self.gemv(x, self.weight, out_dtype)
         return F.linear(x.float(), self.weight.float()).to(out_dtype)
 

@@ -185,6 +185,8 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
                 layerwise[out_device] = max(layerwise.get(out_device, 0), need)
                 # two buffers of the largest layer's bytes in pinned RAM (torch rounds each up to a power of two)
                 staging = max(staging, 2 * (1 << (int(stored or numel * 2) - 1).bit_length()))
+        elif op_name in ("KMoEGate", "KMoEGateSoftmax") and device.startswith("cuda"):
+            mem.add(device, "weights", numel * 4)  # routers on a GPU keep their weight in float32
         else:
             mem.add(device, "weights", numel * dbytes)
         mla = attention.get(name.rpartition(".kv_b_proj.")[0]) if ".kv_b_proj." in name else None

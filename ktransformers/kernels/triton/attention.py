@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import dot_f32, sm_count
+from .norm_rope import round_to
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -95,7 +96,10 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
     out = acc / safe_l[:, None]
     lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
     base = (b * Hq + heads) * num_splits + split  # acc [B, Hq, splits, DV], lse [B, Hq, splits]
-    tl.store(acc_ptr + base[:, None] * DV + dv[None, :], out, mask=hmask[:, None] & (dv < DV)[None, :])
+    # (one split: acc is the output, of the caller's dtype, rounded to nearest as torch rounds)
+    tl.store(acc_ptr + base[:, None] * DV + dv[None, :],
+             round_to(out, acc_ptr.dtype.element_ty).to(acc_ptr.dtype.element_ty),
+             mask=hmask[:, None] & (dv < DV)[None, :])
     tl.store(lse_ptr + base, lse, mask=hmask)
 
 
@@ -143,26 +147,34 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     if splits == 1:
         return acc[:, :, 0]
     out = torch.empty(B, Hq, DV, device=q1.device, dtype=out_dtype)
-    _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), BLOCK_DV=_pow2(DV),
-                                    num_warps=4 if DV >= 256 else 1)
+    _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), CHUNK_S=8,
+                                    BLOCK_DV=_pow2(DV), num_warps=4)
     return out
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
     """out[row] = Σ_s exp(lse_s - logsumexp(lse)) acc[row, s] for one (sequence, head) row: the
     splits' normalised partial outputs weighed by their share of the softmax (empty splits, -inf,
-    weigh 0; a split is never empty for every row: lens >= 1)."""
+    weigh 0; a split is never empty for every row: lens >= 1). The partial outputs are read
+    CHUNK_S splits at a time (a whole [splits, DV] tile would not fit in registers)."""
     row = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
     lse = tl.load(lse_ptr + row * splits + rs, mask=rs < splits, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    acc = tl.load(acc_ptr + (row * splits + rs[:, None]) * DV + dv[None, :],
-                  mask=(rs < splits)[:, None] & (dv < DV)[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0)
-    tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - top), 0)
+    dv = tl.arange(0, BLOCK_DV)
+    out = tl.zeros((BLOCK_DV,), tl.float32)
+    for s0 in range(0, splits, CHUNK_S):
+        cs = s0 + tl.arange(0, CHUNK_S)
+        cm = cs < splits
+        w = tl.exp(tl.load(lse_ptr + row * splits + cs, mask=cm, other=float("-inf")) - top) / total
+        acc = tl.load(acc_ptr + (row * splits + cs[:, None]) * DV + dv[None, :], mask=cm[:, None] & (dv < DV)[None, :],
+                      other=0.0)
+        out += tl.sum(acc * w[:, None], 0)
+    tl.store(out_ptr + row * DV + dv, round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=dv < DV)
 
 
 @triton.jit

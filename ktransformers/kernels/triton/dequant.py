@@ -22,24 +22,26 @@ BLOCKS = 8  # blocks a program (8 x 256 values)
 
 
 @triton.jit
-def _f16_at(ptr):
-    """float32 of the little-endian f16 whose first byte `ptr` points at (any alignment)."""
-    lo = tl.load(ptr).to(tl.uint16)
-    hi = tl.load(ptr + 1).to(tl.uint16)
+def _f16_at(ptr, mask):
+    """float32 of the little-endian f16 whose first byte `ptr` points at (any alignment; 0 where
+    not mask: past the last block nothing is read)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _dequant_kernel(src_ptr, out_ptr, n_blocks, TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+def _dequant_kernel(src_ptr, out_ptr, n_blocks, group, stride, TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                     BLOCK_ELEMS: tl.constexpr, BLOCKS: tl.constexpr):
+    """Value i of the tensor (row-major) goes to out[(i // group) * stride + i % group]."""
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     valid = blk < n_blocks
     e = tl.arange(0, BLOCK_ELEMS)
     base = src_ptr + blk[:, None] * BLOCK_BYTES  # [BLOCKS, 1] block starts
     m = valid[:, None] & (e < BLOCK_ELEMS)[None, :]
     if TYPE == 12:  # Q4_K: d f16 | dmin f16 | 12 bytes of 6-bit (scale, min) pairs | 128 bytes of nibbles
-        d = _f16_at(src_ptr + blk * BLOCK_BYTES)
-        dmin = _f16_at(src_ptr + blk * BLOCK_BYTES + 2)
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES, valid)
+        dmin = _f16_at(src_ptr + blk * BLOCK_BYTES + 2, valid)
         j = e // 32  # sub-block
         jl = j % 4
         lo = tl.load(base + 4 + jl[None, :], mask=m, other=0).to(tl.int32)   # bytes 0-3 of the field
@@ -55,7 +57,7 @@ def _dequant_kernel(src_ptr, out_ptr, n_blocks, TYPE: tl.constexpr, BLOCK_BYTES:
         low = dmin[:, None] * mn.to(tl.float32)
         v = scale * q.to(tl.float32) - low
     elif TYPE == 14:  # Q6_K: ql[128] | qh[64] | 16 int8 scales | d f16
-        d = _f16_at(src_ptr + blk * BLOCK_BYTES + 208)
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES + 208, valid)
         half = e // 128
         r = e % 128
         ql = tl.load(base + (half * 64 + r % 64)[None, :], mask=m, other=0).to(tl.int32)
@@ -65,29 +67,46 @@ def _dequant_kernel(src_ptr, out_ptr, n_blocks, TYPE: tl.constexpr, BLOCK_BYTES:
         scale = d[:, None] * sc.to(tl.float32)
         v = scale * (q.to(tl.float32) - 32)
     else:  # Q8_0: d f16 | 32 int8
-        d = _f16_at(src_ptr + blk * BLOCK_BYTES)
+        d = _f16_at(src_ptr + blk * BLOCK_BYTES, valid)
         q = tl.load(base + 2 + e[None, :], mask=m, other=0).to(tl.int8, bitcast=True)
         v = d[:, None] * q.to(tl.float32)
-    out = out_ptr + blk[:, None] * BLOCK_ELEMS + e[None, :]
+    i = blk[:, None] * BLOCK_ELEMS + e[None, :]
+    out = out_ptr + (i // group) * stride + i % group
     tl.store(out, round_to(v, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=m)
 
 
 KERNEL_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 
 
-def dequantize(raw: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """ggml_quants.dequantize(raw, t, shape, dtype) for bytes on a device Triton runs on: one
-    launch for KERNEL_TYPES, the reference for other types (and for what it rejects: wrong sizes)."""
+    launch for KERNEL_TYPES, the reference for other types (and for what it rejects: wrong sizes).
+
+    `out`: write into this view instead (of `shape`, its dtype; its innermost dims may sit inside
+    a larger tensor: [E, I, H] into gate_up[:, :I] of an [E, 2I, H] tensor, the rows of each
+    leading index contiguous), e.g. gate and up side by side without a concatenation."""
     fmt = FORMATS[ggml_type(t)]
     shape = tuple(int(s) for s in shape)
+    group = stride = max(1, math.prod(shape))
+    if out is not None:
+        dtype = out.dtype
+        if tuple(out.shape) != shape or out.device != raw.device:
+            raise ValueError(f"dequantize: out {tuple(out.shape)} on {out.device}, expected {shape} on {raw.device}")
+        if len(shape) > 1 and out[0].is_contiguous() and (shape[0] == 1 or out.stride(0) >= out[0].numel()):
+            group, stride = out[0].numel(), out.stride(0) if shape[0] > 1 else out[0].numel()
+        elif not out.is_contiguous():
+            raise ValueError(f"dequantize: out must be contiguous below its first dim, got strides {out.stride()}")
     if fmt.type not in KERNEL_TYPES or dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
             raw.dtype != torch.uint8 or not raw.is_contiguous() or (shape and shape[-1] % fmt.block_elems) or \
             raw.numel() != tensor_nbytes(fmt.type, math.prod(shape)):
-        return dequantize_reference(raw, t, shape, dtype)
+        ref = dequantize_reference(raw, t, shape, dtype)
+        return ref if out is None else out.copy_(ref)
     n_blocks = raw.numel() // fmt.block_bytes
-    out = torch.empty(shape, dtype=dtype, device=raw.device)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=raw.device)
     if n_blocks:
-        _dequant_kernel[(triton.cdiv(n_blocks, BLOCKS),)](raw, out, n_blocks, TYPE=int(fmt.type),
+        _dequant_kernel[(triton.cdiv(n_blocks, BLOCKS),)](raw, out, n_blocks, group, stride, TYPE=int(fmt.type),
                                                           BLOCK_BYTES=fmt.block_bytes,
                                                           BLOCK_ELEMS=fmt.block_elems, BLOCKS=BLOCKS,
                                                           num_warps=8)

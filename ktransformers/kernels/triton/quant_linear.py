@@ -28,7 +28,7 @@ from ...weights.ggml_quants import GGMLType, group_affine
 from .common import DENSE_ROWS, dot_f32, sm_count, split_k
 
 GROUP = 32
-# Rows of x dense_gemv takes (its registers hold BLOCK_M rows of a tile).
+# Rows of x dense_gemv takes: decode steps (a chosen limit; more rows belong to a GEMM).
 GEMV_ROWS = 4
 
 
@@ -187,18 +187,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
              mask=(rm < M)[:, None] & mask_n[None, :])
 
 
-def _gemv_blocks(M: int, N: int, K: int, device: torch.device, per_weight: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of a GEMV launch: columns per program shrink until every SM
-    has a program (more programs hide more memory latency), K per step fills ~4096 products a
-    program (32 floats a thread of 4 warps)."""
-    block_m = triton.next_power_of_2(max(M, 1))
-    block_n = 32
-    while block_n > 8 and triton.cdiv(N, block_n) < 2 * sm_count(device):
-        block_n //= 2
-    block_k = max(per_weight, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
-    return block_m, block_n, block_k
-
-
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [M, N] = x [M, K] @ w [N, K]ᵀ (any float dtypes, float32 sums) for M <= GEMV_ROWS, in one
     launch, the result rounded once to out_dtype."""
@@ -210,7 +198,12 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
     x = x.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=out_dtype)
-    block_m, block_n, block_k = _gemv_blocks(M, N, K, x.device, 16)
+    # rows a program shrink until every SM has two programs (more in flight hides more memory
+    # latency); K a step fills ~4096 products a program (32 floats a thread of 4 warps)
+    block_m, block_n = triton.next_power_of_2(max(M, 1)), 32
+    while block_n > 8 and triton.cdiv(N, block_n) < 2 * sm_count(x.device):
+        block_n //= 2
+    block_k = max(16, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
     _dense_gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                                    num_warps=4)
@@ -254,7 +247,6 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     out_dtype = out_dtype or x.dtype
     if M > DENSE_ROWS and x.device.type == "cuda":
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
-    offset = w.offset if w.offset is not None else w.scale
     BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
     if M <= 16:
         BLOCK_M, BLOCK_N = 16, 64
@@ -263,6 +255,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     else:
         BLOCK_M, BLOCK_N = 128, 64
     grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
+    offset = w.offset if w.offset is not None else w.scale
     _group_gemm_kernel[grid](x, w.codes, w.scale, offset, y, M, N, K, x.stride(0), y.stride(0), k_per_split,
                              BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
                              BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=atomic, DOT_F32=dot_f32(),
