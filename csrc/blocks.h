@@ -44,15 +44,16 @@ struct tile_q4_k16 { fp16_t d[16]; fp16_t dmin[16]; uint32_t sc[3][16]; uint8_t 
 static_assert(sizeof(tile_q4_k16) == 16 * sizeof(block_q4_k), "q4_k tile");
 
 // 16 rows' Q6_K blocks of one block column (3360 bytes = 16 x 210), in the order the kernel reads
-// them (one sequential stream: the hardware prefetchers keep up with it, three interleaved ones
-// measured 2x slower from memory): part[p] holds values 64p..64p+63 of each row, sub-block pairs
-// j = 2p + s: ql[4s + q] as tile_q4_k16's qs (low 4 bits of values 32j + 4q + i and
-// 32j + 16 + 4q + i of row r in lane r); qh[2s + h] byte i of lane r: the high 2 bits of values
+// them, every byte after the one before (one forward stream for the prefetchers: three interleaved
+// ones measured 2x slower from memory, and reading each part's scales at its end before its first
+// bytes ran 13 GB/s a core from RAM where Q4_K's forward tiles ran 20): part[p] holds values
+// 64p..64p+63 of each row, sub-block pairs j = 2p + s: sc[s][r] = row r's scales of sub-blocks 2j,
+// 2j+1 (16 values each); then half[s]: qh[h] byte i of lane r: the high 2 bits of values
 // 32j + 8h + i, 32j + 16 + 8h + i, 32j + 8h + 4 + i, 32j + 16 + 8h + 4 + i at bits 0-1, 2-3, 4-5,
-// 6-7 (those of ql[4s + 2h] lo, hi, then ql[4s + 2h + 1] lo, hi); sc[s][r] = row r's scales of
-// sub-blocks 2j, 2j+1 (16 values each). Then d of each row.
+// 6-7 (those of ql[2h] lo, hi, then ql[2h + 1] lo, hi); ql[q] as tile_q4_k16's qs (low 4 bits of
+// values 32j + 4q + i and 32j + 16 + 4q + i of row r in lane r). Then d of each row.
 struct tile_q6_k16 {
-    struct { uint8_t ql[8][64]; uint8_t qh[4][64]; int8_t sc[2][16][2]; } part[4];
+    struct { int8_t sc[2][16][2]; struct { uint8_t qh[2][64]; uint8_t ql[4][64]; } half[2]; } part[4];
     fp16_t d[16];
 };
 static_assert(sizeof(tile_q6_k16) == 16 * sizeof(block_q6_k), "q6_k tile");

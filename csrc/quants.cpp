@@ -228,7 +228,7 @@ void repack_q6_k16(const void* src, void* dst, int n) {
         // high 2 bits at bits 2k, 2k + 1 of qh[32 half + l]; sub-block j = 4 half + k
         for (int j = 0; j < 8; j++) {
             const int k = j % 4;
-            nibble_steps(blk.ql + 64 * (j / 4) + 32 * (k % 2), k >= 2, r, t.part[j / 2].ql + 4 * (j % 2));
+            nibble_steps(blk.ql + 64 * (j / 4) + 32 * (k % 2), k >= 2, r, t.part[j / 2].half[j % 2].ql);
             const uint8_t* qh = blk.qh + 32 * (j / 4);
             for (int h = 0; h < 2; h++) {  // four values' 2-bit fields a byte, four bytes at once
                 auto bits = [&](int at) {
@@ -237,7 +237,7 @@ void repack_q6_k16(const void* src, void* dst, int n) {
                     return (u >> (2 * k)) & 0x03030303u;
                 };
                 const uint32_t packed = bits(8 * h) | bits(16 + 8 * h) << 2 | bits(8 * h + 4) << 4 | bits(20 + 8 * h) << 6;
-                std::memcpy(&t.part[j / 2].qh[2 * (j % 2) + h][4 * r], &packed, 4);
+                std::memcpy(&t.part[j / 2].half[j % 2].qh[h][4 * r], &packed, 4);
             }
         }
     });
@@ -516,6 +516,9 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < n / QK_K; b++, w++) {
+        // the tile's bytes in order, d and dmin first: one forward stream for the prefetchers
+        const __m512 d_rows = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->dmin));
         const __m512i P0 = _mm512_loadu_si512(w->sc[0]), P1 = _mm512_loadu_si512(w->sc[1]), P2 = _mm512_loadu_si512(w->sc[2]);
         __m512i sumi[T];
         for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
@@ -547,8 +550,8 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
         const __m512i m02 = _mm512_and_si512(P1, pair6), m13 = _mm512_and_si512(_mm512_srli_epi32(P1, 8), pair6);
         const __m512i m46 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 4), _mm512_srli_epi32(P1, 2), pair4, 0xE4), pair6);
         const __m512i m57 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 12), _mm512_srli_epi32(P1, 10), pair4, 0xE4), pair6);
-        scale_accumulate<T>(acc, w->d, a, b, sumi);
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->dmin));
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d_rows, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         for (int t = 0; t < T; t++) {
             int32_t pr[4];
             std::memcpy(pr, a[t][b].bsums, 16);
@@ -579,12 +582,14 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
             const __m512i s_lo = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), s_hi = _mm512_srai_epi32(pair, 16);
             __m512i dlo[T], dhi[T];
             for (int t = 0; t < T; t++) dlo[t] = _mm512_setzero_si512(), dhi[t] = _mm512_setzero_si512();
+            const auto& half = w->part[j / 2].half[j % 2];
+            const __m512i Hs[2] = {_mm512_loadu_si512(half.qh[0]), _mm512_loadu_si512(half.qh[1])};  // (before ql: in order)
             for (int h = 0; h < 2; h++) {
-                const __m512i H = _mm512_loadu_si512(w->part[j / 2].qh[2 * (j % 2) + h]);
+                const __m512i H = Hs[h];
                 const __m512i hs[4] = {_mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2), H, _mm512_srli_epi16(H, 2)};
                 for (int qq = 0; qq < 2; qq++) {
                     const int q = 2 * h + qq;
-                    const __m512i v = _mm512_loadu_si512(w->part[j / 2].ql[4 * (j % 2) + q]);
+                    const __m512i v = _mm512_loadu_si512(half.ql[q]);
                     const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), hs[2 * qq], bits45, 0xF8);  // a | (b & c)
                     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hs[2 * qq + 1], bits45, 0xF8);
                     dpbusd_tokens<T>(dlo, dhi, lo, hi, a, b, 32 * j + 4 * q);

@@ -159,12 +159,13 @@ def q6_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     high = torch.stack([(qh >> (2 * k)) & 3 for k in range(4)], dim=-2)
     values = (low | high << 4).reshape(G, nb, 16, 256)  # value 128 half + 32 k + l, 0..63
     d = blocks[..., 208:210].reshape(G, nb, 32)
-    ql_tiles = _nibble_tiles(values).reshape(G, nb, 4, 8 * 64)  # [part, 2 j's x 4 q x 64]
+    ql_tiles = _nibble_tiles(values).reshape(G, nb, 4, 2, 4 * 64)  # [part, j's half s, 4 q x 64]
     hb = (values >> 4).reshape(G, nb, 16, 8, 2, 2, 2, 4)  # [r, j, +16, h, +4, i]
     qh_tiles = hb[..., 0, :, 0, :] | hb[..., 1, :, 0, :] << 2 | hb[..., 0, :, 1, :] << 4 | hb[..., 1, :, 1, :] << 6
-    qh_tiles = qh_tiles.permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 4, 4 * 64)  # [j, h, r, i]
+    qh_tiles = qh_tiles.permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 4, 2, 2 * 64)  # [j, h, r, i]
     sc = blocks[..., 192:208].reshape(G, nb, 16, 8, 2).transpose(2, 3).reshape(G, nb, 4, 64)  # [j, r, 2]
-    parts = torch.cat([ql_tiles, qh_tiles, sc], dim=-1).reshape(G, nb, 4 * 832)
+    halves = torch.cat([qh_tiles, ql_tiles], dim=-1).reshape(G, nb, 4, 2 * 384)  # each s: qh[0..1], ql[0..3]
+    parts = torch.cat([sc, halves], dim=-1).reshape(G, nb, 4 * 832)
     return torch.cat([parts, d], dim=-1).reshape(-1)
 
 
