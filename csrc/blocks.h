@@ -65,13 +65,13 @@ static_assert(sizeof(tile_q6_k16) == 16 * sizeof(block_q6_k), "q6_k tile");
 struct tile_q5_k16 {
     fp16_t d[16], dmin[16];
     uint32_t sc[3][16];
-    struct { uint8_t qs[4][64]; uint8_t qh[64]; } part[8];
+    struct { uint8_t qh[64]; uint8_t qs[4][64]; } part[8];  // (qh first: the kernel reads it first)
 };
 static_assert(sizeof(tile_q5_k16) == 16 * sizeof(block_q5_k), "q5_k tile");
 
-// 16 rows' Q8_0 blocks of two block columns (64 values; 1088 bytes = 16 x 2 x 34): qs[h][q] lane
-// r = values 32h + 4q .. 32h + 4q + 3 of row r; then d[h][r].
-struct tile_q8_0x16 { int8_t qs[2][8][64]; fp16_t d[2][16]; };
+// 16 rows' Q8_0 blocks of two block columns (64 values; 1088 bytes = 16 x 2 x 34): d[h][r], then
+// qs[h][q] lane r = values 32h + 4q .. 32h + 4q + 3 of row r (the order the kernel reads them).
+struct tile_q8_0x16 { fp16_t d[2][16]; int8_t qs[2][8][64]; };
 static_assert(sizeof(tile_q8_0x16) == 32 * sizeof(block_q8_0), "q8_0 tile");
 
 // 16 rows' IQ4_XS blocks of one block column (2176 bytes = 16 x 136): d, scales_h and scales_l of

@@ -618,7 +618,8 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < n / QK_K; b++, w++) {
         prefetch_ahead(w, 0, 1);
-        const __m512i L = _mm512_loadu_si512(w->sl), Hh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w->sh));
+        const __m512 d_rows = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));  // d, sh, sl, qs: in order
+        const __m512i Hh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w->sh)), L = _mm512_loadu_si512(w->sl);
         __m512i sc[8];
         for (int j = 0; j < 8; j++) {  // low 4 bits: nibble j of scales_l; high 2: bits 2j, 2j+1 of scales_h
             const __m512i hi = 2 * j <= 4 ? _mm512_slli_epi32(Hh, 4 - 2 * j) : _mm512_srli_epi32(Hh, 2 * j - 4);
@@ -648,7 +649,8 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
             }
         }
         for (int t = 0; t < T; t++) sumi[t] = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 7));  // the +128s
-        scale_accumulate<T>(acc, w->d, a, b, sumi);
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d_rows, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
@@ -665,6 +667,7 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
         prefetch_ahead(w, 0, 1);
         for (int h = 0; h < 2; h++) {
             const int blk = 2 * b + h;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d[h]));  // (first: in order)
             __m512i dot[T], sum = _mm512_setzero_si512();
             for (int t = 0; t < T; t++) dot[t] = _mm512_setzero_si512();
             for (int q = 0; q < 8; q++) {
@@ -676,7 +679,6 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
                     dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(x), v);
                 }
             }
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d[h]));
             const __m512i offset = _mm512_slli_epi32(sum, 7);
             for (int t = 0; t < T; t++)
                 acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][blk].d)), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], offset)), acc[t]);

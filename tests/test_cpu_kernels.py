@@ -181,7 +181,7 @@ def q5_k_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     fifth = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-2).reshape(G, nb, 16, 8, 2, 4, 4)  # [r, j, +16, q, i]
     qh_tiles = sum(fifth[..., 0, q, :] << q | fifth[..., 1, q, :] << (4 + q) for q in range(4))  # [r, j, i]
     qh_tiles = qh_tiles.permute(0, 1, 3, 2, 4).reshape(G, nb, 8, 64)
-    parts = torch.cat([_nibble_tiles(values).reshape(G, nb, 8, 256), qh_tiles], dim=-1).reshape(G, nb, 2560)
+    parts = torch.cat([qh_tiles, _nibble_tiles(values).reshape(G, nb, 8, 256)], dim=-1).reshape(G, nb, 2560)
     return torch.cat([d, dmin, sc, parts], dim=-1).reshape(-1)
 
 
@@ -200,7 +200,7 @@ def q8_0_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     G, nt = blocks.shape[:2]  # [G, tile, h, r, 34]
     qs = blocks[..., 2:].reshape(G, nt, 2, 16, 8, 4).permute(0, 1, 2, 4, 3, 5).reshape(G, nt, 1024)
     d = blocks[..., :2].reshape(G, nt, 64)
-    return torch.cat([qs, d], dim=-1).reshape(-1)
+    return torch.cat([d, qs], dim=-1).reshape(-1)
 
 
 TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q5_K: q5_k_tiles_reference,
