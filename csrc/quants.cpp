@@ -515,11 +515,20 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     const __m512i pair6 = _mm512_set1_epi32(0x003F003F), pair4 = _mm512_set1_epi32(0x000F000F);
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < n / QK_K; b++, w++) {
-        // the tile's bytes in order, d and dmin first: one forward stream for the prefetchers
-        const __m512 d_rows = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->dmin));
-        const __m512i P0 = _mm512_loadu_si512(w->sc[0]), P1 = _mm512_loadu_si512(w->sc[1]), P2 = _mm512_loadu_si512(w->sc[2]);
+    // the tile's bytes in order, d and dmin first: one forward stream for the prefetchers; and each
+    // tile's header (d, dmin, scales) loaded during the tile before it: every sub-block's result
+    // waits for its scale, so a header that missed the cache held the whole tile (and the
+    // reorder window with it) for one memory latency: one core read Q4_K from RAM at 21 GB/s, 35 so
+    const int nb = n / QK_K;
+    __m256i nd = _mm256_loadu_si256((const __m256i*)w->d), ndm = _mm256_loadu_si256((const __m256i*)w->dmin);
+    __m512i n0 = _mm512_loadu_si512(w->sc[0]), n1 = _mm512_loadu_si512(w->sc[1]), n2 = _mm512_loadu_si512(w->sc[2]);
+    for (int b = 0; b < nb; b++, w++) {
+        const __m512 d_rows = _mm512_cvtph_ps(nd), dmin = _mm512_cvtph_ps(ndm);
+        const __m512i P0 = n0, P1 = n1, P2 = n2;
+        if (b + 1 < nb) {
+            nd = _mm256_loadu_si256((const __m256i*)w[1].d), ndm = _mm256_loadu_si256((const __m256i*)w[1].dmin);
+            n0 = _mm512_loadu_si512(w[1].sc[0]), n1 = _mm512_loadu_si512(w[1].sc[1]), n2 = _mm512_loadu_si512(w[1].sc[2]);
+        }
         __m512i sumi[T];
         for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
@@ -616,10 +625,16 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
     const __m512i low4 = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i*)kIQ4NL), _mm_set1_epi8((char)128)));
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < n / QK_K; b++, w++) {
+    // d, sh, sl, qs: in order; each tile's header loaded during the tile before it (see tile_k4_rows)
+    const int nb = n / QK_K;
+    __m256i nd = _mm256_loadu_si256((const __m256i*)w->d), nh = _mm256_loadu_si256((const __m256i*)w->sh);
+    __m512i nl = _mm512_loadu_si512(w->sl);
+    for (int b = 0; b < nb; b++, w++) {
         prefetch_ahead(w, 0, 1);
-        const __m512 d_rows = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d));  // d, sh, sl, qs: in order
-        const __m512i Hh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w->sh)), L = _mm512_loadu_si512(w->sl);
+        const __m512 d_rows = _mm512_cvtph_ps(nd);
+        const __m512i Hh = _mm512_cvtepu16_epi32(nh), L = nl;
+        if (b + 1 < nb)
+            nd = _mm256_loadu_si256((const __m256i*)w[1].d), nh = _mm256_loadu_si256((const __m256i*)w[1].sh), nl = _mm512_loadu_si512(w[1].sl);
         __m512i sc[8];
         for (int j = 0; j < 8; j++) {  // low 4 bits: nibble j of scales_l; high 2: bits 2j, 2j+1 of scales_h
             const __m512i hi = 2 * j <= 4 ? _mm512_slli_epi32(Hh, 4 - 2 * j) : _mm512_srli_epi32(Hh, 2 * j - 4);
