@@ -498,10 +498,10 @@ inline void dpbusd_tokens(__m512i* acc_lo, __m512i* acc_hi, __m512i lo, __m512i 
         acc_hi[t] = _mm512_dpbusd_epi32(acc_hi[t], hi, _mm512_set1_epi32(xh));
     }
 }
-// acc[t] += d[rows] * token t's scale * total[t]: a block's exact integer sums, scaled once
+// acc[t] += d (the 16 rows' block scales) * token t's scale * total[t]: a block's exact integer
+// sums, scaled once
 template <int T>
-inline void scale_accumulate(__m512* acc, const fp16_t* d16, const act_q8_k* const* a, int b, const __m512i* total) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
+inline void scale_accumulate(__m512* acc, __m512 d, const act_q8_k* const* a, int b, const __m512i* total) {
     for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(total[t]), acc[t]);
 }
 
@@ -559,8 +559,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
         const __m512i m02 = _mm512_and_si512(P1, pair6), m13 = _mm512_and_si512(_mm512_srli_epi32(P1, 8), pair6);
         const __m512i m46 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 4), _mm512_srli_epi32(P1, 2), pair4, 0xE4), pair6);
         const __m512i m57 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 12), _mm512_srli_epi32(P1, 10), pair4, 0xE4), pair6);
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d_rows, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        scale_accumulate<T>(acc, d_rows, a, b, sumi);
         for (int t = 0; t < T; t++) {
             int32_t pr[4];
             std::memcpy(pr, a[t][b].bsums, 16);
@@ -612,7 +611,7 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
             }
         }
         for (int t = 0; t < T; t++) sumi[t] = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 5));  // the -32s
-        scale_accumulate<T>(acc, w->d, a, b, sumi);
+        scale_accumulate<T>(acc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w->d)), a, b, sumi);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
@@ -664,8 +663,7 @@ void tile_iq4_xs16_rows(int n, const tile_iq4_xs16* w, const act_q8_k* const* a,
             }
         }
         for (int t = 0; t < T; t++) sumi[t] = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(offs[t], 7));  // the +128s
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d_rows, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        scale_accumulate<T>(acc, d_rows, a, b, sumi);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }

@@ -94,7 +94,7 @@ def dequantize(raw: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16,
         if tuple(out.shape) != shape or out.device != raw.device:
             raise ValueError(f"dequantize: out {tuple(out.shape)} on {out.device}, expected {shape} on {raw.device}")
         if len(shape) > 1 and out[0].is_contiguous() and (shape[0] == 1 or out.stride(0) >= out[0].numel()):
-            group, stride = out[0].numel(), out.stride(0) if shape[0] > 1 else out[0].numel()
+            group, stride = out[0].numel(), out.stride(0)  # (one leading index: the stride is never used)
         elif not out.is_contiguous():
             raise ValueError(f"dequantize: out must be contiguous below its first dim, got strides {out.stride()}")
     if fmt.type not in KERNEL_TYPES or dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
