@@ -48,6 +48,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.attr("tiled_flag") = kTiled;
     m.def("tile_cols", &tile_cols, "a tiled layout's row length must be a multiple of this (0: the type has none here)");
     m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
+    m.def("set_moe_pipeline", &set_moe_pipeline, "decode: gate/up, activation and down as one parallel region");
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
     m.def("tile_prefetch", &tile_prefetch, "(bytes, hint) of the tiled kernels' software prefetch, as last set");
@@ -173,7 +174,11 @@ PYBIND11_MODULE(KT_MODULE, m) {
              }, "poll a ring/done pair (addresses of pinned host memory that outlives this object)")
         .def("wake", &Doorbell::wake)
         .def_property_readonly("served", &Doorbell::served)
-        .def_property_readonly("bad_rings", &Doorbell::bad_rings);
+        .def_property_readonly("bad_rings", &Doorbell::bad_rings)
+        .def_property_readonly("busy_ns", &Doorbell::busy_ns, "nanoseconds spent in the calls")
+        .def_property_readonly("between_ns", &Doorbell::between_ns,
+                               "nanoseconds from a call's end to the next ring seen while spinning")
+        .def_property_readonly("betweens", &Doorbell::betweens, "how many such gaps between_ns sums");
     m.attr("moe_host_submit") = (uintptr_t)&moe_host_submit;
     m.attr("moe_host_wait") = (uintptr_t)&moe_host_wait;
 

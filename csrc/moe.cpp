@@ -52,6 +52,11 @@ int chunk_rows(int rows, int experts_active, int threads) {
 
 void set_moe_tasks_per_thread(int n) { g_tasks_per_thread = std::max(1, n); }
 
+namespace {
+bool g_pipeline = true;
+}
+void set_moe_pipeline(bool on) { g_pipeline = on; }
+
 MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
     if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
         throw std::invalid_argument("MoE: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
@@ -99,6 +104,7 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     expert_start_.resize(c.experts + 1);
     fill_.resize(c.experts);
     active_.reserve(c.experts);
+    chunks_left_.reset(new std::atomic<int>[c.experts]);
 }
 
 void MoE::check(int tokens, const int64_t* ids) const {
@@ -143,9 +149,15 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         const int n = std::min(cfg_.max_tokens, tokens - start);
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
-        gate_up();
-        activate();
-        down();
+        bool any_int8 = false;
+        for (int e : active_) any_int8 |= use_int8(e);
+        if (g_pipeline && !any_int8) {
+            gate_up_down();
+        } else {
+            gate_up();
+            activate();
+            down();
+        }
         combine(n, weights + (size_t)start * cfg_.top_k, (uint8_t*)y + start * cfg_.hidden * elem, dtype);
     }
 }
@@ -201,38 +213,39 @@ void MoE::for_expert_rows(int rows, Fn fn) {
 }
 
 void MoE::gate_up() {
-    const int I = cfg_.intermediate, H = cfg_.hidden;
-    for_expert_rows(I, [&](int e, int r0, int r1) {
-        const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
-        const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
-        const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
-        if (use_int8(e)) {
-            gate_up_int8(e, r0, r1);
-            return;
-        }
-        const void* xg[kMaxGroup];
-        const void* xu[kMaxGroup];
-        float out[kMaxGroup * kTileRows];
-        const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
-        for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
-            const int m = std::min(kMaxGroup, count - g0);
-            for (int i = 0; i < m; i++) {
-                const int t = pair_token_[p0 + g0 + i];
-                xg[i] = &s_.x_gate[t * gate_act_];
-                xu[i] = &s_.x_up[t * up_act_];
-            }
-            float* g = &s_.g[(size_t)(p0 + g0) * I];
-            float* u = &s_.u[(size_t)(p0 + g0) * I];
-            for (int r = r0; r < r1; r += gs) {
-                dot_step(gate_fmt_, H, gw, gate_row_, r, xg, m, out);
-                for (int i = 0; i < m; i++) std::copy(out + i * gs, out + (i + 1) * gs, g + (size_t)i * I + r);
-            }
-            for (int r = r0; r < r1; r += us) {
-                dot_step(up_fmt_, H, uw, up_row_, r, xu, m, out);
-                for (int i = 0; i < m; i++) std::copy(out + i * us, out + (i + 1) * us, u + (size_t)i * I + r);
-            }
-        }
+    for_expert_rows(cfg_.intermediate, [&](int e, int r0, int r1) {
+        if (use_int8(e)) gate_up_int8(e, r0, r1);
+        else gate_up_rows(e, r0, r1);
     });
+}
+
+void MoE::gate_up_rows(int e, int r0, int r1) {
+    const int I = cfg_.intermediate, H = cfg_.hidden;
+    const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
+    const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
+    const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+    const void* xg[kMaxGroup];
+    const void* xu[kMaxGroup];
+    float out[kMaxGroup * kTileRows];
+    const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
+    for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
+        const int m = std::min(kMaxGroup, count - g0);
+        for (int i = 0; i < m; i++) {
+            const int t = pair_token_[p0 + g0 + i];
+            xg[i] = &s_.x_gate[t * gate_act_];
+            xu[i] = &s_.x_up[t * up_act_];
+        }
+        float* g = &s_.g[(size_t)(p0 + g0) * I];
+        float* u = &s_.u[(size_t)(p0 + g0) * I];
+        for (int r = r0; r < r1; r += gs) {
+            dot_step(gate_fmt_, H, gw, gate_row_, r, xg, m, out);
+            for (int i = 0; i < m; i++) std::copy(out + i * gs, out + (i + 1) * gs, g + (size_t)i * I + r);
+        }
+        for (int r = r0; r < r1; r += us) {
+            dot_step(up_fmt_, H, uw, up_row_, r, xu, m, out);
+            for (int i = 0; i < m; i++) std::copy(out + i * us, out + (i + 1) * us, u + (size_t)i * I + r);
+        }
+    }
 }
 
 Int8Weights MoE::expert_int8(const Int8Weights& all, int e, int rows, int cols) const {
@@ -263,38 +276,65 @@ void MoE::gate_up_int8(int e, int r0, int r1) {
 }
 
 void MoE::activate() {
+    rt_->pool().parallel_for(expert_start_[cfg_.experts], [&](int p, int) { activate_pair(p); });
+}
+
+void MoE::activate_pair(int p) {
     const int I = cfg_.intermediate;
-    const int pairs = expert_start_[cfg_.experts];
-    rt_->pool().parallel_for(pairs, [&](int p, int) {
-        float* g = &s_.g[(size_t)p * I];
-        const float* u = &s_.u[(size_t)p * I];
-        silu_mul(g, u, I);
-        if (use_int8(pair_expert_[p])) s_.h_s[p] = quantize_row_u8(g, &s_.h_u8[(size_t)p * I], I);
-        else prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
-    });
+    float* g = &s_.g[(size_t)p * I];
+    silu_mul(g, &s_.u[(size_t)p * I], I);
+    if (use_int8(pair_expert_[p])) s_.h_s[p] = quantize_row_u8(g, &s_.h_u8[(size_t)p * I], I);
+    else prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
 }
 
 void MoE::down() {
+    for_expert_rows(cfg_.hidden, [&](int e, int r0, int r1) {
+        if (use_int8(e)) down_int8(e, r0, r1);
+        else down_rows(e, r0, r1);
+    });
+}
+
+void MoE::down_rows(int e, int r0, int r1) {
     const int I = cfg_.intermediate, H = cfg_.hidden;
-    for_expert_rows(H, [&](int e, int r0, int r1) {
-        const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
-        const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
-        if (use_int8(e)) {
-            down_int8(e, r0, r1);
+    const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
+    const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
+    const void* hs[kMaxGroup];
+    float out[kMaxGroup * kTileRows];
+    const int ds = rows_step(down_fmt_);
+    for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
+        const int m = std::min(kMaxGroup, count - g0);
+        for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];
+        float* y = &s_.y_pairs[(size_t)(p0 + g0) * H];
+        for (int r = r0; r < r1; r += ds) {
+            dot_step(down_fmt_, I, dw, down_row_, r, hs, m, out);
+            for (int i = 0; i < m; i++) std::copy(out + i * ds, out + (i + 1) * ds, y + (size_t)i * H + r);
+        }
+    }
+}
+
+void MoE::gate_up_down() {
+    const int I = cfg_.intermediate, H = cfg_.hidden, threads = rt_->pool().size();
+    const int active = (int)active_.size();
+    const int gu_chunk = chunk_rows(I, active, threads), gu_per = (I + gu_chunk - 1) / gu_chunk;
+    const int d_chunk = chunk_rows(H, active, threads), d_per = (H + d_chunk - 1) / d_chunk;
+    const int gu_tasks = active * gu_per;
+    for (int a = 0; a < active; a++) chunks_left_[a].store(gu_per, std::memory_order_relaxed);
+    rt_->pool().parallel_for(gu_tasks + active * d_per, [&](int task, int) {
+        if (task < gu_tasks) {
+            const int a = task / gu_per, r0 = (task % gu_per) * gu_chunk;
+            const int e = active_[a];
+            gate_up_rows(e, r0, std::min(I, r0 + gu_chunk));
+            if (chunks_left_[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the expert's last chunk
+                for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activate_pair(p);
+                chunks_left_[a].store(-1, std::memory_order_release);  // its down rows may start
+            }
             return;
         }
-        const void* hs[kMaxGroup];
-        float out[kMaxGroup * kTileRows];
-        const int ds = rows_step(down_fmt_);
-        for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
-            const int m = std::min(kMaxGroup, count - g0);
-            for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];
-            float* y = &s_.y_pairs[(size_t)(p0 + g0) * H];
-            for (int r = r0; r < r1; r += ds) {
-                dot_step(down_fmt_, I, dw, down_row_, r, hs, m, out);
-                for (int i = 0; i < m; i++) std::copy(out + i * ds, out + (i + 1) * ds, y + (size_t)i * H + r);
-            }
-        }
+        // Tasks are handed out in order, so every gate/up chunk is already taken by a running
+        // thread: this wait ends without this thread doing anything.
+        const int d = task - gu_tasks, a = d / d_per, r0 = (d % d_per) * d_chunk;
+        while (chunks_left_[a].load(std::memory_order_acquire) != -1) KT_PAUSE();
+        down_rows(active_[a], r0, std::min(H, r0 + d_chunk));
     });
 }
 
@@ -392,6 +432,7 @@ void Doorbell::loop() {
     uint64_t seen = ~uint64_t(0);
     using clock = std::chrono::steady_clock;
     auto last = clock::now();
+    bool after_call = false;  // `last` is the end of a call (not a wake)
     const auto spin = std::chrono::microseconds(spin_us_);
     while (!stop_.load(std::memory_order_acquire)) {
         if (version_.load(std::memory_order_acquire) != seen) {
@@ -404,6 +445,12 @@ void Doorbell::loop() {
             const uint32_t number = __atomic_load_n(s.ring, __ATOMIC_ACQUIRE);
             if (number == 0) continue;
             __atomic_store_n(s.ring, 0u, __ATOMIC_RELAXED);  // before `done`: the stream rings again only after it
+            const auto start = clock::now();
+            if (after_call && start - last < spin) {  // rung while spinning after a call: a step's next layer
+                between_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(start - last).count(),
+                                      std::memory_order_relaxed);
+                betweens_.fetch_add(1, std::memory_order_relaxed);
+            }
             if (auto c = call(number)) {
                 try {
                     c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype);
@@ -415,10 +462,17 @@ void Doorbell::loop() {
                 bad_.fetch_add(1, std::memory_order_relaxed);
             }
             __atomic_store_n(s.done, 1u, __ATOMIC_RELEASE);
+            last = clock::now();
+            after_call = true;
+            busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(last - start).count(),
+                               std::memory_order_relaxed);
             served = true;
         }
         const auto now = clock::now();
-        if (served || woken_.exchange(false, std::memory_order_acq_rel)) last = now;
+        if (!served && woken_.exchange(false, std::memory_order_acq_rel)) {
+            last = now;
+            after_call = false;  // a new step: its first ring follows Python, not a GPU layer
+        }
         if (now - last < spin) {
             for (int i = 0; i < 8; i++) KT_PAUSE();
             continue;

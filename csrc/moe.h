@@ -59,6 +59,14 @@ class MoE {
     Int8Weights expert_int8(const Int8Weights& all, int e, int rows, int cols) const;
     void activate();
     void down();
+    // The three steps above as one parallel region when no expert takes the int8 path (decode):
+    // gate/up tasks first, then down tasks; the thread finishing an expert's last gate/up chunk
+    // activates its pairs, and that expert's down tasks wait (spin) for it instead of the whole
+    // pool waiting at two barriers.
+    void gate_up_down();
+    void gate_up_rows(int e, int r0, int r1);
+    void activate_pair(int p);
+    void down_rows(int e, int r0, int r1);
     void combine(int tokens, const float* weights, void* y, Dtype dtype);
 
     std::shared_ptr<Runtime> rt_;
@@ -89,7 +97,10 @@ class MoE {
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert
+    std::unique_ptr<std::atomic<int>[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per expert
 };
+
+void set_moe_pipeline(bool on);  // gate_up_down for calls without int8 experts (KT_MOE_PIPELINE; default on)
 
 // One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
 // waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc
@@ -131,6 +142,11 @@ class Doorbell {
     void wake();  // a step is about to ring: spin again
     uint64_t served() const { return served_.load(std::memory_order_relaxed); }
     uint64_t bad_rings() const { return bad_.load(std::memory_order_relaxed); }
+    // Nanoseconds spent in the calls, and between the end of a call and the next ring seen within
+    // the spin window (the GPU's part of a decode step plus both hand-off latencies).
+    uint64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
+    uint64_t between_ns() const { return between_ns_.load(std::memory_order_relaxed); }
+    uint64_t betweens() const { return betweens_.load(std::memory_order_relaxed); }
 
   private:
     struct Slot {
@@ -148,7 +164,7 @@ class Doorbell {
     std::vector<Slot> slots_;                          // guarded by mu_; the loop copies it when version_ moves
     std::atomic<uint64_t> version_{0};
     std::atomic<bool> stop_{false}, woken_{false};
-    std::atomic<uint64_t> served_{0}, bad_{0};
+    std::atomic<uint64_t> served_{0}, bad_{0}, busy_ns_{0}, between_ns_{0}, betweens_{0};
     std::thread thread_;
 };
 

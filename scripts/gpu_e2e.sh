@@ -15,6 +15,8 @@
 # while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file,
 # STAGING=1 scripts/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
 # CPU with llama.cpp's build (-j16): their CPU-side rates read low there (a quiet run: NO_LLAMA=1).
+# After the build: BENCH_MOE="16 14" runs bench.moe's Qwen3 Q4_K_M layer at those thread counts
+# (MOE_ARGS: its other flags; default T=1, no peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -55,6 +57,10 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
     cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"
   fi
   tail -1 "$OUT/synth.txt"
+  for t in ${BENCH_MOE:-}; do  # bench.moe at these thread counts (after the build and synth)
+    python3 -m ktransformers.bench.moe --threads "$t" --peer-threads 14 --shapes qwen3 --formats Q4_K_M \
+        ${MOE_ARGS:---tokens 1 --no-peer} 2>>"$OUT/bench_moe.err" | tee -a "$OUT/bench_moe.txt"
+  done
   if [ "${HANDOFF:-1}" != 0 ]; then
     python3 -m ktransformers.bench.handoff --threads "$THREADS" ${HANDOFF_ARGS:-} 2>"$OUT/handoff.err" | tee "$OUT/handoff.txt"
     tail -3 "$OUT/handoff.err"

@@ -296,6 +296,37 @@ def test_bad_input_raises_before_touching_memory(runtime):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
 
 
+def test_moe_pipeline_matches_phases(monkeypatch):
+    """KT_MOE_PIPELINE=0 (gate/up, activation and down as three parallel regions) and the default
+    single region, whose down tasks wait for their expert's last gate/up chunk, compute the same
+    bits; also with more threads than cores (waiting threads descheduled) and skipped pairs."""
+    gen = torch.Generator().manual_seed(21)
+    E, K, H, I = 9, 3, 512, 256
+    (g, gd), (u, ud) = expert_weights(GGMLType.Q4_K, E, I, H, gen), expert_weights(GGMLType.Q4_K, E, I, H, gen)
+    d, dd = expert_weights(GGMLType.Q6_K, E, H, I, gen)
+    cases = []
+    for T in (1, 2, 5, 33):
+        ids, w = routing(T, E, K, gen)
+        if T == 5:
+            ids[1, 0] = -1  # computed elsewhere (GPU experts)
+        cases.append((torch.randn(T, H, generator=gen), ids, w))
+    outs = {}
+    for pipeline in ("1", "0"):
+        monkeypatch.setenv("KT_MOE_PIPELINE", pipeline)
+        for threads in (1, 2, 7):
+            rt = CPURuntime(threads)
+            kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=16)
+            outs[pipeline, threads] = [kernel.forward(x, ids, w) for x, ids, w in cases]
+    monkeypatch.delenv("KT_MOE_PIPELINE")
+    CPURuntime(1)  # (process-wide setting: back to the default)
+    base = outs["0", 1]
+    for key, ys in outs.items():
+        assert all(torch.equal(y, b) for y, b in zip(ys, base)), key
+    ref = moe_reference(cases[3][0], cases[3][1], cases[3][2], torch.cat([gd, ud], dim=1), dd,
+                        lambda t: round_activations(t, 256), lambda t: round_activations(t, 256))
+    assert rel_err(base[3], ref) < 5e-3
+
+
 def test_tile_prefetch_settings(monkeypatch):
     """KT_CPU_PREFETCH(_HINT) change where the tiled kernels prefetch, never what they compute;
     values out of range are refused by name."""

@@ -103,19 +103,36 @@ def measure_ours(args, config) -> dict:
             engine.release(seq)
         prefill[P] = P / statistics.median(times)
     decode = []
+    split = []  # per repeat: (us in a CPU experts call, us from a call's end to the next ring)
     for _ in range(args.repeats):
         seq = engine.new_sequence()
         engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
         steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
         engine.decode(seq, steps[0])  # (the first step captures the graph)
         sync()
+        bell = loaded.model.kt_context.host_staging().doorbell  # (made when a graph first rings it)
+        before = doorbell_counts(bell)
         t0 = time.perf_counter()
         for token in steps[1:]:
             engine.decode(seq, token)
         sync()
         decode.append((args.decode - 1) / (time.perf_counter() - t0))
+        if bell is not None:
+            served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
+            split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3))
         engine.release(seq)
-    return {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
+    out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
+    if split:
+        out["cpu_call_us"] = statistics.median(s[0] for s in split)
+        out["between_us"] = statistics.median(s[1] for s in split)
+    return out
+
+
+def doorbell_counts(bell) -> tuple[int, int, int, int]:
+    """(calls served, ns in them, gaps, ns in the gaps) of the CPU experts' doorbell so far."""
+    if bell is None:
+        return 0, 0, 0, 0
+    return bell.served, bell.busy_ns, bell.betweens, bell.between_ns
 
 
 def measure_llama(args) -> dict | None:
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                               "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
+                              "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),
                               "extrapolated": extra if r["engine"] == "ktransformers" else None}))
         return
     print(head)
@@ -203,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['engine']:<14}{pre} {dec:>13.1f} {ratio:>12.2f}")
     step_ms = 1e3 / ours["decode"]
     print(f"decode step {step_ms:.2f} ms = {step_ms / config.num_hidden_layers:.3f} ms per layer")
+    if "cpu_call_us" in ours:
+        print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
+              f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
     if extra:
         print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
               f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")
