@@ -141,6 +141,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("last_ns", &MoE::last_ns, "nanoseconds of the last call, inside the kernel")
         .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              });

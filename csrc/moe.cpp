@@ -143,6 +143,7 @@ MoE::Scratch MoE::bind_scratch() {
 }
 
 void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
+    const auto t0 = std::chrono::steady_clock::now();
     s_ = bind_scratch();
     const size_t elem = dtype == Dtype::F32 ? 4 : 2;
     for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // longer inputs in max_tokens chunks
@@ -160,6 +161,8 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         }
         combine(n, weights + (size_t)start * cfg_.top_k, (uint8_t*)y + start * cfg_.hidden * elem, dtype);
     }
+    last_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                   std::memory_order_relaxed);
 }
 
 void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {

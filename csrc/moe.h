@@ -44,6 +44,8 @@ class MoE {
     void forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
     void submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
     const MoEConfig& config() const { return cfg_; }
+    // Nanoseconds the last call took from its first phase to its output (no caller overhead).
+    uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
 
   private:
     void check(int tokens, const int64_t* ids) const;
@@ -97,7 +99,8 @@ class MoE {
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert
-    std::unique_ptr<std::atomic<int>[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per expert
+    std::unique_ptr<std::atomic<int>[]> chunks_left_;
+    std::atomic<uint64_t> last_ns_{0};  // gate_up_down: gate/up chunks not done, per expert
 };
 
 void set_moe_pipeline(bool on);  // gate_up_down for calls without int8 experts (KT_MOE_PIPELINE; default on)

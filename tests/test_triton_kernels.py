@@ -68,9 +68,53 @@ def test_group_gemm(dev, fmt, M):
         ql.group_gemm(torch.randn(2, 512, device=dev), w.to(dev))
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512)])
+@pytest.mark.parametrize("M,N,K", [(1, 200, 1024), (5, 72, 4096), (16, 130, 2048)])
+def test_group_gemm_split_reduce(dev, M, N, K):
+    """Decode-sized GEMMs split K and add the splits in the launch: the plan takes that path here,
+    the result matches the reference, repeats bit for bit, and leaves every tile counter at 0."""
+    from ktransformers.kernels.triton import common
+    from ktransformers.kernels.triton import quant_linear as ql
+    g = gen(M * N + K + 1)
+    raw = gq.random_blocks(gq.ggml_type("Q4_K"), N * K // 256, g)
+    w = ql.from_ggml(raw, gq.ggml_type("Q4_K"), (N, K)).to(dev)
+    x = torch.randn(M, K, generator=g)
+    plan = common.plan_split_k(x.to(dev), N, K, 16, 64, 128, torch.bfloat16)
+    assert plan.partials is not None and plan.grid[2] > 1, plan.grid
+    ys = [ql.group_gemm(x.to(dev), w, out) for out in (torch.float32, torch.float32, torch.bfloat16)]
+    assert torch.equal(ys[0], ys[1])
+    assert ys[2].dtype == torch.bfloat16 and torch.equal(ys[2], ys[0].to(torch.bfloat16))
+    ref = x @ gq.dequantize(raw, gq.ggml_type("Q4_K"), (N, K)).T
+    assert rel_err(ys[0].cpu(), ref) < tol(dev)
+    assert int(common.split_counters(x.to(dev).device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("T,H,K,xdt,idt,wdt", [(1, 2048, 8, torch.bfloat16, torch.int64, torch.bfloat16),
+                                                (3, 300, 6, torch.float32, torch.int32, torch.float32),
+                                                (5, 7168, 8, torch.float16, torch.int64, torch.bfloat16)])
+def test_pack_moe_inputs(dev, T, H, K, xdt, idt, wdt):
+    """The hand-off's one-launch packing equals the copies it replaces (exact: conversions only),
+    from row-strided inputs; bad outputs are refused by name."""
+    from ktransformers.kernels.triton.handoff import pack_moe_inputs, pack_moe_inputs_reference
+    g = gen(T * H + K)
+    x = torch.randn(T, H + 16, generator=g).to(xdt)[:, :H]  # strided rows
+    ids = torch.randint(0, 256, (T, K), generator=g).to(idt)
+    w = torch.rand(T, K, generator=g).to(wdt)
+    out_x = torch.float32 if xdt != torch.bfloat16 else torch.bfloat16
+    got = (torch.empty(T, H, dtype=out_x, device=dev), torch.empty(T, K, dtype=torch.int64, device=dev),
+           torch.empty(T, K, dtype=torch.float32, device=dev))
+    want = tuple(torch.full_like(t, -7) for t in got)
+    pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), *got)
+    pack_moe_inputs_reference(x.to(dev), ids.to(dev), w.to(dev), *want)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b.cpu())
+    with pytest.raises(ValueError, match="outputs must be"):
+        pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), got[0], got[1].int(), got[2])
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
-    """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype."""
+    """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype
+    (the last two shapes split K under the interpreter's 4 SMs; large N does on an H200)."""
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(M + N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)

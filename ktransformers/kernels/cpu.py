@@ -14,7 +14,8 @@ Rapids host and no worse on the 2-core EPYC), KT_CPU_PREFETCH_HINT=t0|t1|t2|nta 
 (default 16); KT_MOE_PIPELINE=0 runs a decode call's gate/up, activation and down as three
 parallel regions with barriers instead of one (default 1); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
 experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
-host functions where the GPU lacks stream memory operations).
+host functions where the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs
+to the pinned buffer (a cast and three copies) instead of one kernel storing them there.
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ class CPURuntime:
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
+        self.pack_handoff = os.environ.get("KT_CUDA_PACK", "1").strip() != "0"
         self.handoff = os.environ.get("KT_CUDA_HANDOFF", "doorbell").strip().lower()
         if self.handoff not in HANDOFFS:
             raise ValueError(f"KT_CUDA_HANDOFF={self.handoff!r}: valid values are {', '.join(HANDOFFS)}")
@@ -311,6 +313,10 @@ class MoEKernel:
         x, ids, weights, y = self._args(x, ids, weights)
         self._moe.forward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
         return y
+
+    def last_seconds(self) -> float:
+        """How long the last call took inside the kernel (from its first phase to its output)."""
+        return self._moe.last_ns * 1e-9
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Queue the job and return the output tensor, valid after runtime.sync()."""

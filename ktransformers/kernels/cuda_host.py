@@ -4,7 +4,7 @@
 A MoE layer whose experts run on the CPU and whose activations live on a GPU is enqueued on the
 current CUDA stream as
 
-    copy x, ids, weights -> pinned  |  start the CPU job  |  (GPU work: shared experts, hot
+    x, ids, weights -> pinned  |  start the CPU job  |  (GPU work: shared experts, hot
     experts)  |  wait for the job  |  copy y -> GPU
 
 so Python never blocks on the GPU, the GPU runs the shared experts while the CPU computes, and a
@@ -21,6 +21,9 @@ read in kernels/cpu.py):
 
 Both call plain C++ (no Python runs on the stream's behalf), through the driver's functions by
 ctypes: the extension itself needs no CUDA to build.
+
+The inputs reach the pinned buffer through one Triton kernel that stores them there (pinned memory
+is addressable from the GPU), checked once per device, else by a cast and three copies.
 
 One staging area serves every layer of a model: the stream runs the layers one after another,
 and each layer's job is waited for (on the stream) before the next layer's inputs are copied.
@@ -163,6 +166,7 @@ class HostStaging:
         self._flag_chunks: list[torch.Tensor] = []
         self._free_flags = 0
         self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
+        self._packs: dict[int, bool] = {}  # CUDA device index -> inputs written by one kernel (packs())
         self._bad_rings = 0  # the doorbell's count of rings naming no call, as last checked
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
@@ -215,6 +219,24 @@ class HostStaging:
                 mode = "host"
             self.mode[index] = mode
         return self.mode[index]
+
+    def packs(self, device: torch.device) -> bool:
+        """Whether x, ids and weights reach the pinned buffer by one kernel's stores
+        (triton.handoff.pack_moe_inputs; KT_CUDA_PACK=0: no) rather than a cast and three copies."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._packs:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # (no probe inside a capture; engines warm up eagerly first)
+            why = "not asked for" if not (self.pinned and self.runtime.pack_handoff) else None
+            if why is None:
+                from .triton.common import runs_on
+                from .triton.handoff import packs_into_pinned
+                why = packs_into_pinned(index) if runs_on(device) else "no Triton"
+            if why is not None and self.pinned and self.runtime.pack_handoff:
+                import warnings
+                warnings.warn(f"CPU experts on cuda:{index}: inputs copied, not packed ({why})", stacklevel=3)
+            self._packs[index] = why is None
+        return self._packs[index]
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
         """The doorbell number of the call prepare() made for these (registered on first use)."""
@@ -286,9 +308,13 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
                          f"{tuple(weights.shape)}")
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     xp, idp, wp, yp, call = staging.prepare(kernel, T, dtype)
-    xp.copy_(x.to(dtype), non_blocking=True)
-    idp.copy_(ids.to(torch.int64), non_blocking=True)
-    wp.copy_(weights.to(torch.float32), non_blocking=True)
+    if staging.packs(x.device) and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
+        from .triton.handoff import pack_moe_inputs
+        pack_moe_inputs(x, ids, weights, xp, idp, wp)  # one launch, stores straight into pinned memory
+    else:
+        xp.copy_(x.to(dtype), non_blocking=True)
+        idp.copy_(ids.to(torch.int64), non_blocking=True)
+        wp.copy_(weights.to(torch.float32), non_blocking=True)
     ext = kernel.runtime.ext
     stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
     staging.used.append((call, kernel.name))

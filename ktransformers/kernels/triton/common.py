@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -79,3 +80,53 @@ def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K
     y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
          else torch.empty(M, N, device=x.device, dtype=out_dtype))
     return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split, atomic, y
+
+
+# Split-K launches with a serial reduction: each split stores its partial sums, and the last of a
+# tile's programs to arrive (an int32 counter a tile, which it sets back to 0) adds them in split
+# order and writes the output in its dtype. One launch where atomics into a zeroed float32 buffer
+# take three (zero, GEMM, cast), and the same bits every run. The counters are one buffer a device:
+# such launches on one device must not overlap on two streams (the engine runs its GEMMs on one).
+MAX_SPLIT_TILES = 1024
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's tile counters (all 0 between launches), or None where they cannot be made now
+    (inside a CUDA graph capture before any launch outside one made them)."""
+    key = str(device if device.type != "cuda" or device.index is not None
+              else torch.device("cuda", torch.cuda.current_device()))
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+@dataclass
+class SplitPlan:
+    """A GEMM launch over x [M, K] -> y [M, N]. `partials` [splits, M, N] float32 and `counters`
+    when K is split with the serial reduction; `atomic` when it is split with float32 atomics into
+    y (zeroed, float32: the caller casts); neither when K is not split (y in out_dtype)."""
+    grid: tuple[int, int, int]
+    k_per_split: int
+    y: torch.Tensor
+    partials: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
+    atomic: bool = False
+
+
+def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
+                 out_dtype: torch.dtype) -> SplitPlan:
+    """split_k's plan, reducing a split K in the launch itself where the counters allow."""
+    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
+    if not atomic or grid[0] * grid[1] > MAX_SPLIT_TILES:
+        return SplitPlan(grid, k_per_split, y, atomic=atomic)
+    counters = split_counters(x.device)
+    if counters is None:
+        return SplitPlan(grid, k_per_split, y, atomic=True)
+    M = x.shape[0]
+    return SplitPlan(grid, k_per_split, torch.empty(M, N, device=x.device, dtype=out_dtype),
+                     torch.empty(grid[2], M, N, device=x.device, dtype=torch.float32), counters)
+

@@ -9,9 +9,10 @@ GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes i
 
 Kernel: one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are unpacked and scaled
 in registers, fed to tl.dot in bf16, accumulated in float32. Few rows (decode) split K across
-programs (float32 atomics into a zeroed buffer) so that every SM streams weights. (A single-launch
-GEMV without the split, its own program over all of K for a few columns, measured 1.3-2.2x slower
-on the H200 at Qwen3's shapes despite its two launches fewer: too few loads in flight a program.)
+programs so that every SM streams weights; the last program of a tile adds the splits' partial
+sums in order and writes the output (one launch, the same bits every run; common.plan_split_k).
+(A single-launch GEMV without the split, its own program over all of K for a few columns,
+measured 1.3-2.2x slower on the H200 at Qwen3's shapes: too few loads in flight a program.)
 
 `dense_gemv`: float weights W [N, K] as torch stores them against up to GEMV_ROWS rows, in one
 launch (the routers' logits: 5.2 us on the H200 where F.linear and its casts took 8.6).
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import DENSE_ROWS, dot_f32, sm_count, split_k
+from .common import DENSE_ROWS, MAX_SPLIT_TILES, dot_f32, plan_split_k, sm_count, split_counters
+from .norm_rope import round_to
 
 GROUP = 32
 # Rows of x dense_gemv takes: decode steps (a chosen limit; more rows belong to a GEMM).
@@ -139,11 +141,11 @@ def load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, stride_co
 
 
 @triton.jit
-def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                       k_per_split,
+def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                       stride_ym, k_per_split,
                        BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ATOMIC: tl.constexpr, DOT_F32: tl.constexpr):
+                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,29 +164,55 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, M, N, K, 
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if ATOMIC:
+    if REDUCE:
+        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
+    elif ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows, in float32."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr):
+    """This split's partial tile to part_ptr [splits, M, N]; the tile's last program to arrive adds
+    all of them in split order, writes `out` and sets the tile's counter back to 0."""
+    parts = part_ptr + rm[:, None] * N + rn[None, :]
+    tl.store(parts + tl.program_id(2) * M * N, acc, mask=mask)
+    tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
+    counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    splits = tl.num_programs(2)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out, round_to(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
+        tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       REDUCE: tl.constexpr):
+    """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows over its K split, in
+    float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = tl.program_id(2) * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
                     other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & mask_n[None, :])
+    mask = (rm < M)[:, None] & mask_n[None, :]
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if REDUCE:
+        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
+    else:
+        tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -197,16 +225,27 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     if M > GEMV_ROWS:
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
     x = x.contiguous()
-    y = torch.empty(M, N, device=x.device, dtype=out_dtype)
     # rows a program shrink until every SM has two programs (more in flight hides more memory
-    # latency); K a step fills ~4096 products a program (32 floats a thread of 4 warps)
+    # latency); K a step fills ~4096 products a program (32 floats a thread of 4 warps); where the
+    # rows alone leave SMs idle (a router's 64-256 experts), K is split too and the splits added
+    # in the launch (common.plan_split_k's serial reduction)
     block_m, block_n = triton.next_power_of_2(max(M, 1)), 32
-    while block_n > 8 and triton.cdiv(N, block_n) < 2 * sm_count(x.device):
+    want = 2 * sm_count(x.device)
+    while block_n > 8 and triton.cdiv(N, block_n) < want:
         block_n //= 2
     block_k = max(16, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
-    _dense_gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   num_warps=4)
+    n_blocks, k_blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    splits = max(1, min(k_blocks // 2, want // n_blocks))
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(K, k_per_split)
+    counters = split_counters(x.device) if splits > 1 and n_blocks <= MAX_SPLIT_TILES else None
+    if counters is None:
+        splits, k_per_split = 1, k_blocks * block_k
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    parts = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else y
+    _dense_gemv_kernel[(1, n_blocks, splits)](x, w, y, parts, counters if splits > 1 else y, M, N, K, x.stride(0),
+                                              w.stride(0), y.stride(0), k_per_split, BLOCK_M=block_m,
+                                              BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=splits > 1, num_warps=4)
     return y
 
 
@@ -254,13 +293,16 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
         BLOCK_M, BLOCK_N = 64, 64
     else:
         BLOCK_M, BLOCK_N = 128, 64
-    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
+    plan = plan_split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     offset = w.offset if w.offset is not None else w.scale
-    _group_gemm_kernel[grid](x, w.codes, w.scale, offset, y, M, N, K, x.stride(0), y.stride(0), k_per_split,
-                             BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
-                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=atomic, DOT_F32=dot_f32(),
-                             num_warps=4, num_stages=3 if x.device.type == "cuda" else 1)
-    return y.to(out_dtype) if atomic else y
+    reduce = plan.partials is not None
+    y = plan.y
+    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, y, plan.partials if reduce else y,
+                                  plan.counters if reduce else y, M, N, K, x.stride(0), y.stride(0), plan.k_per_split,
+                                  BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
+                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic, REDUCE=reduce,
+                                  DOT_F32=dot_f32(), num_warps=4, num_stages=3 if x.device.type == "cuda" else 1)
+    return y.to(out_dtype) if plan.atomic else y
 
 
 def group_gemm_reference(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:

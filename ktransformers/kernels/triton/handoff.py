@@ -1,0 +1,88 @@
+"""The inputs of CPU experts fed from a GPU stream, written where the CPU reads them in one launch.
+
+A decode step's MoE block hands the CPU x [T, H], top_k_index [T, K] and top_k_weights [T, K]
+(kernels/cuda_host.submit_on_stream). Copied one by one that is a cast of the weights to float32
+and three device-to-host copies, four graph nodes a layer; `pack_moe_inputs` is one kernel that
+stores the three, converted, straight into the pinned host buffer (pinned memory is addressable
+from the GPU under unified addressing: the stores cross the bus, no copy engine is involved).
+Its torch reference is the three `copy_` calls it replaces (`pack_moe_inputs_reference`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .norm_rope import round_to
+
+
+@triton.jit
+def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, s_x, s_i, s_w,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        m = h0 + h < H
+        v = tl.load(x_ptr + t * s_x + h0 + h, mask=m).to(tl.float32)
+        tl.store(xo_ptr + t * H + h0 + h, round_to(v, xo_ptr.dtype.element_ty).to(xo_ptr.dtype.element_ty), mask=m)
+    k = tl.arange(0, BLOCK_K)
+    mk = k < K
+    tl.store(io_ptr + t * K + k, tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64), mask=mk)
+    tl.store(wo_ptr + t * K + k, tl.load(w_ptr + t * s_w + k, mask=mk).to(tl.float32), mask=mk)
+
+
+def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_out: torch.Tensor,
+                    ids_out: torch.Tensor, w_out: torch.Tensor) -> None:
+    """x [T, H] (bf16/fp16/fp32) -> x_out (float32 or bf16), ids [T, K] (any integer) -> ids_out
+    int64, weights [T, K] (any float) -> w_out float32; the outputs contiguous, in device memory or
+    pinned host memory. Rows of the inputs may be strided (last dimension contiguous)."""
+    T, H = x.shape
+    K = ids.shape[1]
+    if (tuple(ids.shape) != (T, K) or tuple(weights.shape) != (T, K) or tuple(x_out.shape) != (T, H)
+            or tuple(ids_out.shape) != (T, K) or tuple(w_out.shape) != (T, K)):
+        raise ValueError(f"pack_moe_inputs: x [T, H] with ids/weights [T, K] and outputs of the same shapes, got "
+                         f"{tuple(x.shape)}, {tuple(ids.shape)}, {tuple(weights.shape)} -> {tuple(x_out.shape)}, "
+                         f"{tuple(ids_out.shape)}, {tuple(w_out.shape)}")
+    if ids_out.dtype != torch.int64 or w_out.dtype != torch.float32 or x_out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_moe_inputs: outputs must be (float32|bfloat16, int64, float32), got "
+                         f"{x_out.dtype}, {ids_out.dtype}, {w_out.dtype}")
+    if ids.dtype.is_floating_point or not weights.dtype.is_floating_point:
+        raise ValueError(f"pack_moe_inputs: ids must be integers and weights floats, got {ids.dtype}, {weights.dtype}")
+    if any(t.stride(-1) != 1 for t in (x, ids, weights)) or not all(t.is_contiguous() for t in (x_out, ids_out, w_out)):
+        raise ValueError("pack_moe_inputs: inputs need a contiguous last dimension and outputs must be contiguous")
+    if T == 0:
+        return
+    _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, H, K, x.stride(0), ids.stride(0), weights.stride(0),
+                       BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(K), num_warps=4)
+
+
+def pack_moe_inputs_reference(x, ids, weights, x_out, ids_out, w_out) -> None:
+    x_out.copy_(x.to(x_out.dtype))
+    ids_out.copy_(ids.to(torch.int64))
+    w_out.copy_(weights.to(torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def packs_into_pinned(device_index: int) -> str | None:
+    """None when a kernel on this GPU writes pinned host memory as pack_moe_inputs does; else why
+    not (the hand-off then copies: cast + three device-to-host copies)."""
+    try:
+        with torch.cuda.device(device_index):
+            dev = torch.device("cuda", device_index)
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(2, 300, generator=g).to(dev, torch.bfloat16)
+            ids = torch.randint(0, 100, (2, 5), generator=g, dtype=torch.int32).to(dev)
+            w = torch.rand(2, 5, generator=g).to(dev, torch.bfloat16)
+            outs = (torch.empty(2, 300, dtype=torch.bfloat16, pin_memory=True),
+                    torch.empty(2, 5, dtype=torch.int64, pin_memory=True),
+                    torch.empty(2, 5, dtype=torch.float32, pin_memory=True))
+            pack_moe_inputs(x, ids, w, *outs)
+            torch.cuda.synchronize(dev)
+            want = (x.cpu(), ids.cpu().long(), w.cpu().float())
+            if not all(torch.equal(o, r) for o, r in zip(outs, want)):
+                return "the pinned buffer does not hold what the kernel wrote"
+    except Exception as e:  # noqa: BLE001 - any failure means: copy instead
+        return str(e)
+    return None
