@@ -6,7 +6,10 @@
 For each shape, format and token count T: median microseconds per call, the bytes of expert
 weights the call must read (the experts its random routing touches), the effective GB/s and
 TFLOP/s, the streaming read bandwidth of this machine measured in the same run, and the ratio
-of the two (1.0 = at the bandwidth floor). Weights are random valid GGML blocks; several copies
+of the two (1.0 = at the bandwidth floor). "median us" is a call from Python (the wrapper's checks
+and the pybind11 crossing included, as kt-kernel's figure is); "kernel us" and "k.ratio" time the
+same calls inside the kernel, which is what a decode step fed from a GPU stream pays (the
+doorbell runs the kernel with no Python; --json: kernel_us, kernel_gbps). Weights are random valid GGML blocks; several copies
 of the layer are cycled so that calls do not find their experts in the cache. When kt-kernel is
 installed, the same layer, bytes and inputs run through it too (best of 1 and N threads), and
 its median and our speedup over it are printed (`peer` in --json rows).
@@ -175,7 +178,8 @@ def amx_peer_rows(args, rows: list[dict], all_calls: list, layers: list[Layer], 
 
 
 HEADER = f"{'shape':<10} {'format':<7} {'T':>4} {'thr':>3} {'isa':<6} {'median us':>10} {'weight MB':>9} " \
-         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'TFLOP/s':>7} {'kt-kernel us/thr':>12} {'speedup':>7}"
+         f"{'GB/s':>6} {'stream':>6} {'ratio':>5} {'kernel us':>9} {'k.ratio':>7} {'TFLOP/s':>7} " \
+         f"{'kt-kernel us/thr':>12} {'speedup':>7}"
 
 
 def print_row(row: dict, as_json: bool) -> None:
@@ -184,7 +188,8 @@ def print_row(row: dict, as_json: bool) -> None:
         return
     print(f"{row['shape']:<10} {row['format']:<7} {row['tokens']:>4} {row['threads']:>3} {row['isa']:<6} "
           f"{row['median_us']:>10.1f} {row['weight_bytes'] / 1e6:>9.1f} {row['gbps']:>6.1f} {row['stream_gbps']:>6.1f} "
-          f"{row['gbps'] / row['stream_gbps']:>5.2f} {row['tflops']:>7.3f}" + _peer_columns(row["peer"], row["median_us"]),
+          f"{row['gbps'] / row['stream_gbps']:>5.2f} {row['kernel_us']:>9.1f} {row['kernel_gbps'] / row['stream_gbps']:>7.2f} "
+          f"{row['tflops']:>7.3f}" + _peer_columns(row["peer"], row["median_us"]),
           flush=True)
 
 
