@@ -40,17 +40,26 @@ constexpr int kMaxGroup = 16;
 constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay in L2 per weight row block
 
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
-int g_tasks_per_thread = 16;
-int chunk_rows(int rows, int experts_active, int threads) {
+// Tasks a thread (0: chosen here). Decode (about a token an expert): long runs of rows stream
+// best and a dynamic schedule still balances with a few tasks a thread. Measured at T=1 on the
+// Qwen3 layer (scripts/moe_tasks_sweep.py, in-kernel): 2 threads (EPYC) 4 -> 0.85-0.90 of the
+// stream, 16 -> 0.85; 16 threads (Sapphire Rapids) 4 or 8 -> 0.81-0.82, 16 -> 0.78-0.81. Prefill
+// (experts with unequal token counts) keeps 16 for balance.
+int g_tasks_per_thread = 0;
+int chunk_rows(int rows, int experts_active, int pairs, int threads) {
     const int active = std::max(1, experts_active);
-    const int want_tasks = std::max(1, (g_tasks_per_thread * threads + active - 1) / active);  // ~16 tasks a thread: balance
+    const int per_thread = g_tasks_per_thread > 0 ? g_tasks_per_thread
+                           : pairs > 2 * active   ? 16
+                           : threads < 8          ? 4
+                                                  : 8;
+    const int want_tasks = std::max(1, (per_thread * threads + active - 1) / active);
     const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
     return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)
 }
 
 }  // namespace
 
-void set_moe_tasks_per_thread(int n) { g_tasks_per_thread = std::max(1, n); }
+void set_moe_tasks_per_thread(int n) { g_tasks_per_thread = std::max(0, n); }
 
 namespace {
 bool g_pipeline = true;
@@ -207,7 +216,7 @@ void MoE::group_by_expert(int tokens, const int64_t* ids) {
 
 template <typename Fn>
 void MoE::for_expert_rows(int rows, Fn fn) {
-    const int chunk = chunk_rows(rows, (int)active_.size(), rt_->pool().size());
+    const int chunk = chunk_rows(rows, (int)active_.size(), expert_start_[cfg_.experts], rt_->pool().size());
     const int per_expert = (rows + chunk - 1) / chunk;
     rt_->pool().parallel_for((int)active_.size() * per_expert, [&](int task, int) {
         const int r0 = (task % per_expert) * chunk;
@@ -318,8 +327,9 @@ void MoE::down_rows(int e, int r0, int r1) {
 void MoE::gate_up_down() {
     const int I = cfg_.intermediate, H = cfg_.hidden, threads = rt_->pool().size();
     const int active = (int)active_.size();
-    const int gu_chunk = chunk_rows(I, active, threads), gu_per = (I + gu_chunk - 1) / gu_chunk;
-    const int d_chunk = chunk_rows(H, active, threads), d_per = (H + d_chunk - 1) / d_chunk;
+    const int pairs = expert_start_[cfg_.experts];
+    const int gu_chunk = chunk_rows(I, active, pairs, threads), gu_per = (I + gu_chunk - 1) / gu_chunk;
+    const int d_chunk = chunk_rows(H, active, pairs, threads), d_per = (H + d_chunk - 1) / d_chunk;
     const int gu_tasks = active * gu_per;
     for (int a = 0; a < active; a++) chunks_left_[a].store(gu_per, std::memory_order_relaxed);
     rt_->pool().parallel_for(gu_tasks + active * d_per, [&](int task, int) {

@@ -192,7 +192,8 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
         assert (staging.doorbell is not None) == (mode == "doorbell")
         if mode == "doorbell":
             assert staging.doorbell.served >= len(ids) and staging.doorbell.bad_rings == 0
-            assert staging.doorbell.busy_ns > 0 and staging.doorbell.betweens > 0
+            assert staging.doorbell.busy_ns > 0
+            assert staging.doorbell.betweens > 0 or family == "deepseek_v3"  # (its tiny model: one MoE layer)
     for graphs in (False, True):
         for other in (("doorbell", "0"), ("doorbell", "1")):
             assert torch.equal(results["host", "0", graphs], results[(*other, graphs)]), (other, graphs)

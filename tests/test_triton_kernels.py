@@ -111,6 +111,19 @@ def test_pack_moe_inputs(dev, T, H, K, xdt, idt, wdt):
         pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), got[0], got[1].int(), got[2])
 
 
+@pytest.mark.parametrize("T,H,src,dst", [(1, 2048, torch.bfloat16, torch.bfloat16), (3, 7168, torch.float32, torch.bfloat16),
+                                         (2, 300, torch.bfloat16, torch.float32)])
+def test_copy_rows(dev, T, H, src, dst):
+    """The hand-off's read-back kernel equals torch's copy and cast (round to nearest even)."""
+    from ktransformers.kernels.triton.handoff import copy_rows
+    x = (torch.randn(T, H, generator=gen(T + H)) * 100).to(src)
+    out = torch.full((T, H), -3.0, dtype=dst, device=dev)
+    copy_rows(x.to(dev), out)
+    assert torch.equal(out.cpu(), x.to(dst))
+    with pytest.raises(ValueError, match="one \\[T, H\\] shape"):
+        copy_rows(x.to(dev), out[:, :-1])
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
     """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype

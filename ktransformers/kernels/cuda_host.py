@@ -22,8 +22,9 @@ read in kernels/cpu.py):
 Both call plain C++ (no Python runs on the stream's behalf), through the driver's functions by
 ctypes: the extension itself needs no CUDA to build.
 
-The inputs reach the pinned buffer through one Triton kernel that stores them there (pinned memory
-is addressable from the GPU), checked once per device, else by a cast and three copies.
+The inputs reach the pinned buffer through one Triton kernel that stores them there, and y comes
+back through one that reads it (pinned memory is addressable from the GPU), checked once per
+device; else by a cast and three copies, and a copy back.
 
 One staging area serves every layer of a model: the stream runs the layers one after another,
 and each layer's job is waited for (on the stream) before the next layer's inputs are copied.
@@ -221,8 +222,8 @@ class HostStaging:
         return self.mode[index]
 
     def packs(self, device: torch.device) -> bool:
-        """Whether x, ids and weights reach the pinned buffer by one kernel's stores
-        (triton.handoff.pack_moe_inputs; KT_CUDA_PACK=0: no) rather than a cast and three copies."""
+        """Whether x, ids and weights reach the pinned buffer by one kernel's stores and y comes
+        back by one kernel's loads (triton.handoff; KT_CUDA_PACK=0: no) rather than copies."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._packs:
             if torch.cuda.is_current_stream_capturing():
@@ -308,7 +309,8 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
                          f"{tuple(weights.shape)}")
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     xp, idp, wp, yp, call = staging.prepare(kernel, T, dtype)
-    if staging.packs(x.device) and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
+    packs = staging.packs(x.device)
+    if packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
         from .triton.handoff import pack_moe_inputs
         pack_moe_inputs(x, ids, weights, xp, idp, wp)  # one launch, stores straight into pinned memory
     else:
@@ -332,5 +334,10 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
             stream_write_value(stream, done, 0)
         else:
             launch_host_func(ext.moe_host_wait, call.address, stream)
+        if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            from .triton.handoff import copy_rows
+            y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
+            copy_rows(yp, y)  # one kernel reading the pinned buffer
+            return y
         return yp.to(x.device, non_blocking=True).to(out_dtype)
     return wait

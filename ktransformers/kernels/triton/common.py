@@ -65,9 +65,9 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, out_dtype: torch.dtype):
-    """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows, K is split across programs until
-    the GPU is busy (float32 atomics into a zeroed output). Returns (grid, k_per_split, atomic, y)."""
+def _split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int):
+    """(grid, k_per_split) of a GEMM over x [M, K] -> [M, N]: with few rows, K is split across
+    programs until the GPU is busy."""
     M = x.shape[0]
     tiles = -(-M // BLOCK_M) * -(-N // BLOCK_N)
     k_blocks = -(-K // BLOCK_K)
@@ -76,10 +76,17 @@ def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K
         splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
     k_per_split = -(-k_blocks // splits) * BLOCK_K
     splits = -(-K // k_per_split)
-    atomic = splits > 1
+    return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split
+
+
+def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, out_dtype: torch.dtype):
+    """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows, K is split across programs until
+    the GPU is busy (float32 atomics into a zeroed output). Returns (grid, k_per_split, atomic, y)."""
+    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    M, atomic = x.shape[0], grid[2] > 1
     y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
          else torch.empty(M, N, device=x.device, dtype=out_dtype))
-    return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split, atomic, y
+    return grid, k_per_split, atomic, y
 
 
 # Split-K launches with a serial reduction: each split stores its partial sums, and the last of a
@@ -119,14 +126,15 @@ class SplitPlan:
 
 def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
                  out_dtype: torch.dtype) -> SplitPlan:
-    """split_k's plan, reducing a split K in the launch itself where the counters allow."""
-    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
-    if not atomic or grid[0] * grid[1] > MAX_SPLIT_TILES:
-        return SplitPlan(grid, k_per_split, y, atomic=atomic)
-    counters = split_counters(x.device)
-    if counters is None:
-        return SplitPlan(grid, k_per_split, y, atomic=True)
+    """split_k's plan, reducing a split K in the launch itself where the counters allow (no
+    zeroed buffer then: its memset is a launch of its own)."""
+    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
     M = x.shape[0]
-    return SplitPlan(grid, k_per_split, torch.empty(M, N, device=x.device, dtype=out_dtype),
-                     torch.empty(grid[2], M, N, device=x.device, dtype=torch.float32), counters)
+    counters = split_counters(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None
+    if grid[2] > 1 and counters is None:
+        return SplitPlan(grid, k_per_split, torch.zeros(M, N, device=x.device, dtype=torch.float32), atomic=True)
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    if counters is None:
+        return SplitPlan(grid, k_per_split, y)
+    return SplitPlan(grid, k_per_split, y, torch.empty(grid[2], M, N, device=x.device, dtype=torch.float32), counters)
 
