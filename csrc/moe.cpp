@@ -8,6 +8,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace kt {
 namespace {
@@ -45,11 +46,12 @@ constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay i
 // Qwen3 layer (scripts/moe_tasks_sweep.py, in-kernel): 2 threads (EPYC) 4 -> 0.85-0.90 of the
 // stream, 16 -> 0.85; 16 threads (Sapphire Rapids) 4 or 8 -> 0.81-0.82, 16 -> 0.78-0.81. Prefill
 // (experts with unequal token counts) keeps 16 for balance.
-int g_tasks_per_thread = 0;
+std::atomic<int> g_tasks_per_thread{0};  // read by every runtime's threads: atomic (relaxed)
 int chunk_rows(int rows, int experts_active, int pairs, int threads) {
     const int active = std::max(1, experts_active);
-    const int per_thread = g_tasks_per_thread > 0 ? g_tasks_per_thread
-                           : pairs > 2 * active   ? 16
+    const int set = g_tasks_per_thread.load(std::memory_order_relaxed);
+    const int per_thread = set > 0              ? set
+                           : pairs > 2 * active ? 16
                            : threads < 8          ? 4
                                                   : 8;
     const int want_tasks = std::max(1, (per_thread * threads + active - 1) / active);
@@ -59,12 +61,15 @@ int chunk_rows(int rows, int experts_active, int pairs, int threads) {
 
 }  // namespace
 
-void set_moe_tasks_per_thread(int n) { g_tasks_per_thread = std::max(0, n); }
+void set_moe_tasks_per_thread(int n) { g_tasks_per_thread.store(std::max(0, n), std::memory_order_relaxed); }
 
 namespace {
-bool g_pipeline = true;
-}
-void set_moe_pipeline(bool on) { g_pipeline = on; }
+std::atomic<bool> g_pipeline{true};
+std::atomic<uint64_t> g_pipeline_calls{0};
+}  // namespace
+void set_moe_pipeline(bool on) { g_pipeline.store(on, std::memory_order_relaxed); }
+bool moe_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
+uint64_t moe_pipeline_calls() { return g_pipeline_calls.load(std::memory_order_relaxed); }
 
 MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
     if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
@@ -113,7 +118,7 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     expert_start_.resize(c.experts + 1);
     fill_.resize(c.experts);
     active_.reserve(c.experts);
-    chunks_left_.reset(new std::atomic<int>[c.experts]);
+    chunks_left_.reset(new Countdown[c.experts]);
 }
 
 void MoE::check(int tokens, const int64_t* ids) const {
@@ -159,9 +164,10 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         const int n = std::min(cfg_.max_tokens, tokens - start);
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
-        bool any_int8 = false;
-        for (int e : active_) any_int8 |= use_int8(e);
-        if (g_pipeline && !any_int8) {
+        bool decode = expert_start_[cfg_.experts] <= 2 * (int)active_.size();  // about a token an expert
+        for (int e : active_) decode &= !use_int8(e);
+        if (decode && g_pipeline.load(std::memory_order_relaxed)) {
+            g_pipeline_calls.fetch_add(1, std::memory_order_relaxed);
             gate_up_down();
         } else {
             gate_up();
@@ -331,22 +337,26 @@ void MoE::gate_up_down() {
     const int gu_chunk = chunk_rows(I, active, pairs, threads), gu_per = (I + gu_chunk - 1) / gu_chunk;
     const int d_chunk = chunk_rows(H, active, pairs, threads), d_per = (H + d_chunk - 1) / d_chunk;
     const int gu_tasks = active * gu_per;
-    for (int a = 0; a < active; a++) chunks_left_[a].store(gu_per, std::memory_order_relaxed);
+    for (int a = 0; a < active; a++) chunks_left_[a].left.store(gu_per, std::memory_order_relaxed);
     rt_->pool().parallel_for(gu_tasks + active * d_per, [&](int task, int) {
         if (task < gu_tasks) {
             const int a = task / gu_per, r0 = (task % gu_per) * gu_chunk;
             const int e = active_[a];
             gate_up_rows(e, r0, std::min(I, r0 + gu_chunk));
-            if (chunks_left_[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the expert's last chunk
+            if (chunks_left_[a].left.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the expert's last chunk
                 for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activate_pair(p);
-                chunks_left_[a].store(-1, std::memory_order_release);  // its down rows may start
+                chunks_left_[a].left.store(-1, std::memory_order_release);  // its down rows may start
             }
             return;
         }
         // Tasks are handed out in order, so every gate/up chunk is already taken by a running
         // thread: this wait ends without this thread doing anything.
         const int d = task - gu_tasks, a = d / d_per, r0 = (d % d_per) * d_chunk;
-        while (chunks_left_[a].load(std::memory_order_acquire) != -1) KT_PAUSE();
+        // (More threads than cores: the chunk's thread may share this core, so yield now and then.)
+        for (int spins = 1; chunks_left_[a].left.load(std::memory_order_acquire) != -1; spins++) {
+            KT_PAUSE();
+            if (spins % 1024 == 0) std::this_thread::yield();
+        }
         down_rows(active_[a], r0, std::min(H, r0 + d_chunk));
     });
 }

@@ -61,7 +61,9 @@ class MoE {
     Int8Weights expert_int8(const Int8Weights& all, int e, int rows, int cols) const;
     void activate();
     void down();
-    // The three steps above as one parallel region when no expert takes the int8 path (decode):
+    // The three steps above as one parallel region for decode calls (about a token an expert, no
+    // expert on the int8 path; prefill keeps the barriers: a hot expert's activation would be one
+    // thread's tail):
     // gate/up tasks first, then down tasks; the thread finishing an expert's last gate/up chunk
     // activates its pairs, and that expert's down tasks wait (spin) for it instead of the whole
     // pool waiting at two barriers.
@@ -99,11 +101,16 @@ class MoE {
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert
-    std::unique_ptr<std::atomic<int>[]> chunks_left_;
-    std::atomic<uint64_t> last_ns_{0};  // gate_up_down: gate/up chunks not done, per expert
+    struct alignas(64) Countdown {  // a cache line each: spinning readers do not slow other experts' counts
+        std::atomic<int> left{0};
+    };
+    std::unique_ptr<Countdown[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per active expert
+    std::atomic<uint64_t> last_ns_{0};
 };
 
-void set_moe_pipeline(bool on);  // gate_up_down for calls without int8 experts (KT_MOE_PIPELINE; default on)
+void set_moe_pipeline(bool on);  // gate_up_down for decode calls (KT_MOE_PIPELINE; default on)
+bool moe_pipeline();
+uint64_t moe_pipeline_calls();  // calls that took gate_up_down so far (tests check the path ran)
 
 // One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
 // waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc

@@ -305,23 +305,37 @@ def test_moe_pipeline_matches_phases(monkeypatch):
     (g, gd), (u, ud) = expert_weights(GGMLType.Q4_K, E, I, H, gen), expert_weights(GGMLType.Q4_K, E, I, H, gen)
     d, dd = expert_weights(GGMLType.Q6_K, E, H, I, gen)
     cases = []
-    for T in (1, 2, 5, 33):
+    for T in (1, 2, 5, 33, 3):
         ids, w = routing(T, E, K, gen)
         if T == 5:
             ids[1, 0] = -1  # computed elsewhere (GPU experts)
+        if T == 3:
+            ids[:] = -1  # every pair elsewhere: no expert active
         cases.append((torch.randn(T, H, generator=gen), ids, w))
-    outs = {}
-    for pipeline in ("1", "0"):
-        monkeypatch.setenv("KT_MOE_PIPELINE", pipeline)
-        for threads in (1, 2, 7):
-            rt = CPURuntime(threads)
-            kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=16)
-            outs[pipeline, threads] = [kernel.forward(x, ids, w) for x, ids, w in cases]
-    monkeypatch.delenv("KT_MOE_PIPELINE")
-    CPURuntime(1)  # (process-wide setting: back to the default)
+    outs, regions = {}, {}
+    try:
+        for pipeline in ("1", "0"):
+            monkeypatch.setenv("KT_MOE_PIPELINE", pipeline)
+            for threads in (1, 2, 7):
+                rt = CPURuntime(threads)
+                assert rt.ext.moe_pipeline() == (pipeline == "1")
+                kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                                   max_tokens=16)
+                before = rt.ext.moe_pipeline_calls()
+                outs[pipeline, threads] = [kernel.forward(x, ids, w) for x, ids, w in cases]
+                regions[pipeline, threads] = rt.ext.moe_pipeline_calls() - before
+    finally:
+        monkeypatch.delenv("KT_MOE_PIPELINE")
+        CPURuntime(1)  # (process-wide setting: back to the default)
+    # the one region ran for the decode-sized calls (T 1, 2, 5, the last 1-token chunk of T=33 and
+    # the empty T=3; T=33's two 16-token chunks have ~5 tokens an expert: phases), and never when
+    # switched off
+    assert all(n == 5 for (p, _), n in regions.items() if p == "1"), regions
+    assert all(n == 0 for (p, _), n in regions.items() if p == "0"), regions
     base = outs["0", 1]
     for key, ys in outs.items():
         assert all(torch.equal(y, b) for y, b in zip(ys, base)), key
+    assert torch.equal(base[4], torch.zeros_like(base[4]))
     ref = moe_reference(cases[3][0], cases[3][1], cases[3][2], torch.cat([gd, ud], dim=1), dd,
                         lambda t: round_activations(t, 256), lambda t: round_activations(t, 256))
     assert rel_err(base[3], ref) < 5e-3

@@ -127,7 +127,9 @@ def test_copy_rows(dev, T, H, src, dst):
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
     """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype
-    (the last two shapes split K under the interpreter's 4 SMs; large N does on an H200)."""
+    (the last two shapes split K under the interpreter's 4 SMs; large N does on an H200), and the
+    split's tile counters are back at 0 after."""
+    from ktransformers.kernels.triton import common
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(M + N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
@@ -142,6 +144,12 @@ def test_dense_gemv(dev, M, N, K):
         ql.dense_gemv(torch.randn(5, K, device=dev), w.to(dev))
     with pytest.raises(ValueError, match="row-major"):  # the right shape, the wrong layout
         ql.dense_gemv(x.to(dev), w.T.contiguous().to(dev).T)
+    splits = ql.gemv_plan(M, N, K, torch.device(dev))[3]
+    if dev == "cpu" and K >= 3000:
+        assert splits > 1  # (the case this parametrization is for)
+    if splits > 1:
+        assert int(common.split_counters(torch.device(dev)).abs().sum()) == 0
+    assert ql.dense_gemv(x[:, :0].to(dev), w[:, :0].contiguous().to(dev)).abs().sum() == 0  # K = 0: zeros
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_K"])

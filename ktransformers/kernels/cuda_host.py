@@ -334,10 +334,11 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
             stream_write_value(stream, done, 0)
         else:
             launch_host_func(ext.moe_host_wait, call.address, stream)
-        if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            from .triton.handoff import copy_rows
-            y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
-            copy_rows(yp, y)  # one kernel reading the pinned buffer
-            return y
-        return yp.to(x.device, non_blocking=True).to(out_dtype)
+        with torch.cuda.stream(stream):  # after the wait above, whichever stream the caller is on now
+            if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                from .triton.handoff import copy_rows
+                y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
+                copy_rows(yp, y)  # one kernel reading the pinned buffer
+                return y
+            return yp.to(x.device, non_blocking=True).to(out_dtype)
     return wait

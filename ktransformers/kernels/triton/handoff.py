@@ -67,7 +67,8 @@ def _copy_rows_kernel(src_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
         m = h0 + h < H
-        v = tl.load(src_ptr + t * s_src + h0 + h, mask=m).to(tl.float32)
+        # volatile: the CPU rewrites these pinned words between launches; never a cached copy
+        v = tl.load(src_ptr + t * s_src + h0 + h, mask=m, volatile=True).to(tl.float32)
         tl.store(dst_ptr + t * s_dst + h0 + h, round_to(v, dst_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty),
                  mask=m)
 
@@ -117,6 +118,11 @@ def packs_into_pinned(device_index: int) -> str | None:
                 return "the pinned buffer does not hold what the kernel wrote"
             if not torch.equal(back.cpu(), x.cpu().float()):
                 return "a kernel reading the pinned buffer does not see what it holds"
+            outs[0].mul_(-2)  # rewritten by the CPU: the next read must see the new values
+            copy_rows(outs[0], back)
+            torch.cuda.synchronize(dev)
+            if not torch.equal(back.cpu(), outs[0].float()):
+                return "a kernel reading the pinned buffer again sees stale values"
     except Exception as e:  # noqa: BLE001 - any failure means: copy instead
         return str(e)
     return None

@@ -215,6 +215,23 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def gemv_plan(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, k_per_split) of dense_gemv. Rows a program shrink until
+    every SM has two programs (more in flight hides more memory latency); K a step fills ~4096
+    products a program (32 floats a thread of 4 warps); where the rows alone leave SMs idle (a
+    router's 64-256 experts), K is split too and the splits added in the launch
+    (common.plan_split_k's serial reduction)."""
+    block_m, block_n = triton.next_power_of_2(max(M, 1)), 32
+    want = 2 * sm_count(device)
+    while block_n > 8 and triton.cdiv(N, block_n) < want:
+        block_n //= 2
+    block_k = max(16, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
+    n_blocks, k_blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    splits = max(1, min(k_blocks // 2, want // n_blocks))
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    return block_m, block_n, block_k, triton.cdiv(K, k_per_split), k_per_split
+
+
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [M, N] = x [M, K] @ w [N, K]ᵀ (any float dtypes, float32 sums) for M <= GEMV_ROWS, in one
     launch, the result rounded once to out_dtype."""
@@ -225,22 +242,13 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     if M > GEMV_ROWS:
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
     x = x.contiguous()
-    # rows a program shrink until every SM has two programs (more in flight hides more memory
-    # latency); K a step fills ~4096 products a program (32 floats a thread of 4 warps); where the
-    # rows alone leave SMs idle (a router's 64-256 experts), K is split too and the splits added
-    # in the launch (common.plan_split_k's serial reduction)
-    block_m, block_n = triton.next_power_of_2(max(M, 1)), 32
-    want = 2 * sm_count(x.device)
-    while block_n > 8 and triton.cdiv(N, block_n) < want:
-        block_n //= 2
-    block_k = max(16, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
-    n_blocks, k_blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
-    splits = max(1, min(k_blocks // 2, want // n_blocks))
-    k_per_split = triton.cdiv(k_blocks, splits) * block_k
-    splits = triton.cdiv(K, k_per_split)
+    if N == 0 or K == 0 or M == 0:
+        return torch.zeros(M, N, device=x.device, dtype=out_dtype)
+    block_m, block_n, block_k, splits, k_per_split = gemv_plan(M, N, K, x.device)
+    n_blocks = triton.cdiv(N, block_n)
     counters = split_counters(x.device) if splits > 1 and n_blocks <= MAX_SPLIT_TILES else None
     if counters is None:
-        splits, k_per_split = 1, k_blocks * block_k
+        splits, k_per_split = 1, triton.cdiv(K, block_k) * block_k
     y = torch.empty(M, N, device=x.device, dtype=out_dtype)
     parts = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else y
     _dense_gemv_kernel[(1, n_blocks, splits)](x, w, y, parts, counters if splits > 1 else y, M, N, K, x.stride(0),
