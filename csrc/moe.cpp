@@ -1,6 +1,7 @@
 // MoE forward: prepare activations -> group (token, expert) pairs by expert -> gate/up rows ->
-// silu(g)*u -> down rows -> weighted sum per token. Each phase is one parallel_for; work is
-// split by weight rows so that every thread streams its own part of the experts' bytes.
+// silu(g)*u -> down rows -> weighted sum per token. Each phase is one parallel_for (a decode call
+// runs the middle three as one, gate_up_down); work is split by weight rows so that every thread
+// streams its own part of the experts' bytes.
 #include "moe.h"
 
 #include <algorithm>
@@ -40,20 +41,23 @@ void need_bytes(size_t got, size_t want, const char* which) {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay in L2 per weight row block
 
+std::atomic<int> g_tasks_per_thread{0};  // the settings are read by every runtime's threads: atomic (relaxed)
+std::atomic<bool> g_pipeline{true};
+std::atomic<uint64_t> g_pipeline_calls{0};
+
+// A decode-sized call: about a token an expert (at most two, on average, over the experts hit).
+bool decode_sized(int pairs, int experts_active) { return pairs <= 2 * experts_active; }
+
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
-// Tasks a thread (0: chosen here). Decode (about a token an expert): long runs of rows stream
-// best and a dynamic schedule still balances with a few tasks a thread. Measured at T=1 on the
-// Qwen3 layer (scripts/moe_tasks_sweep.py, in-kernel): 2 threads (EPYC) 4 -> 0.85-0.90 of the
-// stream, 16 -> 0.85; 16 threads (Sapphire Rapids) 4 or 8 -> 0.81-0.82, 16 -> 0.78-0.81. Prefill
-// (experts with unequal token counts) keeps 16 for balance.
-std::atomic<int> g_tasks_per_thread{0};  // read by every runtime's threads: atomic (relaxed)
+// Tasks a thread (0: chosen here). Decode: long runs of rows stream best and a dynamic schedule
+// still balances with a few tasks a thread. Measured at T=1 on the Qwen3 layer
+// (scripts/moe_tasks_sweep.py, in-kernel): 2 threads (EPYC) 4 -> 0.85-0.90 of the stream, 16 ->
+// 0.85; 16 threads (Sapphire Rapids) 4 or 8 -> 0.81-0.82, 16 -> 0.78-0.81. Prefill (experts with
+// unequal token counts) keeps 16 for balance.
 int chunk_rows(int rows, int experts_active, int pairs, int threads) {
     const int active = std::max(1, experts_active);
-    const int set = g_tasks_per_thread.load(std::memory_order_relaxed);
-    const int per_thread = set > 0              ? set
-                           : pairs > 2 * active ? 16
-                           : threads < 8          ? 4
-                                                  : 8;
+    int per_thread = g_tasks_per_thread.load(std::memory_order_relaxed);
+    if (per_thread <= 0) per_thread = !decode_sized(pairs, experts_active) ? 16 : threads < 8 ? 4 : 8;
     const int want_tasks = std::max(1, (per_thread * threads + active - 1) / active);
     const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
     return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)
@@ -62,11 +66,6 @@ int chunk_rows(int rows, int experts_active, int pairs, int threads) {
 }  // namespace
 
 void set_moe_tasks_per_thread(int n) { g_tasks_per_thread.store(std::max(0, n), std::memory_order_relaxed); }
-
-namespace {
-std::atomic<bool> g_pipeline{true};
-std::atomic<uint64_t> g_pipeline_calls{0};
-}  // namespace
 void set_moe_pipeline(bool on) { g_pipeline.store(on, std::memory_order_relaxed); }
 bool moe_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
 uint64_t moe_pipeline_calls() { return g_pipeline_calls.load(std::memory_order_relaxed); }
@@ -164,7 +163,7 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         const int n = std::min(cfg_.max_tokens, tokens - start);
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
-        bool decode = expert_start_[cfg_.experts] <= 2 * (int)active_.size();  // about a token an expert
+        bool decode = decode_sized(expert_start_[cfg_.experts], (int)active_.size());
         for (int e : active_) decode &= !use_int8(e);
         if (decode && g_pipeline.load(std::memory_order_relaxed)) {
             g_pipeline_calls.fetch_add(1, std::memory_order_relaxed);

@@ -228,15 +228,15 @@ class HostStaging:
         if index not in self._packs:
             if torch.cuda.is_current_stream_capturing():
                 return False  # (no probe inside a capture; engines warm up eagerly first)
-            why = "not asked for" if not (self.pinned and self.runtime.pack_handoff) else None
-            if why is None:
+            why = None
+            if self.pinned and self.runtime.pack_handoff:  # asked for: probe it, say when it fails
                 from .triton.common import runs_on
                 from .triton.handoff import packs_into_pinned
                 why = packs_into_pinned(index) if runs_on(device) else "no Triton"
-            if why is not None and self.pinned and self.runtime.pack_handoff:
-                import warnings
-                warnings.warn(f"CPU experts on cuda:{index}: inputs copied, not packed ({why})", stacklevel=3)
-            self._packs[index] = why is None
+                if why is not None:
+                    import warnings
+                    warnings.warn(f"CPU experts on cuda:{index}: inputs copied, not packed ({why})", stacklevel=3)
+            self._packs[index] = self.pinned and self.runtime.pack_handoff and why is None
         return self._packs[index]
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:

@@ -149,8 +149,7 @@ class _TritonLinear:
         if isinstance(self.weight, torch.Tensor):
             y = F.linear(flat.to(self.weight.dtype), self.weight)
         else:
-            # without a bias the output dtype is the kernel's to round to (once; a split-K
-            # launch still casts its float32 sums at the end)
+            # without a bias the output dtype is the kernel's to round to (once)
             y = self._gemm(flat, torch.float32 if self.bias is not None else self.dtype)
         if self.bias is not None:
             y = y.float() + self.bias

@@ -123,6 +123,15 @@ class SplitPlan:
     counters: torch.Tensor | None = None
     atomic: bool = False
 
+    @property
+    def reduce(self) -> bool:
+        return self.partials is not None
+
+    def scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partials, counters) as kernel arguments: y in their place where the plan has none
+        (a kernel compiled without REDUCE never reads them)."""
+        return (self.partials, self.counters) if self.reduce else (self.y, self.y)
+
 
 def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
                  out_dtype: torch.dtype) -> SplitPlan:

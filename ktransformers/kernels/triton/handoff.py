@@ -22,14 +22,20 @@ from .norm_rope import round_to
 
 
 @triton.jit
-def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, s_x, s_i, s_w,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr):
+    """H values src -> dst, converted to dst's dtype (rounded to nearest even)."""
     h = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
         m = h0 + h < H
-        v = tl.load(x_ptr + t * s_x + h0 + h, mask=m).to(tl.float32)
-        tl.store(xo_ptr + t * H + h0 + h, round_to(v, xo_ptr.dtype.element_ty).to(xo_ptr.dtype.element_ty), mask=m)
+        v = tl.load(src + h0 + h, mask=m, volatile=VOLATILE).to(tl.float32)
+        tl.store(dst + h0 + h, round_to(v, dst.dtype.element_ty).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, s_x, s_i, s_w,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
     tl.store(io_ptr + t * K + k, tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64), mask=mk)
@@ -64,13 +70,8 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x
 @triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        m = h0 + h < H
-        # volatile: the CPU rewrites these pinned words between launches; never a cached copy
-        v = tl.load(src_ptr + t * s_src + h0 + h, mask=m, volatile=True).to(tl.float32)
-        tl.store(dst_ptr + t * s_dst + h0 + h, round_to(v, dst_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty),
-                 mask=m)
+    # volatile: the CPU rewrites these pinned words between launches; never a cached copy
+    _copy_row(src_ptr + t * s_src, dst_ptr + t * s_dst, H, BLOCK_H, True)
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import DENSE_ROWS, MAX_SPLIT_TILES, dot_f32, plan_split_k, sm_count, split_counters
+from .common import DENSE_ROWS, dot_f32, plan_split_k, sm_count
 from .norm_rope import round_to
 
 GROUP = 32
@@ -192,7 +192,7 @@ def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: t
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       REDUCE: tl.constexpr):
+                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
     """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows over its K split, in
     float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,25 +211,23 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if REDUCE:
         split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
+    elif ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv_plan(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, k_per_split) of dense_gemv. Rows a program shrink until
-    every SM has two programs (more in flight hides more memory latency); K a step fills ~4096
-    products a program (32 floats a thread of 4 warps); where the rows alone leave SMs idle (a
-    router's 64-256 experts), K is split too and the splits added in the launch
-    (common.plan_split_k's serial reduction)."""
+def gemv_plan(x: torch.Tensor, N: int, out_dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SplitPlan) of dense_gemv over x [M, K]. Rows a program shrink
+    until every SM has two programs (more in flight hides more memory latency); K a step fills
+    ~4096 products a program (32 floats a thread of 4 warps); where the rows alone leave SMs idle
+    (a router's 64-256 experts), common.plan_split_k splits K too, the splits added in the launch."""
+    M, K = x.shape
     block_m, block_n = triton.next_power_of_2(max(M, 1)), 32
-    want = 2 * sm_count(device)
-    while block_n > 8 and triton.cdiv(N, block_n) < want:
+    while block_n > 8 and triton.cdiv(N, block_n) < 2 * sm_count(x.device):
         block_n //= 2
     block_k = max(16, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(K)))
-    n_blocks, k_blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
-    splits = max(1, min(k_blocks // 2, want // n_blocks))
-    k_per_split = triton.cdiv(k_blocks, splits) * block_k
-    return block_m, block_n, block_k, triton.cdiv(K, k_per_split), k_per_split
+    return block_m, block_n, block_k, plan_split_k(x, N, K, block_m, block_n, block_k, out_dtype)
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -244,17 +242,12 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     x = x.contiguous()
     if N == 0 or K == 0 or M == 0:
         return torch.zeros(M, N, device=x.device, dtype=out_dtype)
-    block_m, block_n, block_k, splits, k_per_split = gemv_plan(M, N, K, x.device)
-    n_blocks = triton.cdiv(N, block_n)
-    counters = split_counters(x.device) if splits > 1 and n_blocks <= MAX_SPLIT_TILES else None
-    if counters is None:
-        splits, k_per_split = 1, triton.cdiv(K, block_k) * block_k
-    y = torch.empty(M, N, device=x.device, dtype=out_dtype)
-    parts = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else y
-    _dense_gemv_kernel[(1, n_blocks, splits)](x, w, y, parts, counters if splits > 1 else y, M, N, K, x.stride(0),
-                                              w.stride(0), y.stride(0), k_per_split, BLOCK_M=block_m,
-                                              BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=splits > 1, num_warps=4)
-    return y
+    block_m, block_n, block_k, plan = gemv_plan(x, N, out_dtype)
+    y = plan.y
+    _dense_gemv_kernel[plan.grid](x, w, y, *plan.scratch(), M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                  plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4)
+    return y.to(out_dtype) if plan.atomic else y
 
 
 @triton.jit
@@ -303,13 +296,12 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
         BLOCK_M, BLOCK_N = 128, 64
     plan = plan_split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     offset = w.offset if w.offset is not None else w.scale
-    reduce = plan.partials is not None
     y = plan.y
-    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, y, plan.partials if reduce else y,
-                                  plan.counters if reduce else y, M, N, K, x.stride(0), y.stride(0), plan.k_per_split,
-                                  BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP, BLOCK_M=BLOCK_M,
-                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic, REDUCE=reduce,
-                                  DOT_F32=dot_f32(), num_warps=4, num_stages=3 if x.device.type == "cuda" else 1)
+    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, y, *plan.scratch(), M, N, K, x.stride(0), y.stride(0),
+                                  plan.k_per_split, BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
+                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic,
+                                  REDUCE=plan.reduce, DOT_F32=dot_f32(), num_warps=4,
+                                  num_stages=3 if x.device.type == "cuda" else 1)
     return y.to(out_dtype) if plan.atomic else y
 
 
