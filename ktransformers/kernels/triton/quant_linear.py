@@ -162,6 +162,14 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
             acc += tl.dot(a.to(tl.float32), w)
         else:
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+
+
+@triton.jit
+def store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC: tl.constexpr,
+               REDUCE: tl.constexpr):
+    """A program's float32 tile of y [M, N] as its SplitPlan says: added in the launch by the last
+    split (REDUCE), added atomically into a float32 y (ATOMIC), or rounded and stored."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if REDUCE:
@@ -169,7 +177,7 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
     elif ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -207,14 +215,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-    mask = (rm < M)[:, None] & mask_n[None, :]
-    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if REDUCE:
-        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
-    elif ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
 
 
 def gemv_plan(x: torch.Tensor, N: int, out_dtype: torch.dtype):
