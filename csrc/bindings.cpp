@@ -1,6 +1,7 @@
 // Python bindings (module_local: each ISA build registers its own types in one process). Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
@@ -54,6 +55,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
     m.def("tile_prefetch", &tile_prefetch, "(bytes, hint) of the tiled kernels' software prefetch, as last set");
+    m.def("advise_hugepages", [](uintptr_t data, size_t bytes) -> size_t {
+              // the 2 MiB-aligned interior of [data, data + bytes): MADV_HUGEPAGE before the first
+              // touch makes its page faults take transparent huge pages (fewer TLB misses while
+              // streaming weights); returns the bytes advised (0 where the kernel refuses)
+              constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+              const uintptr_t lo = (data + kHuge - 1) & ~(kHuge - 1), hi = (data + bytes) & ~(kHuge - 1);
+              if (!data || hi <= lo) return 0;
+              return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0 ? size_t(hi - lo) : 0;
+          }, "advise transparent huge pages for a buffer not yet touched (its 2 MiB-aligned interior)");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

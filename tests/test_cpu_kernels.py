@@ -4,6 +4,7 @@ token counts {1, 3, 17, 128} x shapes with odd expert counts.
 Quantized formats take int8 activations (per 32 or per 256 values, as llama.cpp does). Two
 references: one that rounds activations the same way (checks the kernel's arithmetic, tight),
 and KExpertsTorch's float formula on the dequantized weights (checks the overall error)."""
+import os
 import zlib
 
 import numpy as np
@@ -498,3 +499,26 @@ def test_runtime_copy_moves_every_byte():
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="copy: 5 source bytes into a 4-byte destination"):
         runtime.copy(torch.zeros(4, dtype=torch.uint8), np.zeros(5, dtype=np.uint8))
+
+
+def test_weight_buffers_ask_for_huge_pages(monkeypatch):
+    """Repacked weights live in buffers advised for transparent huge pages: the 2 MiB-aligned
+    interior of a buffer is advised (0 bytes for one too small to hold a huge page, or a null
+    address), and KT_HUGEPAGES=0 leaves buffers as torch allocates them."""
+    from ktransformers.kernels.cpu import hugepages_enabled, weight_buffer
+    monkeypatch.delenv("KT_HUGEPAGES", raising=False)
+    rt = CPURuntime(threads=1)
+    ext = rt.ext
+    buf = torch.empty(5 << 20, dtype=torch.uint8)
+    advised = ext.advise_hugepages(buf.data_ptr(), buf.numel())
+    thp_setting = "/sys/kernel/mm/transparent_hugepage/enabled"
+    thp = open(thp_setting).read() if os.path.exists(thp_setting) else "[never]"
+    if "[never]" not in thp:
+        assert advised >= 2 << 20 and advised % (2 << 20) == 0 and advised <= buf.numel()
+    assert ext.advise_hugepages(buf.data_ptr() + 1, 1 << 20) == 0
+    assert ext.advise_hugepages(0, 8 << 20) == 0
+    out = weight_buffer(ext, 3 << 20)
+    assert out.dtype == torch.uint8 and out.numel() == 3 << 20
+    assert hugepages_enabled()
+    monkeypatch.setenv("KT_HUGEPAGES", "0")
+    assert not hugepages_enabled()

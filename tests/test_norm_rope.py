@@ -82,6 +82,34 @@ def test_qk_norm_rope(dev, heads, kv_heads, d, B, S):
             assert_match(o, r, f"{name} {dtype} tables {table_dtype} norm={norm}")
 
 
+@pytest.mark.parametrize("dtype,B,S", [(torch.bfloat16, 1, 1), (torch.bfloat16, 2, 3), (torch.float32, 1, 4)])
+def test_qk_norm_rope_writes_cache(dev, dtype, B, S):
+    """With `write`, the launch also stores the rotated k and v at the tokens' slots, as the paged
+    cache's index_copy_ would, and leaves every other row of the caches alone."""
+    from ktransformers.kernels.triton.norm_rope import qk_norm_rope, qk_norm_rope_reference
+    heads, kv, d, total = 8, 2, 64, 40
+    g = gen(B * S + d)
+    q = torch.randn(B, S, heads, d, generator=g).to(dtype).to(dev)
+    k, v = (torch.randn(B, S, kv, d, generator=g).to(dtype).to(dev) for _ in range(2))
+    cos, sin = (t.to(dev) for t in rope_tables(B, S, d, dtype, g))
+    weights = [(torch.randn(d, generator=g) * 0.3 + 1).to(dtype).to(dev) for _ in range(2)]
+    slots = torch.randperm(total, generator=g)[:B * S].to(dev)
+    k_cache, v_cache = (torch.randn(total, kv, d, generator=g).to(dtype).to(dev) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qo, ko = qk_norm_rope(q, k, cos, sin, *weights, write=(v, k_cache, v_cache, slots))
+    ref_q, ref_k = qk_norm_rope_reference(q, k, cos, sin, *weights)
+    assert_match(qo, ref_q, "q")
+    assert_match(ko, ref_k, "k")
+    want_k.index_copy_(0, slots, ref_k.reshape(-1, kv, d))
+    want_v.index_copy_(0, slots, v.reshape(-1, kv, d))
+    assert_match(k_cache, want_k, "k cache")
+    assert torch.equal(v_cache, want_v)
+    with pytest.raises(ValueError, match=r"k_cache must be a contiguous \[slots, 2, 64\]"):
+        qk_norm_rope(q, k, cos, sin, *weights, write=(v, k_cache[:, :1], v_cache, slots))
+    with pytest.raises(ValueError, match=rf"slots must be \[{B * S}\]"):
+        qk_norm_rope(q, k, cos, sin, *weights, write=(v, k_cache, v_cache, slots[:1].expand(2) if B * S == 1 else slots[:1]))
+
+
 @pytest.mark.parametrize("T", [1, 3, 64])
 def test_softmax_topk(dev, T):
     from ktransformers.kernels.triton.router import softmax_topk

@@ -357,3 +357,19 @@ def test_align_is_sync_free_and_complete(dev):
         expert_of_row = block_expert.repeat_interleave(bm)[: len(pairs)]
         assert torch.equal(flat[live], expert_of_row[pairs < T * K])
         assert (block_expert <= E).all()
+
+
+@pytest.mark.parametrize("N,K", [(96, 256), (200, 1024), (72, 160), (64, 4096)])
+def test_int4_gemv_one_row(dev, N, K, monkeypatch):
+    """One row on int4 weights takes the float32 GEMV without tl.dot (every block size it picks:
+    K % 256, % 128 and % 32), split or not, and matches the dequantized reference closely."""
+    from ktransformers.kernels.triton import quant_linear as ql
+    g = gen(N + K)
+    w = ql.quantize_int4(torch.randn(N, K, generator=g)).to(dev)
+    x = torch.randn(1, K, generator=g)
+    calls, real = [], ql._int4_gemv
+    monkeypatch.setattr(ql, "_int4_gemv", lambda *a: calls.append(a) or real(*a))
+    y = ql.group_gemm(x.to(dev), w, torch.float32)
+    assert len(calls) == 1
+    ref = x.double() @ w.dequantize().cpu().double().T
+    assert rel_err(y.cpu().double(), ref) < 1e-5

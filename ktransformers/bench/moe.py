@@ -22,11 +22,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import psutil
 import torch
 
-from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel
+from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel, weight_buffer
 from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
 from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
@@ -69,7 +68,8 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
 
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches."""
-    buf = np.full(int(gib * 2**30), 7, dtype=np.uint8)  # written once, so every page is real
+    buf = weight_buffer(runtime.ext, int(gib * 2**30)).numpy()  # pages as the weights get them
+    buf.fill(7)  # written once, so every page is real
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()

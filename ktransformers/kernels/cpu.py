@@ -175,6 +175,20 @@ class ExpertWeights:
         return self.ggml_type | ext.tiled_flag if self.tiled else self.ggml_type
 
 
+def hugepages_enabled() -> bool:
+    """Whether weight buffers made here ask for transparent huge pages (KT_HUGEPAGES=0: no)."""
+    return os.environ.get("KT_HUGEPAGES", "1") != "0"
+
+
+def weight_buffer(ext, nbytes: int) -> torch.Tensor:
+    """An untouched uint8 CPU tensor for weights streamed by the kernels, its pages advised huge
+    (the OS grants them where transparent huge pages are "madvise" or "always")."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if hugepages_enabled():
+        ext.advise_hugepages(out.data_ptr(), nbytes)
+    return out
+
+
 def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: int) -> ExpertWeights:
     """`weights` (rows x cols values in all, rows of GGML blocks) repacked once into the 16-row
     tiles this build computes on without horizontal sums (same byte count, a new tensor), where
@@ -186,7 +200,7 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
     src, nbytes = _address(weights.data)
     if nbytes != tensor_nbytes(weights.ggml_type, rows * cols):
         return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    out = weight_buffer(runtime.ext, nbytes)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
     return ExpertWeights(out, weights.ggml_type, tiled=True)
 

@@ -95,9 +95,10 @@ class _CachedAttention(BaseInjectedModule):
         raise NotImplementedError
 
     def _run(self, token_entries: list[torch.Tensor], queries: tuple[torch.Tensor, ...], batch_rows: int,
-             seq_len: int) -> torch.Tensor:
+             seq_len: int, written: bool = False) -> torch.Tensor:
         """token_entries: this step's cache entries [T, ...]; queries: per-token query tensors
-        [T, ...]. Returns the stacked per-token outputs of `self._attend` [T, ...]."""
+        [T, ...]. Returns the stacked per-token outputs of `self._attend` [T, ...]. `written`: a
+        kernel has already stored the entries in the cache."""
         ctx = self.context
         batch = ctx.batch if ctx is not None else None
         outputs = []
@@ -109,7 +110,8 @@ class _CachedAttention(BaseInjectedModule):
         if batch_rows != 1 or seq_len != batch.num_tokens:
             raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of shape "
                              f"[1, {batch.num_tokens}, H], got [{batch_rows}, {seq_len}, H]")
-        ctx.cache.write(self.layer_idx, batch, *token_entries)
+        if not written:
+            ctx.cache.write(self.layer_idx, batch, *token_entries)
         one_each = all(q == 1 for q in batch.q_lens)
         if one_each and (self.triton or (len(batch.q_lens) > 1 and self.batched_decode)):
             return self._decode_all(queries, batch)
@@ -302,11 +304,11 @@ class KGQAAttention(_CachedAttention):
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
-        q, k = self._norm_rope(q, k, cos, sin)  # [B, S, heads, d] as they are
+        q, k, written = self._norm_rope(q, k, cos, sin, v)  # [B, S, heads, d] as they are
         dev = self.device
         q = q.reshape(B * S, -1, d).to(dev)
         k = k.reshape(B * S, -1, d).to(dev)
-        out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S)  # [T, h, d]
+        out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S, written)  # [T, h, d]
         return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,22 +317,41 @@ class KGQAAttention(_CachedAttention):
             return self.q_norm(q), self.k_norm(k)
         return q, k
 
-    def _norm_rope(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_rope(self, q, k, cos, sin, v) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """q/k norms and RoPE: one Triton launch for both q and k of a decode-sized step where
-        Triton runs (the norms fused when they are KRMSNorms of q's dtype), else torch's ops."""
+        Triton runs (the norms fused when they are KRMSNorms of q's dtype), else torch's ops.
+        Returns (q, k, written): the launch also stores k and v in the step's cache slots where the
+        cache allows (_cache_write)."""
         B, S, _, d = q.shape
         if not (self.triton_rope and B * S <= TRITON_ROPE_TOKENS and q.device == cos.device == sin.device
                 and cos.shape[1:] == (S, d) and cos.shape[0] in (1, B)
                 and sin.shape == cos.shape and sin.dtype == cos.dtype and q.dtype == k.dtype):
             q, k = self._qk_norm(q, k)
-            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            return *apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2), False
         from ..kernels.triton.norm_rope import qk_norm_rope
         cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for every row: stride 0
         norms = self._fusable_norms(q)
         if norms is None:
             q, k = self._qk_norm(q, k)
-            return qk_norm_rope(q, k, cos, sin)
-        return qk_norm_rope(q, k, cos, sin, *norms)
+            norms = (None, None, (1e-6, 1e-6))
+        write = self._cache_write(v, torch.promote_types(q.dtype, cos.dtype))
+        return *qk_norm_rope(q, k, cos, sin, *norms, write=write), write is not None
+
+    def _cache_write(self, v: torch.Tensor, dtype: torch.dtype):
+        """(v, k_cache, v_cache, slots) for qk_norm_rope to store this step's keys and values in,
+        when the engine's batch is set and this layer's caches are on q's device in the RoPE
+        output's dtype and layout; else None (the paged cache's own write runs)."""
+        ctx = self.context
+        batch = ctx.batch if ctx is not None else None
+        B, S, kv, d = v.shape
+        if batch is None or B != 1 or S != batch.num_tokens:
+            return None
+        k_cache, v_cache = ctx.cache.layers[self.layer_idx]
+        if not (k_cache.device == v_cache.device == v.device and k_cache.dtype == v_cache.dtype == dtype
+                and k_cache.shape[1:] == v_cache.shape[1:] == (kv, d)
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and v.is_contiguous()):
+            return None
+        return v, k_cache, v_cache, batch.slots_on(v.device)
 
     def _fusable_norms(self, q: torch.Tensor):
         """(q weight, k weight, (q eps, k eps)) when both norms are KRMSNorms the RoPE kernel can run

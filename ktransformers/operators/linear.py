@@ -141,13 +141,22 @@ class _TritonLinear:
         """y = x Wᵀ rounded once to out_dtype (float32 sums)."""
         raise NotImplementedError
 
+    def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """A dense fallback weight: decode-sized rows through the one-launch Triton GEMV (4.5 us
+        where cuBLAS's bf16 GEMV took 5.8 at Qwen3's v_proj on the H200), else cuBLAS."""
+        from ..kernels.triton.common import runs_on
+        from ..kernels.triton.quant_linear import GEMV_ROWS, dense_gemv
+        if x.shape[0] <= GEMV_ROWS and runs_on(x.device):
+            return dense_gemv(x, self.weight, torch.float32 if self.bias is not None else self.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
             raise RuntimeError(f"{self.key}: linear op used before load()")
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if isinstance(self.weight, torch.Tensor):
-            y = F.linear(flat.to(self.weight.dtype), self.weight)
+            y = self._dense_gemm(flat)
         else:
             # without a bias the output dtype is the kernel's to round to (once)
             y = self._gemm(flat, torch.float32 if self.bias is not None else self.dtype)

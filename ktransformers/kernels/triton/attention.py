@@ -20,6 +20,10 @@ from .common import dot_f32, sm_count
 from .norm_rope import round_to
 
 
+# Most splits of one sequence's history in decode_attention (each is merged by _merge_splits_kernel).
+MAX_SPLITS = 64
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(max(int(n), 1)))
 
@@ -124,11 +128,17 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     D2 = q2.shape[2] if has_k2 else 1
     max_len = int(max_len if max_len is not None else slots.shape[1])
     span = min(max_len, window) if window else max_len
-    BLOCK_T = 32
-    # splits: enough programs to fill the GPU, each at least a few blocks of the history
-    programs = B * Hkv * triton.cdiv(group, 16)
+    # Decode is latency-bound: each block of the history is a dependent round trip (slots, then
+    # keys and values), so the history is split until a program has about one block, up to
+    # MAX_SPLITS (the merge reads every split) and a few programs an SM. Measured on the H200 at
+    # Qwen3's 32/4 heads of 128 (scripts/gpu_tune.py attn): 8.5 -> 5.6 us at 512 tokens, 12.5 ->
+    # 9.1 at 2048, 17.9 -> 15.5 at 8192 against 32-token blocks, 16 heads a program and >= 4 blocks
+    # a split. Wide rows (MLA's 512-value latent) keep 32-token blocks, for registers.
+    BLOCK_T = 64 if max(D1, DV) <= 128 else 32
+    BLOCK_H = 8 if group <= 8 else 16
+    programs = B * Hkv * triton.cdiv(group, BLOCK_H)
     sms = sm_count(q1.device)
-    splits = max(1, min(triton.cdiv(span, 4 * BLOCK_T), triton.cdiv(2 * sms, programs)))
+    splits = max(1, min(triton.cdiv(span, BLOCK_T), MAX_SPLITS, triton.cdiv(4 * sms, programs)))
     tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
     splits = triton.cdiv(span, tokens_per_split)
     # one split: the kernel's stores round straight to out_dtype (nothing to merge)
@@ -136,12 +146,12 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     lse = torch.empty(B, Hq, splits, device=q1.device, dtype=torch.float32)
     q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
     v_ = k1 if v is None else v
-    grid = (B, Hkv * triton.cdiv(group, 16), splits)
+    grid = (B, Hkv * triton.cdiv(group, BLOCK_H), splits)
     _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, acc, lse,
                          q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1.stride(1),
                          k2_.stride(0), k2_.stride(1), v_.stride(0), v_.stride(1), slots.stride(0),
                          Hq, group, D1, D2, DV, float(scale), int(window or 0), tokens_per_split, splits,
-                         BLOCK_H=16, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
+                         BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
                          HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(),
                          num_warps=8 if max(D1, DV) >= 256 else 4, num_stages=2 if q1.device.type == "cuda" else 1)
     if splits == 1:

@@ -65,15 +65,16 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int):
+def _split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
+                per_sm: int = 2, min_blocks: int = 2):
     """(grid, k_per_split) of a GEMM over x [M, K] -> [M, N]: with few rows, K is split across
-    programs until the GPU is busy."""
+    programs until there are about `per_sm` programs an SM, each with >= `min_blocks` K blocks."""
     M = x.shape[0]
     tiles = -(-M // BLOCK_M) * -(-N // BLOCK_N)
     k_blocks = -(-K // BLOCK_K)
     splits = 1
     if M <= 64:
-        splits = max(1, min(k_blocks // 2, 2 * sm_count(x.device) // max(tiles, 1)))
+        splits = max(1, min(k_blocks // min_blocks, per_sm * sm_count(x.device) // max(tiles, 1)))
     k_per_split = -(-k_blocks // splits) * BLOCK_K
     splits = -(-K // k_per_split)
     return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split
@@ -134,10 +135,10 @@ class SplitPlan:
 
 
 def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
-                 out_dtype: torch.dtype) -> SplitPlan:
+                 out_dtype: torch.dtype, per_sm: int = 2, min_blocks: int = 2) -> SplitPlan:
     """split_k's plan, reducing a split K in the launch itself where the counters allow (no
     zeroed buffer then: its memset is a launch of its own)."""
-    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, per_sm, min_blocks)
     M = x.shape[0]
     counters = split_counters(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None
     if grid[2] > 1 and counters is None:

@@ -93,9 +93,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
                          Hq, Hk, S, half, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
-                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+                         v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
+                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr):
     """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row is read as its
-    two rotary halves, so rotate_half is a swap of registers."""
+    two rotary halves, so rotate_half is a swap of registers. WRITE: k's programs also store the
+    rotated row, and v's row of the same head, at the token's slot of the caches."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     is_q = j < Hq
@@ -125,6 +127,16 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     y2 = round_to(round_to(x2 * c2, out_ty) + round_to(x1 * s2, out_ty), out_ty)
     tl.store(dst + i, y1.to(out_ty), mask=m)
     tl.store(dst + half + i, y2.to(out_ty), mask=m)
+    if WRITE:
+        if not is_q:
+            slot = tl.load(slot_ptr + t + i * 0).to(tl.int64)  # (a vector: masks of one dtype)
+            mw = m & (slot >= 0) & (slot < total_slots)  # (the engine's slots always are in range)
+            row = (slot * Hk + h) * 2 * half
+            tl.store(kc_ptr + row + i, y1.to(out_ty), mask=mw)
+            tl.store(kc_ptr + row + half + i, y2.to(out_ty), mask=mw)
+            vrow = v_ptr + t * s_vt + h * s_vh
+            tl.store(vc_ptr + row + i, tl.load(vrow + i, mask=m, other=0.0).to(out_ty), mask=mw)
+            tl.store(vc_ptr + row + half + i, tl.load(vrow + half + i, mask=m, other=0.0).to(out_ty), mask=mw)
 
 
 def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -151,25 +163,54 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> None:
             raise ValueError(f"qk_norm_rope: {name} must be a contiguous [{d}] of q's dtype {q.dtype} on {q.device}")
 
 
-def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6)):
+def _check_cache(write, k: torch.Tensor, out_dtype: torch.dtype):
+    """(v, k_cache, v_cache, slots) of qk_norm_rope's `write`, checked against k [B, S, h_kv, d]."""
+    v, k_cache, v_cache, slots = write
+    B, S, Hk, d = k.shape
+    if v.shape != k.shape or v.stride(-1) != 1 or v.stride(0) != S * v.stride(1) or v.device != k.device:
+        raise ValueError(f"qk_norm_rope: v must be [B, S, h_kv, d] like k {tuple(k.shape)} with unit stride, "
+                         f"got {tuple(v.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[1:] != (Hk, d) or not c.is_contiguous() or c.dtype != out_dtype or c.device != k.device:
+            raise ValueError(f"qk_norm_rope: {name} must be a contiguous [slots, {Hk}, {d}] {out_dtype} on {k.device}, "
+                             f"got {tuple(c.shape)} {c.dtype} on {c.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"qk_norm_rope: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if slots.shape != (B * S,) or slots.device != k.device or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qk_norm_rope: slots must be [{B * S}] int32/int64 on {k.device}, got {tuple(slots.shape)} "
+                         f"{slots.dtype} on {slots.device}")
+    return v, k_cache, v_cache, slots.contiguous()
+
+
+def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6),
+                 write=None):
     """qk_norm_rope_reference in one launch: q [B, S, h, d], k [B, S, h_kv, d] -> rotated contiguous
-    copies, of torch's promoted dtype of q and cos. The norm weights, when given, have q's dtype."""
+    copies, of torch's promoted dtype of q and cos. The norm weights, when given, have q's dtype.
+    `write` = (v, k_cache, v_cache, slots): the same launch also stores the rotated k and v
+    [B, S, h_kv, d] at rows `slots` [B*S] of the caches [slots, h_kv, d] (of the output dtype), as
+    the paged cache's write does with two index_copy_ launches."""
     q, k = _heads(q, "q"), _heads(k, "k")
     _check(q, k, cos, sin, q_weight, k_weight)
     B, S, Hq, d = q.shape
     Hk = k.shape[2]
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    if write is not None:
+        v, k_cache, v_cache, slots = _check_cache(write, k, out_dtype)
     qo = torch.empty(q.shape, device=q.device, dtype=out_dtype)
     ko = torch.empty(k.shape, device=q.device, dtype=out_dtype)
     if B * S == 0:
         return qo, ko
     norm = q_weight is not None
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)
+    if write is None:
+        v, k_cache, v_cache, slots = k, ko, ko, cos  # (not read: WRITE is off)
     half = d // 2
     # no fused multiply-adds: torch rounds each product before the sum
     _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half,
                                            q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                            cos.stride(1), cos.stride(0), sin.stride(1), sin.stride(0),
-                                           float(eps[0]), float(eps[1]), BLOCK_HALF=triton.next_power_of_2(half),
-                                           NORM=norm, num_warps=1, enable_fp_fusion=False)
+                                           float(eps[0]), float(eps[1]), v, v.stride(1), v.stride(2), k_cache,
+                                           v_cache, slots, k_cache.shape[0],
+                                           BLOCK_HALF=triton.next_power_of_2(half), NORM=norm,
+                                           WRITE=write is not None, num_warps=1, enable_fp_fusion=False)
     return qo, ko

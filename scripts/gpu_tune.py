@@ -1,0 +1,231 @@
+"""On the GPU machine: launch parameters of the decode-sized kernels swept at Qwen3-30B-A3B's shapes,
+each timed as a CUDA graph replays it with cold weights (copies cycled past the L2 cache).
+    python scripts/gpu_tune.py [gemv|attn|dense ...]
+Prints one line a configuration: microseconds a call (median of replays of a graph of 32 calls)."""
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from ktransformers.kernels.triton import attention as A
+from ktransformers.kernels.triton import quant_linear as Q
+from ktransformers.kernels.triton.common import SplitPlan, split_counters
+
+COPIES = 16  # 16 copies of a 4096x2048 int4 weight (6 MB each with its scales) pass the 60 MB L2
+
+
+def timed(calls) -> float:
+    """Median us a call of `calls` (a list of closures run in order) replayed from one graph."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(30):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def plan(x, N, K, bn, bk, splits, out_dtype=torch.bfloat16, bm=16):
+    k_blocks = triton.cdiv(K, bk)
+    splits = max(1, min(splits, k_blocks))
+    kps = triton.cdiv(k_blocks, splits) * bk
+    splits = triton.cdiv(K, kps)
+    grid = (triton.cdiv(x.shape[0], bm), triton.cdiv(N, bn), splits)
+    y = torch.empty(x.shape[0], N, device=x.device, dtype=out_dtype)
+    if splits == 1:
+        return SplitPlan(grid, kps, y)
+    part = torch.empty(splits, x.shape[0], N, device=x.device, dtype=torch.float32)
+    return SplitPlan(grid, kps, y, part, split_counters(x.device))
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr):
+    """One row of x: y[rn] = sum_g scale[g, rn] * (x_g . code_g[:, rn]) + offset[g, rn] * sum(x_g),
+    without tl.dot (a candidate for M = 1)."""
+    G: tl.constexpr = BLOCK_K // 32
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    acc = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    k_start = tl.program_id(2) * k_per_split
+    shifts = tl.arange(0, 8) * 4
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
+                        other=0)
+        q = ((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32)  # [BLOCK_K/8, 8, BLOCK_N]
+        q = tl.reshape(q, (G, 32, BLOCK_N))
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, 32))
+        rg = k0 // 32 + tl.arange(0, G)
+        mg = (rg * 32 < K)[:, None] & mask_n[None, :]
+        s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mg, other=0.0)
+        o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mg, other=0.0)
+        acc += s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
+    total = tl.sum(acc, axis=0)[None, :]
+    rm = tl.arange(0, 1)
+    Q.store_tile(total, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE)
+
+
+def gemv_sweep():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    for name, N, K in (("q", 4096, 2048), ("k", 512, 2048), ("o", 2048, 4096)):
+        ws = [Q.quantize_int4(torch.randn(N, K, device="cuda")) for _ in range(COPIES)]
+        xs = x[:, :K]
+        ref = Q.group_gemm(xs, ws[0])
+        base = timed([lambda w=w: Q.group_gemm(xs, w) for w in ws])
+        print(f"gemv {name} {N}x{K}: current group_gemm {base:.2f} us", flush=True)
+        best = []
+        for bn in (32, 64, 128):
+            for bk in (64, 128, 256):
+                for mult in (1, 2, 4, 8):
+                    for stages in (2, 3):
+                        for warps in (4,):
+                            tiles = triton.cdiv(N, bn)
+                            splits = max(1, mult * sms // tiles)
+                            p = plan(xs, N, K, bn, bk, splits)
+
+                            def call(w, p=p, bn=bn, bk=bk, stages=stages, warps=warps):
+                                Q._group_gemm_kernel[p.grid](
+                                    xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), 1, N, K, xs.stride(0),
+                                    p.y.stride(0), p.k_per_split, BITS=4, HAS_OFFSET=True, GROUP_SIZE=32,
+                                    BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce,
+                                    DOT_F32=False, num_warps=warps, num_stages=stages)
+                                return p.y
+                            try:
+                                err = (call(ws[0]).float() - ref.float()).abs().max().item()
+                                us = timed([lambda w=w: call(w) for w in ws])
+                            except Exception as e:  # a configuration that does not compile or fit
+                                print(f"  bn {bn} bk {bk} x{mult} st {stages} w {warps}: {type(e).__name__}")
+                                continue
+                            best.append((us, f"bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                              f"st {stages} w {warps}: {us:6.2f} us (err {err:.1e})"))
+        for bn in (32, 64, 128, 256):
+            for bk in (64, 128, 256):
+                for mult in (1, 2, 4, 8):
+                    for warps in (2, 4, 8):
+                        tiles = triton.cdiv(N, bn)
+                        p = plan(xs, N, K, bn, bk, max(1, mult * sms // tiles), bm=1)
+
+                        def call(w, p=p, bn=bn, bk=bk, warps=warps):
+                            _int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
+                                                      p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, REDUCE=p.reduce,
+                                                      num_warps=warps)
+                            return p.y
+                        try:
+                            err = (call(ws[0]).float() - ref.float()).abs().max().item()
+                            us = timed([lambda w=w: call(w) for w in ws])
+                        except Exception as e:
+                            print(f"  nodot bn {bn} bk {bk} x{mult} w {warps}: {type(e).__name__}: {str(e)[:200]}")
+                            continue
+                        best.append((us, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                          f"w {warps}: {us:6.2f} us (err {err:.1e})"))
+        best.sort()
+        for _, line in best[:16]:
+            print("  " + line, flush=True)
+
+
+def attn_sweep():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    Hq, Hkv, d = 32, 4, 128
+    for L in (512, 2048, 8192):
+        S = L * COPIES
+        k = torch.randn(S, Hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(S, Hkv, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, Hq, d, device="cuda", dtype=torch.bfloat16)
+        slot_sets = [torch.arange(c * L, (c + 1) * L, device="cuda", dtype=torch.int32)[None] for c in range(COPIES)]
+        lens = torch.tensor([L], device="cuda", dtype=torch.int32)
+        ref = A.decode_attention(q, k, v, slot_sets[0], lens, 0.088, out_dtype=torch.bfloat16)
+        base = timed([lambda s=s: A.decode_attention(q, k, v, s, lens, 0.088, out_dtype=torch.bfloat16)
+                      for s in slot_sets])
+        print(f"attn L={L}: current {base:.2f} us", flush=True)
+        best = []
+        for bt in (16, 32, 64):
+            for bh in (8, 16):
+                for blocks in (1, 2, 4, 8):
+                    for warps in (4, 8):
+                        for stages in (1, 2):
+                            programs = Hkv * triton.cdiv(Hq // Hkv, bh)
+                            splits = max(1, min(triton.cdiv(L, blocks * bt), triton.cdiv(4 * sms, programs)))
+                            tps = triton.cdiv(triton.cdiv(L, splits), bt) * bt
+                            splits = triton.cdiv(L, tps)
+
+                            def call(s, bt=bt, bh=bh, splits=splits, tps=tps, warps=warps, stages=stages):
+                                acc = torch.empty(1, Hq, splits, d, device="cuda", dtype=torch.float32)
+                                lse = torch.empty(1, Hq, splits, device="cuda", dtype=torch.float32)
+                                A._decode_kernel[(1, Hkv * triton.cdiv(Hq // Hkv, bh), splits)](
+                                    q, q, k, k, v, s, lens, acc, lse, q.stride(0), q.stride(1), q.stride(0), q.stride(1),
+                                    k.stride(0), k.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                    s.stride(0), Hq, Hq // Hkv, d, 1, d, 0.088, 0, tps, splits, BLOCK_H=bh, BLOCK_T=bt,
+                                    BLOCK_D1=d, BLOCK_D2=16, BLOCK_DV=d, HAS_K2=False, V_IS_K1=False, DOT_F32=False,
+                                    num_warps=warps, num_stages=stages)
+                                out = torch.empty(1, Hq, d, device="cuda", dtype=torch.bfloat16)
+                                A._merge_splits_kernel[(Hq,)](acc, lse, out, splits, d, BLOCK_S=A._pow2(splits, 2),
+                                                              CHUNK_S=8, BLOCK_DV=d, num_warps=4)
+                                return out
+                            try:
+                                err = (call(slot_sets[0]).float() - ref.float()).abs().max().item()
+                                us = timed([lambda s=s: call(s) for s in slot_sets])
+                            except Exception as e:
+                                print(f"  bt {bt} bh {bh} blocks {blocks} w {warps} st {stages}: {type(e).__name__}")
+                                continue
+                            best.append((us, f"bt {bt:2d} bh {bh:2d} splits {splits:3d} w {warps} st {stages}: "
+                                              f"{us:6.2f} us (err {err:.1e})"))
+        best.sort()
+        for _, line in best[:10]:
+            print("  " + line, flush=True)
+
+
+def dense_sweep():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    for name, N, dtype in (("router", 128, torch.float32), ("v", 512, torch.bfloat16)):
+        ws = [torch.randn(N, 2048, device="cuda", dtype=dtype) for _ in range(COPIES * 4)]
+        ref = x.float() @ ws[0].float().T
+        base = timed([lambda w=w: Q.dense_gemv(x, w, torch.bfloat16) for w in ws])
+        cublas = timed([lambda w=w: x @ w.to(x.dtype).T for w in ws]) if dtype == torch.bfloat16 else float("nan")
+        print(f"dense {name} {N}x2048 {dtype}: current dense_gemv {base:.2f} us, cuBLAS {cublas:.2f} us", flush=True)
+        best = []
+        for bn in (8, 16, 32):
+            for bk in (256, 512, 1024):
+                for mult in (1, 2, 4, 8):
+                    for warps in (2, 4):
+                        tiles = triton.cdiv(N, bn)
+                        p = plan(x, N, 2048, bn, bk, max(1, mult * sms // tiles), bm=1)
+
+                        def call(w, p=p, bn=bn, bk=bk, warps=warps):
+                            Q._dense_gemv_kernel[p.grid](x, w, p.y, *p.scratch(), 1, N, 2048, x.stride(0), w.stride(0),
+                                                         p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
+                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
+                            return p.y
+                        try:
+                            err = (call(ws[0]).float() - ref).abs().max().item()
+                            us = timed([lambda w=w: call(w) for w in ws])
+                        except Exception as e:
+                            print(f"  bn {bn} bk {bk} x{mult} w {warps}: {type(e).__name__}")
+                            continue
+                        best.append((us, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                          f"w {warps}: {us:6.2f} us (err {err:.1e})"))
+        best.sort()
+        for _, line in best[:10]:
+            print("  " + line, flush=True)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["gemv", "attn", "dense"]
+    for part in which:
+        {"gemv": gemv_sweep, "attn": attn_sweep, "dense": dense_sweep}[part]()
