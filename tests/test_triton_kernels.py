@@ -373,3 +373,30 @@ def test_int4_gemv_one_row(dev, N, K, monkeypatch):
     assert len(calls) == 1
     ref = x.double() @ w.dequantize().cpu().double().T
     assert rel_err(y.cpu().double(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
+                                    ((96, 160), (40, 160), (8, 160))])
+def test_gemv_many(dev, shapes):
+    """q, k and v of one token in one launch: int4 and dense bf16 weights mixed, K split or not,
+    each output as its own projection's (float32 sums rounded once), counters back at 0."""
+    from ktransformers.kernels.triton import common
+    from ktransformers.kernels.triton import quant_linear as ql
+    g = gen(sum(n for n, _ in shapes))
+    K = shapes[0][1]
+    dense = [torch.randn(N, K, generator=g) for N, _ in shapes]
+    weights = [ql.quantize_int4(d).to(dev) if i != 2 else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
+    x = torch.randn(1, K, generator=g).to(torch.bfloat16)
+    ys = ql.gemv_many(x.to(dev), weights, torch.float32)
+    assert ys is not None and len(ys) == len(shapes)
+    for i, (y, w) in enumerate(zip(ys, weights)):
+        ref_w = w.dequantize().cpu() if isinstance(w, ql.GroupQuantWeight) else w.float().cpu()
+        ref = x.float() @ ref_w.T
+        assert y.shape == ref.shape and rel_err(y.cpu(), ref) < 1e-5, f"weight {i}"
+    bf16 = ql.gemv_many(x.to(dev), weights, torch.bfloat16)
+    assert all(torch.equal(b, y.to(torch.bfloat16)) for b, y in zip(bf16, ys))
+    assert int(common.split_counters(x.to(dev).device).abs().sum()) == 0
+    # what the launch does not take: two rows, int8 codes, a weight of another K
+    assert ql.gemv_many(torch.randn(2, K).to(dev), weights, torch.float32) is None
+    assert ql.gemv_many(x.to(dev), [weights[0], ql.quantize_int8(dense[1]).to(dev)], torch.float32) is None
+    assert ql.gemv_many(x.to(dev), [weights[0], torch.randn(8, K + 32).to(dev)], torch.float32) is None

@@ -290,9 +290,10 @@ class KGQAAttention(_CachedAttention):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         B, S, _ = hidden_states.shape
         d = self.head_dim
-        q = self.q_proj(hidden_states).view(B, S, -1, d)
-        k = self.k_proj(hidden_states).view(B, S, -1, d)
-        v = self.v_proj(hidden_states).view(B, S, -1, d)
+        qkv = self._project_one(hidden_states) if B * S == 1 else None
+        if qkv is None:
+            qkv = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = (t.view(B, S, -1, d) for t in qkv)
         cos, sin = position_embeddings
         batch = self.context.batch if self.context is not None else None
         one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
@@ -310,6 +311,24 @@ class KGQAAttention(_CachedAttention):
         k = k.reshape(B * S, -1, d).to(dev)
         out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S, written)  # [T, h, d]
         return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
+
+    def _project_one(self, hidden_states: torch.Tensor):
+        """q, k and v of one token in one launch (quant_linear.gemv_many) where all three are GPU
+        linears without biases whose weights it takes (int4, or dense fallbacks, on one device);
+        else None."""
+        from .linear import KTransformersLinear, _TritonLinear
+        ops = []
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            op = proj.ops[proj.phase] if isinstance(proj, KTransformersLinear) else None
+            if not isinstance(op, _TritonLinear) or op.bias is not None or op.weight is None:
+                return None
+            ops.append(op)
+        dtype, device = ops[0].dtype, ops[0].device
+        if any(op.dtype != dtype or op.device != device for op in ops) or hidden_states.device != device:
+            return None
+        from ..kernels.triton.quant_linear import gemv_many
+        ys = gemv_many(hidden_states.reshape(1, -1), [op.weight for op in ops], dtype)
+        return None if ys is None else [y.view(*hidden_states.shape[:-1], -1) for y in ys]
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per-head RMSNorms of q and k [B, S, heads, d], where the model has them."""

@@ -65,7 +65,7 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
+def split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
                 per_sm: int = 2, min_blocks: int = 2):
     """(grid, k_per_split) of a GEMM over x [M, K] -> [M, N]: with few rows, K is split across
     programs until there are about `per_sm` programs an SM, each with >= `min_blocks` K blocks."""
@@ -83,7 +83,7 @@ def _split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLO
 def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, out_dtype: torch.dtype):
     """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows, K is split across programs until
     the GPU is busy (float32 atomics into a zeroed output). Returns (grid, k_per_split, atomic, y)."""
-    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    grid, k_per_split = split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
     M, atomic = x.shape[0], grid[2] > 1
     y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
          else torch.empty(M, N, device=x.device, dtype=out_dtype))
@@ -138,7 +138,7 @@ def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BL
                  out_dtype: torch.dtype, per_sm: int = 2, min_blocks: int = 2) -> SplitPlan:
     """split_k's plan, reducing a split K in the launch itself where the counters allow (no
     zeroed buffer then: its memset is a launch of its own)."""
-    grid, k_per_split = _split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, per_sm, min_blocks)
+    grid, k_per_split = split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, per_sm, min_blocks)
     M = x.shape[0]
     counters = split_counters(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None
     if grid[2] > 1 and counters is None:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import DENSE_ROWS, dot_f32, plan_split_k, sm_count
+from .common import DENSE_ROWS, MAX_SPLIT_TILES, dot_f32, plan_split_k, sm_count, split_counters, split_grid
 from .norm_rope import round_to
 
 GROUP = 32
@@ -166,18 +166,16 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
-    """One row of x against int4 weights without tl.dot, all in float32: per group g of 32 values
-        y[n] += scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
-    (program_id 1: BLOCK_N columns, 2: the K split; the groups' terms are summed once at the end)."""
+def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """float32 [BLOCK_N]: one row of x times int4 weight columns rn over [k_start, k_start +
+    k_per_split), without tl.dot: per group g of 32 values
+        scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
+    (the groups' terms kept apart and summed once at the end)."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     acc = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     shifts = tl.arange(0, 8) * 4
-    k_start = tl.program_id(2) * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
@@ -190,7 +188,66 @@ def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, 
         s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
         o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
         acc += s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
-    store_tile(tl.sum(acc, axis=0)[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _dense_split_sum(x_ptr, w_ptr, rn, N, K, k_start, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: one row of x times rows rn of a row-major float W [N, K] over the split."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
+    """One row of x against int4 weights in float32 (program_id 1: BLOCK_N columns, 2: the K split)."""
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
+                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE)
+
+
+@triton.jit
+def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, tile, k_per_split,
+                  INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  REDUCE: tl.constexpr):
+    """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
+    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_per_split
+    if INT4:
+        acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
+                              GROUP_SIZE)
+    else:
+        acc = _dense_split_sum(x_ptr, w_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K)
+    store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, False, REDUCE)
+
+
+@triton.jit
+def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
+                      w0, s0, o0, y0, p0, N0, w1, s1, o1, y1, p1, N1, w2, s2, o2, y2, p2, N2,
+                      INT4_0: tl.constexpr, INT4_1: tl.constexpr, INT4_2: tl.constexpr, BN0: tl.constexpr,
+                      BN1: tl.constexpr, BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      REDUCE: tl.constexpr):
+    """Two or three GEMVs of one row in one launch: program_id(1) < T0 are weight 0's tiles, the
+    next T1 weight 1's, the rest weight 2's."""
+    t = tl.program_id(1)
+    if t < T0:
+        _gemv_segment(x_ptr, w0, s0, o0, y0, p0, count_ptr, N0, K, t, k_per_split, INT4_0, BN0, BLOCK_K,
+                      GROUP_SIZE, REDUCE)
+    elif t < T0 + T1:
+        _gemv_segment(x_ptr, w1, s1, o1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, INT4_1, BN1, BLOCK_K,
+                      GROUP_SIZE, REDUCE)
+    else:
+        _gemv_segment(x_ptr, w2, s2, o2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, INT4_2, BN2, BLOCK_K,
+                      GROUP_SIZE, REDUCE)
 
 
 @triton.jit
@@ -343,12 +400,68 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, offset: torch.Tensor, out_d
     7.7 / 4.7 / 8.3 us a call against 8.7 / 5.4 / 9.4 for the tl.dot GEMM's 16-row tiles
     (scripts/gpu_tune.py gemv, cold weights)."""
     K, N = w.in_features, w.out_features
-    BLOCK_N, BLOCK_K = 64, 256 if K % 256 == 0 else (128 if K % 128 == 0 else (64 if K % 64 == 0 else 32))
+    BLOCK_N, BLOCK_K = 64, _gemv_block_k(K)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
                                  REDUCE=plan.reduce, num_warps=2)
     return plan.y.to(out_dtype) if plan.atomic else plan.y
+
+
+def _gemv_block_k(K: int) -> int:
+    return 256 if K % 256 == 0 else (128 if K % 128 == 0 else (64 if K % 64 == 0 else 32))
+
+
+def _many_operand(w, x: torch.Tensor):
+    """(INT4, BLOCK_N, weight, scale, offset, N) of one gemv_many weight, or None where the launch
+    does not take it (int8 codes, no offset, another K or device, a non-row-major dense weight)."""
+    K = x.shape[1]
+    if isinstance(w, GroupQuantWeight):
+        if w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device:
+            return None
+        return True, 64, w.codes, w.scale, w.offset, w.out_features
+    if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
+            and w.device == x.device and w.dtype.is_floating_point):
+        return False, 32, w, w, w, w.shape[0]
+    return None
+
+
+def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """[x Wᵢᵀ for each weight] in one launch, for one row x [1, K] and two or three weights (int4
+    GroupQuantWeights with offsets, or dense row-major [N, K] tensors: a layer's q, k and v
+    projections), each rounded once to out_dtype; None where the launch does not apply (the
+    caller runs the projections one by one). Launched alone, k and v cost nearly what q does
+    (latency, not bytes): together they add little to q's time."""
+    if x.dim() != 2 or x.shape[0] != 1 or not 2 <= len(weights) <= 3:
+        return None
+    ops = [_many_operand(w, x) for w in weights]
+    counters = split_counters(x.device)
+    if None in ops or counters is None:
+        return None
+    x = x.contiguous()
+    K = x.shape[1]
+    tiles = [triton.cdiv(op[5], op[1]) for op in ops]
+    if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
+        return None
+    BLOCK_K = _gemv_block_k(K)
+    # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
+    widest = max(range(len(ops)), key=lambda i: tiles[i])
+    grid, k_per_split = split_grid(x, ops[widest][5], K, 1, ops[widest][1], BLOCK_K, per_sm=4, min_blocks=1)
+    splits = grid[2]
+    ys = [torch.empty(1, op[5], device=x.device, dtype=out_dtype) for op in ops]
+    parts = [torch.empty(splits, 1, op[5], device=x.device, dtype=torch.float32) if splits > 1 else y
+             for op, y in zip(ops, ys)]
+    segs = list(zip(ops, ys, parts))
+    if len(segs) == 2:
+        segs.append(segs[1])  # (never reached: the grid holds two weights' tiles)
+    args = []
+    for (_, _, w, sc, off, N), y, part in segs:
+        args += [w, sc, off, y, part, N]
+    _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
+                                               INT4_0=segs[0][0][0], INT4_1=segs[1][0][0], INT4_2=segs[2][0][0],
+                                               BN0=segs[0][0][1], BN1=segs[1][0][1], BN2=segs[2][0][1],
+                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2)
+    return ys
 
 
 def group_gemm_reference(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
