@@ -323,10 +323,10 @@ class KGQAAttention(_CachedAttention):
             if not isinstance(op, _TritonLinear) or op.bias is not None or op.weight is None:
                 return None
             ops.append(op)
-        dtype, device = ops[0].dtype, ops[0].device
-        if any(op.dtype != dtype or op.device != device for op in ops) or hidden_states.device != device:
+        dtype = ops[0].dtype
+        if any(op.dtype != dtype for op in ops):
             return None
-        from ..kernels.triton.quant_linear import gemv_many
+        from ..kernels.triton.quant_linear import gemv_many  # (it checks the weights' devices against x's)
         ys = gemv_many(hidden_states.reshape(1, -1), [op.weight for op in ops], dtype)
         return None if ys is None else [y.view(*hidden_states.shape[:-1], -1) for y in ys]
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_f32, sm_count
+from .common import MAX_SPLIT_TILES, dot_f32, sm_count, split_counters
 from .norm_rope import round_to
 
 
@@ -47,11 +47,12 @@ def _online_softmax(scores, v, m, l, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, lse_ptr,
+def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, lse_ptr, out_ptr, count_ptr,
                    s_q1b, s_q1h, s_q2b, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_slb,
                    Hq, group, D1, D2, DV, scale, window, tokens_per_split, num_splits,
                    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr,
+                   MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     blocks_per_kv = tl.cdiv(group, BLOCK_H)
     kvh = tl.program_id(1) // blocks_per_kv
@@ -105,6 +106,43 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
              round_to(out, acc_ptr.dtype.element_ty).to(acc_ptr.dtype.element_ty),
              mask=hmask[:, None] & (dv < DV)[None, :])
     tl.store(lse_ptr + base, lse, mask=hmask)
+    if MERGE:  # the last split of these heads to arrive merges them all (its counter back to 0)
+        tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
+        counter = count_ptr + b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            rows = b * Hq + heads
+            _merge_rows(acc_ptr, lse_ptr, out_ptr, rows, hmask, num_splits, DV, BLOCK_S, 8, BLOCK_DV)
+            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_rows(acc_ptr, lse_ptr, out_ptr, rows, rmask, splits, DV, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    """out[r] = Σ_s exp(lse_s - logsumexp(lse)) acc[r, s] for rows r (sequence x head, [R]): the
+    splits' normalised partial outputs weighed by their share of the softmax (empty splits, -inf,
+    weigh 0; a split is never empty for every row: lens >= 1). The partial outputs are read
+    CHUNK_S splits at a time (a whole [splits, DV] tile a row would not fit in registers)."""
+    rows = rows.to(tl.int64)
+    rs = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_ptr + rows[:, None] * splits + rs[None, :], mask=rmask[:, None] & (rs < splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # (rows outside rmask: nothing to weigh)
+    total = tl.sum(tl.exp(lse - top[:, None]), 1)
+    total = tl.where(total > 0, total, 1.0)
+    dv = tl.arange(0, BLOCK_DV)
+    out = tl.zeros((rows.shape[0], BLOCK_DV), tl.float32)
+    for s0 in range(0, splits, CHUNK_S):
+        cs = s0 + tl.arange(0, CHUNK_S)
+        cm = rmask[:, None] & (cs < splits)[None, :]
+        w = tl.exp(tl.load(lse_ptr + rows[:, None] * splits + cs[None, :], mask=cm, other=float("-inf"),
+                           cache_modifier=".cg") - top[:, None]) / total[:, None]
+        idx = (rows[:, None] * splits + cs[None, :]) * DV
+        acc = tl.load(acc_ptr + idx[:, :, None] + dv[None, None, :], mask=cm[:, :, None] & (dv < DV)[None, None, :],
+                      other=0.0, cache_modifier=".cg")
+        out += tl.sum(acc * w[:, :, None], 1)
+    tl.store(out_ptr + rows[:, None] * DV + dv[None, :], round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (dv < DV)[None, :])
 
 
 def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
@@ -147,16 +185,21 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
     v_ = k1 if v is None else v
     grid = (B, Hkv * triton.cdiv(group, BLOCK_H), splits)
-    _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, acc, lse,
+    # narrow rows (GQA) merge in the launch, by the last split of each head block to arrive
+    counters = split_counters(q1.device) if splits > 1 and DV <= 128 and B * grid[1] <= MAX_SPLIT_TILES else None
+    out = torch.empty(B, Hq, DV, device=q1.device, dtype=out_dtype) if splits > 1 else acc
+    _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, acc, lse, out, counters if counters is not None else lse,
                          q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1.stride(1),
                          k2_.stride(0), k2_.stride(1), v_.stride(0), v_.stride(1), slots.stride(0),
                          Hq, group, D1, D2, DV, float(scale), int(window or 0), tokens_per_split, splits,
                          BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
-                         HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(),
-                         num_warps=8 if max(D1, DV) >= 256 else 4, num_stages=2 if q1.device.type == "cuda" else 1)
+                         HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(), MERGE=counters is not None,
+                         BLOCK_S=_pow2(splits, 2), num_warps=8 if max(D1, DV) >= 256 else 4,
+                         num_stages=2 if q1.device.type == "cuda" else 1)
     if splits == 1:
         return acc[:, :, 0]
-    out = torch.empty(B, Hq, DV, device=q1.device, dtype=out_dtype)
+    if counters is not None:
+        return out
     _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), CHUNK_S=8,
                                     BLOCK_DV=_pow2(DV), num_warps=4)
     return out
@@ -165,26 +208,9 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
 @triton.jit
 def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
                          BLOCK_DV: tl.constexpr):
-    """out[row] = Σ_s exp(lse_s - logsumexp(lse)) acc[row, s] for one (sequence, head) row: the
-    splits' normalised partial outputs weighed by their share of the softmax (empty splits, -inf,
-    weigh 0; a split is never empty for every row: lens >= 1). The partial outputs are read
-    CHUNK_S splits at a time (a whole [splits, DV] tile would not fit in registers)."""
-    row = tl.program_id(0).to(tl.int64)
-    rs = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + row * splits + rs, mask=rs < splits, other=float("-inf"))
-    top = tl.max(lse, 0)
-    total = tl.sum(tl.exp(lse - top), 0)
-    dv = tl.arange(0, BLOCK_DV)
-    out = tl.zeros((BLOCK_DV,), tl.float32)
-    for s0 in range(0, splits, CHUNK_S):
-        cs = s0 + tl.arange(0, CHUNK_S)
-        cm = cs < splits
-        w = tl.exp(tl.load(lse_ptr + row * splits + cs, mask=cm, other=float("-inf")) - top) / total
-        acc = tl.load(acc_ptr + (row * splits + cs[:, None]) * DV + dv[None, :], mask=cm[:, None] & (dv < DV)[None, :],
-                      other=0.0)
-        out += tl.sum(acc * w[:, None], 0)
-    tl.store(out_ptr + row * DV + dv, round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=dv < DV)
+    """_merge_rows for one (sequence, head) row a program (wide rows: MLA's latent)."""
+    row = tl.program_id(0) + tl.arange(0, 1)
+    _merge_rows(acc_ptr, lse_ptr, out_ptr, row, row >= 0, splits, DV, BLOCK_S, CHUNK_S, BLOCK_DV)
 
 
 @triton.jit
