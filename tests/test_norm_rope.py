@@ -131,6 +131,34 @@ def test_softmax_topk(dev, T):
     assert torch.equal(probs.gather(1, index.cpu()), probs.gather(1, ref_i))
 
 
+@pytest.mark.parametrize("T,E,K,H", [(1, 128, 8, 2048), (3, 60, 4, 512), (4, 8, 2, 256), (1, 256, 8, 7168)])
+def test_router_topk(dev, T, E, K, H, monkeypatch):
+    """The router's GEMV and its top-k epilogue in one launch: the same logits as dense_gemv (the
+    K split reduced in the launch, or not split where one SM is all there is), the same routing
+    as softmax_topk on them, and the tile counters back at 0."""
+    from ktransformers.kernels.triton import common, quant_linear
+    from ktransformers.kernels.triton.quant_linear import dense_gemv, gemv_plan
+    from ktransformers.kernels.triton.router import router_topk, softmax_topk
+    g = gen(T * E + H)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    w = (torch.randn(E, H, generator=g) * 0.05).to(dev)
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(common, "sm_count", lambda device: 1)
+            monkeypatch.setattr(quant_linear, "sm_count", lambda device: 1)
+        if E == 128:  # both launches covered: split on the GPU or the interpreter's 4 SMs, not on 1
+            assert gemv_plan(x, E, torch.float32)[3].reduce == split
+        for logits_dtype, weights_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
+            norm = E != 8
+            logits, weights, index = router_topk(x, w, K, norm, logits_dtype, weights_dtype)
+            want = dense_gemv(x, w, logits_dtype)
+            assert logits.dtype == logits_dtype and torch.equal(logits, want)
+            ref_w, ref_i = softmax_topk(want, K, norm, weights_dtype)
+            assert torch.equal(index, ref_i) and torch.equal(weights, ref_w)
+        assert int(common.split_counters(x.device).abs().sum()) == 0
+    assert router_topk(torch.randn(5, H).to(dev), w, K, True, torch.float32, torch.float32) is None
+
+
 def test_softmax_topk_nan_logits_stay_in_range(dev):
     """A NaN logit (a broken model or input) gives NaN weights, never an expert id outside [0, E):
     a graph-replayed decode step does not check the ids before the experts index with them."""

@@ -136,6 +136,11 @@ class KMoEGateSoftmax(_Router):
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
+        if self.triton_route is not None and self.gemv is not None and x.shape[0] <= self.gemv_rows:
+            from ..kernels.triton.router import router_topk  # logits and routing in one launch
+            routed = router_topk(x, self.weight, self.top_k, self.norm, x.dtype, x.dtype if self.cast_back else torch.float32)
+            if routed is not None:
+                return routed
         logits = self.logits(x, x.dtype)
         if self.triton_route is not None and logits.shape[0] <= TRITON_ROUTE_TOKENS:
             out_dtype = logits.dtype if self.cast_back else torch.float32

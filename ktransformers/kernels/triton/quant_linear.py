@@ -268,18 +268,21 @@ def store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC:
 @triton.jit
 def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr):
     """This split's partial tile to part_ptr [splits, M, N]; the tile's last program to arrive adds
-    all of them in split order, writes `out` and sets the tile's counter back to 0."""
+    all of them in split order, writes `out` and sets the tile's counter back to 0. Returns
+    whether this program was that one."""
     parts = part_ptr + rm[:, None] * N + rn[None, :]
     tl.store(parts + tl.program_id(2) * M * N, acc, mask=mask)
     tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
     counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     splits = tl.num_programs(2)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+    if last:
         total = tl.zeros(acc.shape, dtype=tl.float32)
         for s in range(0, splits):
             total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(out, round_to(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
         tl.atomic_xchg(counter, 0)
+    return last
 
 
 @triton.jit
@@ -289,10 +292,18 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows over its K split, in
     float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
     rm = tl.arange(0, BLOCK_M)
+    acc = _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, tl.program_id(2) * k_per_split,
+                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+
+
+@triton.jit
+def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_per_split, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start + k_per_split)."""
+    mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(2) * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
@@ -300,7 +311,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+    return acc
 
 
 def gemv_plan(x: torch.Tensor, N: int, out_dtype: torch.dtype):

@@ -10,18 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import MAX_SPLIT_TILES, split_counters
 from .norm_rope import round_to
+from .quant_linear import GEMV_ROWS, _dense_rows, gemv_plan, split_reduce
 
 MAX_EXPERTS, MAX_K = 1024, 32
 
 
 @triton.jit
-def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    valid = e < E
-    x = tl.load(logits_ptr + t * s_l + e, mask=valid, other=float("-inf")).to(tl.float32)
+def _route_row(x, e, valid, w_ptr, idx_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr):
+    """One token's float32 logits x [BLOCK_E] (valid: e < E) -> its top-K softmax weights and
+    expert ids at w_ptr / idx_ptr [K]."""
+    x = tl.where(valid, x, float("-inf"))
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, 0)
@@ -39,8 +40,48 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
     if NORM:
         weights = weights / tl.sum(weights, 0)  # slots past K hold 0
     out = kk < K
-    tl.store(w_ptr + t * K + kk, round_to(weights, w_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty), mask=out)
-    tl.store(idx_ptr + t * K + kk, index.to(tl.int64), mask=out)
+    tl.store(w_ptr + kk, round_to(weights, w_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty), mask=out)
+    tl.store(idx_ptr + kk, index.to(tl.int64), mask=out)
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    x = tl.load(logits_ptr + t * s_l + e, mask=valid, other=float("-inf")).to(tl.float32)
+    _route_row(x, e, valid, w_ptr + t * K, idx_ptr + t * K, K, BLOCK_E, BLOCK_K, NORM)
+
+
+@triton.jit
+def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, M, E, H, stride_xm, k_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
+                   K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """Router logits y [M, E] = x [M, H] Gᵀ (quant_linear's dense GEMV: program_id 1 a tile of
+    BLOCK_N experts, 2 a split of H added in the launch), then, by the program that completes
+    the last tile (a counter past the tiles' own), every token's top-K routing from y."""
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    acc = _dense_rows(x_ptr, g_ptr, rm, rn, M, E, H, stride_xm, H, tl.program_id(2) * k_per_split, k_per_split,
+                      BLOCK_M, BLOCK_N, BLOCK_H)
+    mask = (rm < M)[:, None] & (rn < E)[None, :]
+    out = y_ptr + rm[:, None] * E + rn[None, :]
+    tiles = tl.num_programs(1)
+    if REDUCE:
+        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty)
+    else:
+        tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
+        complete = True
+    if complete:
+        tl.debug_barrier()  # the tile's stores issued before the (release) arrival below
+        if tl.atomic_add(count_ptr + tiles, 1, sem="acq_rel") == tiles - 1:
+            e = tl.arange(0, BLOCK_E)
+            valid = e < E
+            for m in range(0, M):
+                x = tl.load(y_ptr + m * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+                _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E, BLOCK_K, NORM)
+            tl.atomic_xchg(count_ptr + tiles, 0)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
@@ -62,3 +103,31 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
                                    BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm),
                                    num_warps=4 if block_e >= 512 else 1)
     return weights, index
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, logits_dtype: torch.dtype,
+                weights_dtype: torch.dtype):
+    """(logits, weights, index) of a softmax top-k router in one launch for up to GEMV_ROWS tokens:
+    logits [T, E] = x [T, H] weightᵀ (float32 sums rounded to logits_dtype, as dense_gemv), then
+    softmax_topk on those rounded logits (weights rounded to weights_dtype). None where it does
+    not apply (more tokens, experts or picks than the kernels take, no tile counters now)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"router_topk: x [T, H] and a row-major weight [E, H], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    T, E = x.shape[0], weight.shape[0]
+    if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
+        return None
+    x = x.contiguous()
+    block_m, block_n, block_h, plan = gemv_plan(x, E, logits_dtype)
+    counters = split_counters(x.device)
+    if plan.atomic or counters is None or plan.grid[1] + 1 > MAX_SPLIT_TILES:
+        return None
+    weights = torch.empty(T, top_k, device=x.device, dtype=weights_dtype)
+    index = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
+    part = plan.partials if plan.reduce else plan.y
+    block_e = max(16, triton.next_power_of_2(E))
+    _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
+                              plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
+                              REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
+                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4)
+    return plan.y, weights, index
