@@ -154,7 +154,9 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
             want = dense_gemv(x, w, logits_dtype)
             assert logits.dtype == logits_dtype and torch.equal(logits, want)
             ref_w, ref_i = softmax_topk(want, K, norm, weights_dtype)
-            assert torch.equal(index, ref_i) and torch.equal(weights, ref_w)
+            # the same formula; a GPU build may sum a softmax's terms across warps in another order
+            assert torch.equal(index, ref_i) and weights.dtype == weights_dtype
+            assert rel_max(weights, ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -8)
         assert int(common.split_counters(x.device).abs().sum()) == 0
     assert router_topk(torch.randn(5, H).to(dev), w, K, True, torch.float32, torch.float32) is None
 

@@ -129,5 +129,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
-                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4)
+                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm),
+                              num_warps=4 if block_e >= 512 else 2)  # (the routing's reductions cross warps)
     return plan.y, weights, index
