@@ -7,7 +7,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 from ktransformers.kernels.triton import attention as A
 from ktransformers.kernels.triton import quant_linear as Q
@@ -51,35 +50,6 @@ def plan(x, N, K, bn, bk, splits, out_dtype=torch.bfloat16, bm=16):
     return SplitPlan(grid, kps, y, part, split_counters(x.device))
 
 
-@triton.jit
-def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr):
-    """One row of x: y[rn] = sum_g scale[g, rn] * (x_g . code_g[:, rn]) + offset[g, rn] * sum(x_g),
-    without tl.dot (a candidate for M = 1)."""
-    G: tl.constexpr = BLOCK_K // 32
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    acc = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(2) * k_per_split
-    shifts = tl.arange(0, 8) * 4
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
-                        other=0)
-        q = ((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32)  # [BLOCK_K/8, 8, BLOCK_N]
-        q = tl.reshape(q, (G, 32, BLOCK_N))
-        rk = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, 32))
-        rg = k0 // 32 + tl.arange(0, G)
-        mg = (rg * 32 < K)[:, None] & mask_n[None, :]
-        s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mg, other=0.0)
-        o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mg, other=0.0)
-        acc += s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
-    total = tl.sum(acc, axis=0)[None, :]
-    rm = tl.arange(0, 1)
-    Q.store_tile(total, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE)
-
-
 def gemv_sweep():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +73,7 @@ def gemv_sweep():
                                 Q._group_gemm_kernel[p.grid](
                                     xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), 1, N, K, xs.stride(0),
                                     p.y.stride(0), p.k_per_split, BITS=4, HAS_OFFSET=True, GROUP_SIZE=32,
-                                    BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce,
+                                    BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce_block,
                                     DOT_F32=False, num_warps=warps, num_stages=stages)
                                 return p.y
                             try:
@@ -122,9 +92,9 @@ def gemv_sweep():
                         p = plan(xs, N, K, bn, bk, max(1, mult * sms // tiles), bm=1)
 
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
-                            _int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
-                                                      p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, REDUCE=p.reduce,
-                                                      num_warps=warps)
+                            Q._int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
+                                                        p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE=32,
+                                                        ATOMIC=False, REDUCE=p.reduce_block, num_warps=warps)
                             return p.y
                         try:
                             err = (call(ws[0]).float() - ref.float()).abs().max().item()
@@ -210,7 +180,7 @@ def dense_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._dense_gemv_kernel[p.grid](x, w, p.y, *p.scratch(), 1, N, 2048, x.stride(0), w.stride(0),
                                                          p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
-                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
+                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce_block, num_warps=warps)
                             return p.y
                         try:
                             err = (call(ws[0]).float() - ref).abs().max().item()
