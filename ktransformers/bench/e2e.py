@@ -119,12 +119,14 @@ def measure_ours(args, config) -> dict:
         decode.append((args.decode - 1) / (time.perf_counter() - t0))
         if bell is not None:
             served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
-            split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3))
+            split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3,
+                          (busy + between) / (args.decode - 1) / 1e3))
         engine.release(seq)
     out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
     if split:
         out["cpu_call_us"] = statistics.median(s[0] for s in split)
         out["between_us"] = statistics.median(s[1] for s in split)
+        out["layers_us"] = statistics.median(s[2] for s in split)  # a step's calls and the gaps between them
     return out
 
 
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
                               "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),
+                              "rest_of_step_us": (1e6 / r["decode"] - r["layers_us"]
+                                                  if r.get("layers_us") and r["decode"] else None),
                               "extrapolated": extra if r["engine"] == "ktransformers" else None}))
         return
     print(head)
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     if "cpu_call_us" in ours:
         print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
               f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
+        print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
+              f"MoE layer's call and after the last, the step's sync and Python)")
     if extra:
         print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
               f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")
