@@ -73,7 +73,7 @@ def gemv_sweep():
                                 Q._group_gemm_kernel[p.grid](
                                     xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), 1, N, K, xs.stride(0),
                                     p.y.stride(0), p.k_per_split, BITS=4, HAS_OFFSET=True, GROUP_SIZE=32,
-                                    BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce_block,
+                                    BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce,
                                     DOT_F32=False, num_warps=warps, num_stages=stages)
                                 return p.y
                             try:
@@ -94,7 +94,7 @@ def gemv_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
                                                         p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE=32,
-                                                        ATOMIC=False, REDUCE=p.reduce_block, num_warps=warps)
+                                                        ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
                             return p.y
                         try:
                             err = (call(ws[0]).float() - ref.float()).abs().max().item()
@@ -180,7 +180,7 @@ def dense_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._dense_gemv_kernel[p.grid](x, w, p.y, *p.scratch(), 1, N, 2048, x.stride(0), w.stride(0),
                                                          p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
-                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce_block, num_warps=warps)
+                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
                             return p.y
                         try:
                             err = (call(ws[0]).float() - ref).abs().max().item()

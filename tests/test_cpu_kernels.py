@@ -502,9 +502,9 @@ def test_runtime_copy_moves_every_byte():
 
 
 def test_weight_buffers_ask_for_huge_pages(monkeypatch):
-    """Repacked weights live in buffers advised for transparent huge pages: the 2 MiB-aligned
-    interior of a buffer is advised (0 bytes for one too small to hold a huge page, or a null
-    address), and KT_HUGEPAGES=0 leaves buffers as torch allocates them."""
+    """With KT_HUGEPAGES=1 repacked weights live in buffers advised for transparent huge pages:
+    the 2 MiB-aligned interior of a buffer is advised (0 bytes for one too small to hold a huge
+    page, or a null address); by default buffers stay as torch allocates them."""
     from ktransformers.kernels.cpu import hugepages_enabled, weight_buffer
     monkeypatch.delenv("KT_HUGEPAGES", raising=False)
     rt = CPURuntime(threads=1)
@@ -517,8 +517,8 @@ def test_weight_buffers_ask_for_huge_pages(monkeypatch):
         assert advised >= 2 << 20 and advised % (2 << 20) == 0 and advised <= buf.numel()
     assert ext.advise_hugepages(buf.data_ptr() + 1, 1 << 20) == 0
     assert ext.advise_hugepages(0, 8 << 20) == 0
+    assert not hugepages_enabled()  # opt-in
+    monkeypatch.setenv("KT_HUGEPAGES", "1")
+    assert hugepages_enabled()
     out = weight_buffer(ext, 3 << 20)
     assert out.dtype == torch.uint8 and out.numel() == 3 << 20
-    assert hugepages_enabled()
-    monkeypatch.setenv("KT_HUGEPAGES", "0")
-    assert not hugepages_enabled()

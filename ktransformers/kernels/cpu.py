@@ -176,8 +176,12 @@ class ExpertWeights:
 
 
 def hugepages_enabled() -> bool:
-    """Whether weight buffers made here ask for transparent huge pages (KT_HUGEPAGES=0: no)."""
-    return os.environ.get("KT_HUGEPAGES", "1") != "0"
+    """Whether weight buffers made here ask for transparent huge pages: only with KT_HUGEPAGES=1.
+    Off by default: on the GPU host, in calls after an 18 GB model file and other processes had
+    fragmented RAM, the CPU experts ran 2-5x slower with the advice (khugepaged collapsing the
+    buffers' pages while the kernels stream them, presumably), where on fresh memory it was
+    neutral to slightly faster (docs/cpu_kernels.md)."""
+    return os.environ.get("KT_HUGEPAGES", "0") == "1"
 
 
 def weight_buffer(ext, nbytes: int) -> torch.Tensor:

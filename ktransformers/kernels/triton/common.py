@@ -128,12 +128,6 @@ class SplitPlan:
     def reduce(self) -> bool:
         return self.partials is not None
 
-    @property
-    def reduce_block(self) -> int:
-        """A kernel's REDUCE argument: the splits rounded up to a power of two, 0 without the
-        serial reduction."""
-        return 1 << (self.grid[2] - 1).bit_length() if self.reduce else 0
-
     def scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(partials, counters) as kernel arguments: y in their place where the plan has none
         (a kernel compiled without REDUCE never reads them)."""

@@ -254,12 +254,11 @@ def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
 def store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC: tl.constexpr,
                REDUCE: tl.constexpr):
     """A program's float32 tile of y [M, N] as its SplitPlan says: added in the launch by the last
-    split (REDUCE: the splits rounded up to a power of two, SplitPlan.reduce_block; 0 without),
-    added atomically into a float32 y (ATOMIC), or rounded and stored."""
+    split (REDUCE), added atomically into a float32 y (ATOMIC), or rounded and stored."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if REDUCE:
-        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty, REDUCE)
+        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
     elif ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
@@ -267,13 +266,10 @@ def store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC:
 
 
 @triton.jit
-def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr,
-                 SPLITS_BLOCK: tl.constexpr):
+def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr):
     """This split's partial tile to part_ptr [splits, M, N]; the tile's last program to arrive adds
-    all of them, writes `out` and sets the tile's counter back to 0 (SPLITS_BLOCK: the splits
-    rounded up to a power of two). The partial tiles are read in one load where they fit in
-    registers: a split's round trip through L2 each was most of a one-token GEMV's tail. Returns
-    whether this program was the last."""
+    all of them in split order, writes `out` and sets the tile's counter back to 0. Returns
+    whether this program was that one."""
     parts = part_ptr + rm[:, None] * N + rn[None, :]
     tl.store(parts + tl.program_id(2) * M * N, acc, mask=mask)
     tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
@@ -281,15 +277,9 @@ def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: t
     splits = tl.num_programs(2)
     last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
     if last:
-        if SPLITS_BLOCK * acc.shape[0] * acc.shape[1] <= 8192:
-            rs = tl.arange(0, SPLITS_BLOCK)
-            tiles = tl.load(parts[None, :, :] + (rs * M * N)[:, None, None],
-                            mask=(rs < splits)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
-            total = tl.sum(tiles, axis=0)
-        else:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(out, round_to(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
         tl.atomic_xchg(counter, 0)
     return last
@@ -354,7 +344,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     y = plan.y
     _dense_gemv_kernel[plan.grid](x, w, y, *plan.scratch(), M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                   plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  ATOMIC=plan.atomic, REDUCE=plan.reduce_block, num_warps=4)
+                                  ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4)
     return y.to(out_dtype) if plan.atomic else y
 
 
@@ -410,7 +400,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, y, *plan.scratch(), M, N, K, x.stride(0), y.stride(0),
                                   plan.k_per_split, BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic,
-                                  REDUCE=plan.reduce_block, DOT_F32=dot_f32(), num_warps=4,
+                                  REDUCE=plan.reduce, DOT_F32=dot_f32(), num_warps=4,
                                   num_stages=3 if x.device.type == "cuda" else 1)
     return y.to(out_dtype) if plan.atomic else y
 
@@ -425,7 +415,7 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, offset: torch.Tensor, out_d
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
-                                 REDUCE=plan.reduce_block, num_warps=2)
+                                 REDUCE=plan.reduce, num_warps=2)
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
@@ -481,8 +471,7 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
                                                INT4_0=segs[0][0][0], INT4_1=segs[1][0][0], INT4_2=segs[2][0][0],
                                                BN0=segs[0][0][1], BN1=segs[1][0][1], BN2=segs[2][0][1],
-                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP,
-                                               REDUCE=triton.next_power_of_2(splits) if splits > 1 else 0, num_warps=2)
+                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2)
     return ys
 
 

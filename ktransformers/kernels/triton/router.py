@@ -69,7 +69,7 @@ def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, M, 
     out = y_ptr + rm[:, None] * E + rn[None, :]
     tiles = tl.num_programs(1)
     if REDUCE:
-        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty, REDUCE)
+        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty)
     else:
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
         complete = True
@@ -128,7 +128,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     block_e = max(16, triton.next_power_of_2(E))
     _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
-                              REDUCE=plan.reduce_block, K=top_k, BLOCK_E=block_e,
-                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm),
-                              num_warps=4 if block_e >= 512 else 2)  # (the routing's reductions cross warps)
+                              REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
+                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4)
     return plan.y, weights, index
