@@ -517,8 +517,17 @@ def test_weight_buffers_ask_for_huge_pages(monkeypatch):
         assert advised >= 2 << 20 and advised % (2 << 20) == 0 and advised <= buf.numel()
     assert ext.advise_hugepages(buf.data_ptr() + 1, 1 << 20) == 0
     assert ext.advise_hugepages(0, 8 << 20) == 0
+    calls = []
+
+    class Recording:  # the extension's advice, recorded
+        def advise_hugepages(self, data, nbytes):
+            calls.append((data, nbytes))
+            return ext.advise_hugepages(data, nbytes)
+
     assert not hugepages_enabled()  # opt-in
+    weight_buffer(Recording(), 3 << 20)
+    assert calls == []
     monkeypatch.setenv("KT_HUGEPAGES", "1")
     assert hugepages_enabled()
-    out = weight_buffer(ext, 3 << 20)
-    assert out.dtype == torch.uint8 and out.numel() == 3 << 20
+    out = weight_buffer(Recording(), 3 << 20)
+    assert out.dtype == torch.uint8 and out.numel() == 3 << 20 and calls == [(out.data_ptr(), 3 << 20)]

@@ -156,7 +156,8 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
             ref_w, ref_i = softmax_topk(want, K, norm, weights_dtype)
             # the same formula; a GPU build may sum a softmax's terms across warps in another order
             assert torch.equal(index, ref_i) and weights.dtype == weights_dtype
-            assert rel_max(weights, ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -8)
+            # (relative to the largest weight: one bf16 ulp of a weight in its binade is up to 2^-7)
+            assert rel_max(weights, ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -7)
         assert int(common.split_counters(x.device).abs().sum()) == 0
     assert router_topk(torch.randn(5, H).to(dev), w, K, True, torch.float32, torch.float32) is None
 

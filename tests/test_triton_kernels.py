@@ -69,7 +69,7 @@ def test_group_gemm(dev, fmt, M):
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 200, 1024), (5, 72, 4096), (16, 130, 2048), (40, 64, 4096)])
-def test_group_gemm_split_reduce(dev, M, N, K):
+def test_group_gemm_split_reduce(dev, M, N, K, monkeypatch):
     """Decode-sized GEMMs split K and add the splits in the launch: the plan takes that path here,
     the result matches the reference, repeats bit for bit, and leaves every tile counter at 0."""
     from ktransformers.kernels.triton import common
@@ -78,9 +78,10 @@ def test_group_gemm_split_reduce(dev, M, N, K):
     raw = gq.random_blocks(gq.ggml_type("Q4_K"), N * K // 256, g)
     w = ql.from_ggml(raw, gq.ggml_type("Q4_K"), (N, K)).to(dev)
     x = torch.randn(M, K, generator=g)
-    plan = common.plan_split_k(x.to(dev), N, K, 16, 64, 128, torch.bfloat16)
-    assert plan.partials is not None and plan.grid[2] > 1, plan.grid
+    plans, plan_split_k = [], ql.plan_split_k  # the plans the GEMM (or the one-row GEMV) takes
+    monkeypatch.setattr(ql, "plan_split_k", lambda *a, **k: plans.append(plan_split_k(*a, **k)) or plans[-1])
     ys = [ql.group_gemm(x.to(dev), w, out) for out in (torch.float32, torch.float32, torch.bfloat16)]
+    assert len(plans) == 3 and all(p.partials is not None and p.grid[2] > 1 for p in plans), plans[0].grid
     assert torch.equal(ys[0], ys[1])
     assert ys[2].dtype == torch.bfloat16 and torch.equal(ys[2], ys[0].to(torch.bfloat16))
     ref = x @ gq.dequantize(raw, gq.ggml_type("Q4_K"), (N, K)).T
@@ -224,7 +225,8 @@ def _histories(lens, S, seed):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,lens,window", [
-    (8, 2, 64, [5, 70], 0), (4, 4, 32, [1, 33, 200], 0), (6, 2, 128, [130], 40), (16, 1, 64, [300, 2], 0)])
+    (8, 2, 64, [5, 70], 0), (4, 4, 32, [1, 33, 200], 0), (6, 2, 128, [130], 40), (16, 1, 64, [300, 2], 0),
+    (8, 2, 64, [300, 90], 200)])
 def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window, monkeypatch):
     from ktransformers.kernels.triton import attention as A
     monkeypatch.setattr(A, "_merge_splits_kernel", None)  # GQA's rows merge in the decode launch
@@ -380,10 +382,11 @@ def test_int4_gemv_one_row(dev, N, K, monkeypatch):
 
 
 @pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
-                                    ((96, 160), (40, 160), (8, 160))])
+                                    ((96, 160), (40, 160), (8, 160)), ((128, 256), (64, 256))])
 def test_gemv_many(dev, shapes):
-    """q, k and v of one token in one launch: int4 and dense bf16 weights mixed, K split or not,
-    each output as its own projection's (float32 sums rounded once), counters back at 0."""
+    """q, k and v of one token in one launch: int4 and dense bf16 weights mixed, K split (the first
+    three) or not (one 256-value block), each output within float32 summation of its reference
+    (float32 sums rounded once), counters back at 0."""
     from ktransformers.kernels.triton import common
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(sum(n for n, _ in shapes))
@@ -404,3 +407,38 @@ def test_gemv_many(dev, shapes):
     assert ql.gemv_many(torch.randn(2, K).to(dev), weights, torch.float32) is None
     assert ql.gemv_many(x.to(dev), [weights[0], ql.quantize_int8(dense[1]).to(dev)], torch.float32) is None
     assert ql.gemv_many(x.to(dev), [weights[0], torch.randn(8, K + 32).to(dev)], torch.float32) is None
+
+
+def test_fused_paths_without_counters_fall_back(dev, monkeypatch):
+    """Where the tile counters cannot be made (a CUDA graph capture before any launch outside one),
+    decode attention merges in a second launch, and gemv_many and router_topk decline (their
+    callers run the unfused kernels): the same results either way."""
+    from ktransformers.kernels.triton import attention as A
+    from ktransformers.kernels.triton import quant_linear as ql
+    from ktransformers.kernels.triton import router
+    g = gen(31)
+    S, kv, d = 300, 2, 64
+    k, v = torch.randn(S, kv, d, generator=g).to(dev), torch.randn(S, kv, d, generator=g).to(dev)
+    q = torch.randn(2, 8, d, generator=g).to(dev)
+    slots, n = pad_slots(_histories([250, 90], S, 3), dev)
+    x = torch.randn(1, 512, generator=g).to(dev)
+    weights = [ql.quantize_int4(torch.randn(256, 512, generator=g)).to(dev),
+               torch.randn(64, 512, generator=g).to(torch.bfloat16).to(dev)]
+    gate = torch.randn(60, 512, generator=g).to(dev)
+    merged = A.decode_attention(q, k, v, slots, n, d ** -0.5)
+    many = ql.gemv_many(x, weights, torch.float32)
+    routed = router.router_topk(x, gate, 4, True, torch.float32, torch.float32)
+    assert many is not None and routed is not None
+    merges, real_merge = [], A._merge_splits_kernel
+
+    class Spy:  # the second launch, recorded
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real_merge[grid]
+
+    monkeypatch.setattr(A, "_merge_splits_kernel", Spy())
+    for module in (A, ql, router):
+        monkeypatch.setattr(module, "split_counters", lambda device: None)
+    assert rel_err(A.decode_attention(q, k, v, slots, n, d ** -0.5).cpu(), merged.cpu()) < 1e-6 and merges
+    assert ql.gemv_many(x, weights, torch.float32) is None
+    assert router.router_topk(x, gate, 4, True, torch.float32, torch.float32) is None

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
               f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
         print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
-              f"MoE layer's call and after the last, the step's sync and Python)")
+              f"MoE layer's call and after the last, the step's sync and Python, and any gap between layers "
+              f"longer than the doorbell's spin)")
     if extra:
         print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
               f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")

@@ -185,8 +185,8 @@ def hugepages_enabled() -> bool:
 
 
 def weight_buffer(ext, nbytes: int) -> torch.Tensor:
-    """An untouched uint8 CPU tensor for weights streamed by the kernels, its pages advised huge
-    (the OS grants them where transparent huge pages are "madvise" or "always")."""
+    """An untouched uint8 CPU tensor for weights streamed by the kernels; with KT_HUGEPAGES=1 its
+    pages advised huge (the OS grants them where transparent huge pages are "madvise" or "always")."""
     out = torch.empty(nbytes, dtype=torch.uint8)
     if hugepages_enabled():
         ext.advise_hugepages(out.data_ptr(), nbytes)

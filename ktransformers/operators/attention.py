@@ -25,6 +25,7 @@ from torch import nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..cache.paged import PagedCache
 from ..kernels.cpu import attend_gqa_decode, rope_write_attend_gqa
 from .base import BaseInjectedModule, Placement, adopt_children, choices
 from .registry import OPERATORS
@@ -358,12 +359,14 @@ class KGQAAttention(_CachedAttention):
 
     def _cache_write(self, v: torch.Tensor, dtype: torch.dtype):
         """(v, k_cache, v_cache, slots) for qk_norm_rope to store this step's keys and values in,
-        when the engine's batch is set and this layer's caches are on q's device in the RoPE
-        output's dtype and layout; else None (the paged cache's own write runs)."""
+        when the engine's batch is set and this layer's caches (a PagedCache writing as its base
+        class does) are on q's device in the RoPE output's dtype and layout; else None (the
+        cache's own write runs)."""
         ctx = self.context
         batch = ctx.batch if ctx is not None else None
         B, S, kv, d = v.shape
-        if batch is None or B != 1 or S != batch.num_tokens:
+        if (batch is None or B != 1 or S != batch.num_tokens or not isinstance(ctx.cache, PagedCache)
+                or type(ctx.cache).write is not PagedCache.write):
             return None
         k_cache, v_cache = ctx.cache.layers[self.layer_idx]
         if not (k_cache.device == v_cache.device == v.device and k_cache.dtype == v_cache.dtype == dtype

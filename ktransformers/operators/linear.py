@@ -106,11 +106,6 @@ class KLinearCPU:
         return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
 
 
-# Dense fallback weights up to this many values take the Triton GEMV for decode-sized rows
-# (a 4096x4096 projection; a 32k-vocabulary lm_head stays on cuBLAS: 34 us there, ~95 us in the GEMV).
-DENSE_GEMV_WEIGHTS = 1 << 24
-
-
 class _TritonLinear:
     """Shared by the GPU linears: a weight in a Triton kernel's format on a CUDA device, bias in
     torch. Subclasses say how to build the weight (`_convert`) and which kernel runs it."""
@@ -151,7 +146,7 @@ class _TritonLinear:
         Triton GEMV (latency-bound: 4.5 us where cuBLAS's bf16 GEMV took 5.8 at Qwen3's 512x2048
         v_proj on the H200), else cuBLAS (which streams a large one, e.g. an lm_head, faster)."""
         from ..kernels.triton.common import runs_on
-        from ..kernels.triton.quant_linear import GEMV_ROWS, dense_gemv
+        from ..kernels.triton.quant_linear import DENSE_GEMV_WEIGHTS, GEMV_ROWS, dense_gemv
         if x.shape[0] <= GEMV_ROWS and self.weight.numel() <= DENSE_GEMV_WEIGHTS and runs_on(x.device):
             return dense_gemv(x, self.weight, torch.float32 if self.bias is not None else self.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight)

@@ -20,7 +20,7 @@ from .common import MAX_SPLIT_TILES, dot_f32, sm_count, split_counters
 from .norm_rope import round_to
 
 
-# Most splits of one sequence's history in decode_attention (each is merged by _merge_splits_kernel).
+# Most splits of one sequence's history in decode_attention (the merge reads every split).
 MAX_SPLITS = 64
 
 
@@ -208,7 +208,8 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
 @triton.jit
 def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
                          BLOCK_DV: tl.constexpr):
-    """_merge_rows for one (sequence, head) row a program (wide rows: MLA's latent)."""
+    """_merge_rows for one (sequence, head) row a program: wide rows (MLA's latent), and any rows
+    where the decode launch could not merge (no tile counters, e.g. inside a first capture)."""
     row = tl.program_id(0) + tl.arange(0, 1)
     _merge_rows(acc_ptr, lse_ptr, out_ptr, row, row >= 0, splits, DV, BLOCK_S, CHUNK_S, BLOCK_DV)
 

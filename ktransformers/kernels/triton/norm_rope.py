@@ -134,9 +134,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
             row = (slot * Hk + h) * 2 * half
             tl.store(kc_ptr + row + i, y1.to(out_ty), mask=mw)
             tl.store(kc_ptr + row + half + i, y2.to(out_ty), mask=mw)
-            vrow = v_ptr + t * s_vt + h * s_vh
-            tl.store(vc_ptr + row + i, tl.load(vrow + i, mask=m, other=0.0).to(out_ty), mask=mw)
-            tl.store(vc_ptr + row + half + i, tl.load(vrow + half + i, mask=m, other=0.0).to(out_ty), mask=mw)
+            vrow = v_ptr + t * s_vt + h * s_vh  # (rounded to the cache's dtype as index_copy_ casts)
+            v1 = round_to(tl.load(vrow + i, mask=m, other=0.0).to(tl.float32), out_ty)
+            v2 = round_to(tl.load(vrow + half + i, mask=m, other=0.0).to(tl.float32), out_ty)
+            tl.store(vc_ptr + row + i, v1.to(out_ty), mask=mw)
+            tl.store(vc_ptr + row + half + i, v2.to(out_ty), mask=mw)
 
 
 def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -167,9 +169,10 @@ def _check_cache(write, k: torch.Tensor, out_dtype: torch.dtype):
     """(v, k_cache, v_cache, slots) of qk_norm_rope's `write`, checked against k [B, S, h_kv, d]."""
     v, k_cache, v_cache, slots = write
     B, S, Hk, d = k.shape
-    if v.shape != k.shape or v.stride(-1) != 1 or v.stride(0) != S * v.stride(1) or v.device != k.device:
-        raise ValueError(f"qk_norm_rope: v must be [B, S, h_kv, d] like k {tuple(k.shape)} with unit stride, "
-                         f"got {tuple(v.shape)}")
+    if v.shape != k.shape or v.device != k.device or not v.dtype.is_floating_point:
+        raise ValueError(f"qk_norm_rope: v must be a float [B, S, h_kv, d] like k {tuple(k.shape)} on {k.device}, "
+                         f"got {tuple(v.shape)} {v.dtype} on {v.device}")
+    v = _heads(v, "v")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 3 or c.shape[1:] != (Hk, d) or not c.is_contiguous() or c.dtype != out_dtype or c.device != k.device:
             raise ValueError(f"qk_norm_rope: {name} must be a contiguous [slots, {Hk}, {d}] {out_dtype} on {k.device}, "
@@ -188,7 +191,9 @@ def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float,
     copies, of torch's promoted dtype of q and cos. The norm weights, when given, have q's dtype.
     `write` = (v, k_cache, v_cache, slots): the same launch also stores the rotated k and v
     [B, S, h_kv, d] at rows `slots` [B*S] of the caches [slots, h_kv, d] (of the output dtype), as
-    the paged cache's write does with two index_copy_ launches."""
+    the paged cache's write does with two index_copy_ launches. The slots are the engine's own
+    (in range by construction); one outside the caches is skipped, not raised (a check would be a
+    device-to-host sync)."""
     q, k = _heads(q, "q"), _heads(k, "k")
     _check(q, k, cos, sin, q_weight, k_weight)
     B, S, Hq, d = q.shape

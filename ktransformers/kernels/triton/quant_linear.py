@@ -32,6 +32,9 @@ from .norm_rope import round_to
 GROUP = 32
 # Rows of x dense_gemv takes: decode steps (a chosen limit; more rows belong to a GEMM).
 GEMV_ROWS = 4
+# Dense weights up to this many values take the one-launch GEMVs for decode-sized rows (a 4096x4096
+# projection; a 32k-vocabulary lm_head stays on cuBLAS: 33 us a step there, ~95 in the GEMV).
+DENSE_GEMV_WEIGHTS = 1 << 24
 
 
 @dataclass
@@ -337,6 +340,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     N = w.shape[0]
     if M > GEMV_ROWS:
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
+    if w.device != x.device:
+        raise ValueError(f"dense_gemv: weight on {w.device}, x on {x.device}")
     x = x.contiguous()
     if N == 0 or K == 0 or M == 0:
         return torch.zeros(M, N, device=x.device, dtype=out_dtype)
@@ -425,29 +430,32 @@ def _gemv_block_k(K: int) -> int:
 
 def _many_operand(w, x: torch.Tensor):
     """(INT4, BLOCK_N, weight, scale, offset, N) of one gemv_many weight, or None where the launch
-    does not take it (int8 codes, no offset, another K or device, a non-row-major dense weight)."""
+    does not take it (int8 codes, no offset, another K or device, a non-row-major dense weight or
+    one cuBLAS streams faster, offsets past int32)."""
     K = x.shape[1]
     if isinstance(w, GroupQuantWeight):
-        if w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device:
+        if (w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device
+                or w.codes.numel() >= 2**31):
             return None
         return True, 64, w.codes, w.scale, w.offset, w.out_features
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
-            and w.device == x.device and w.dtype.is_floating_point):
+            and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
         return False, 32, w, w, w, w.shape[0]
     return None
 
 
 def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[torch.Tensor] | None:
     """[x Wᵢᵀ for each weight] in one launch, for one row x [1, K] and two or three weights (int4
-    GroupQuantWeights with offsets, or dense row-major [N, K] tensors: a layer's q, k and v
-    projections), each rounded once to out_dtype; None where the launch does not apply (the
-    caller runs the projections one by one). Launched alone, k and v cost nearly what q does
-    (latency, not bytes): together they add little to q's time."""
+    GroupQuantWeights with offsets, or dense row-major [N, K] tensors of up to DENSE_GEMV_WEIGHTS
+    values: a layer's q, k and v projections), float32 sums each rounded once to out_dtype (the
+    values of the one-weight GEMVs up to float32 summation order: the blocks and splits are the
+    launch's own); None where the launch does not apply (the caller runs the projections one by
+    one). Launched alone, k and v cost nearly what q does (latency, not bytes): together they
+    add little to q's time."""
     if x.dim() != 2 or x.shape[0] != 1 or not 2 <= len(weights) <= 3:
         return None
     ops = [_many_operand(w, x) for w in weights]
-    counters = split_counters(x.device)
-    if None in ops or counters is None:
+    if None in ops:
         return None
     x = x.contiguous()
     K = x.shape[1]
@@ -459,12 +467,15 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest][5], K, 1, ops[widest][1], BLOCK_K, per_sm=4, min_blocks=1)
     splits = grid[2]
+    counters = split_counters(x.device) if splits > 1 else x  # (x: never read without a split)
+    if counters is None:
+        return None
     ys = [torch.empty(1, op[5], device=x.device, dtype=out_dtype) for op in ops]
     parts = [torch.empty(splits, 1, op[5], device=x.device, dtype=torch.float32) if splits > 1 else y
              for op, y in zip(ops, ys)]
     segs = list(zip(ops, ys, parts))
     if len(segs) == 2:
-        segs.append(segs[1])  # (never reached: the grid holds two weights' tiles)
+        segs.append(segs[1])  # a placeholder third weight: the grid holds two weights' tiles, never reaching it
     args = []
     for (_, _, w, sc, off, N), y, part in segs:
         args += [w, sc, off, y, part, N]

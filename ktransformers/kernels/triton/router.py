@@ -114,13 +114,16 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
         raise ValueError(f"router_topk: x [T, H] and a row-major weight [E, H], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"router_topk: weight on {weight.device}, x on {x.device}")
     T, E = x.shape[0], weight.shape[0]
     if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
         return None
     x = x.contiguous()
     block_m, block_n, block_h, plan = gemv_plan(x, E, logits_dtype)
     counters = split_counters(x.device)
-    if plan.atomic or counters is None or plan.grid[1] + 1 > MAX_SPLIT_TILES:
+    # (one block of rows: the counter past the tiles' own is the launch's, grid[1] of them)
+    if plan.atomic or counters is None or plan.grid[0] != 1 or plan.grid[1] + 1 > MAX_SPLIT_TILES:
         return None
     weights = torch.empty(T, top_k, device=x.device, dtype=weights_dtype)
     index = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
