@@ -37,6 +37,23 @@ def timed(calls) -> float:
     return statistics.median(times)
 
 
+def trial(best: list, label: str, call, inputs: list, ref: torch.Tensor) -> None:
+    """Time `call` over `inputs` (its max error against `ref` on the first) into `best`; a
+    configuration that does not compile or fit is printed and skipped."""
+    try:
+        err = (call(inputs[0]).float() - ref.float()).abs().max().item()
+        us = timed([lambda i=i: call(i) for i in inputs])
+    except (triton.CompilationError, triton.OutOfResources) as e:
+        print(f"  {label}: {type(e).__name__}")
+        return
+    best.append((us, f"{label}: {us:6.2f} us (err {err:.1e})"))
+
+
+def report(best: list, n: int) -> None:
+    for _, line in sorted(best)[:n]:
+        print("  " + line, flush=True)
+
+
 def plan(x, N, K, bn, bk, splits, out_dtype=torch.bfloat16, bm=16):
     k_blocks = triton.cdiv(K, bk)
     splits = max(1, min(splits, k_blocks))
@@ -76,14 +93,8 @@ def gemv_sweep():
                                     BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce,
                                     DOT_F32=False, num_warps=warps, num_stages=stages)
                                 return p.y
-                            try:
-                                err = (call(ws[0]).float() - ref.float()).abs().max().item()
-                                us = timed([lambda w=w: call(w) for w in ws])
-                            except (triton.CompilationError, triton.OutOfResources) as e:  # does not compile or fit
-                                print(f"  bn {bn} bk {bk} x{mult} st {stages} w {warps}: {type(e).__name__}")
-                                continue
-                            best.append((us, f"bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
-                                              f"st {stages} w {warps}: {us:6.2f} us (err {err:.1e})"))
+                            trial(best, f"bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                        f"st {stages} w {warps}", call, ws, ref)
         for bn in (32, 64, 128, 256):
             for bk in (64, 128, 256):
                 for mult in (1, 2, 4, 8):
@@ -96,17 +107,9 @@ def gemv_sweep():
                                                         p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE=32,
                                                         ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
                             return p.y
-                        try:
-                            err = (call(ws[0]).float() - ref.float()).abs().max().item()
-                            us = timed([lambda w=w: call(w) for w in ws])
-                        except (triton.CompilationError, triton.OutOfResources) as e:
-                            print(f"  nodot bn {bn} bk {bk} x{mult} w {warps}: {type(e).__name__}: {str(e)[:200]}")
-                            continue
-                        best.append((us, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
-                                          f"w {warps}: {us:6.2f} us (err {err:.1e})"))
-        best.sort()
-        for _, line in best[:16]:
-            print("  " + line, flush=True)
+                        trial(best, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                    f"w {warps}", call, ws, ref)
+        report(best, 16)
 
 
 def attn_sweep():
@@ -148,17 +151,9 @@ def attn_sweep():
                                 A._merge_splits_kernel[(Hq,)](acc, lse, out, splits, d, BLOCK_S=A._pow2(splits, 2),
                                                               CHUNK_S=8, BLOCK_DV=d, num_warps=4)
                                 return out
-                            try:
-                                err = (call(slot_sets[0]).float() - ref.float()).abs().max().item()
-                                us = timed([lambda s=s: call(s) for s in slot_sets])
-                            except (triton.CompilationError, triton.OutOfResources) as e:
-                                print(f"  bt {bt} bh {bh} blocks {blocks} w {warps} st {stages}: {type(e).__name__}")
-                                continue
-                            best.append((us, f"bt {bt:2d} bh {bh:2d} splits {splits:3d} w {warps} st {stages}: "
-                                              f"{us:6.2f} us (err {err:.1e})"))
-        best.sort()
-        for _, line in best[:10]:
-            print("  " + line, flush=True)
+                            trial(best, f"bt {bt:2d} bh {bh:2d} splits {splits:3d} w {warps} st {stages}", call, slot_sets,
+                                  ref)
+        report(best, 10)
 
 
 def dense_sweep():
@@ -183,17 +178,9 @@ def dense_sweep():
                                                          p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
                                                          BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
                             return p.y
-                        try:
-                            err = (call(ws[0]).float() - ref).abs().max().item()
-                            us = timed([lambda w=w: call(w) for w in ws])
-                        except (triton.CompilationError, triton.OutOfResources) as e:
-                            print(f"  bn {bn} bk {bk} x{mult} w {warps}: {type(e).__name__}")
-                            continue
-                        best.append((us, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
-                                          f"w {warps}: {us:6.2f} us (err {err:.1e})"))
-        best.sort()
-        for _, line in best[:10]:
-            print("  " + line, flush=True)
+                        trial(best, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
+                                    f"w {warps}", call, ws, ref)
+        report(best, 10)
 
 
 if __name__ == "__main__":
