@@ -94,6 +94,24 @@ def test_prefix_reuse_recomputes_only_the_new_tail(tmp_path):
     assert rel_err(logits[0], full_logits(ours, other)[-1]) < TOL
 
 
+def test_step_times_count_the_steps(tmp_path):
+    """Engine.step_times sums each step's issue and wait times (what bench.e2e reports), counts
+    only steps that ran (not one refused for room), and starts over on reset()."""
+    ours, _ = load(tmp_path, "qwen3_moe")
+    engine = Engine(ours, cache_lens=8, page_size=4)
+    seq = engine.new_sequence()
+    engine.prefill(seq, list(range(5)))
+    engine.decode(seq, 3)
+    times = engine.step_times
+    assert times.steps == 2 and times.issue_s > 0 and times.wait_s >= 0
+    with pytest.raises(CacheFullError):
+        engine.step([seq], [[1, 2, 3]])
+    assert times.steps == 2
+    times.reset()
+    engine.decode(seq, 4)
+    assert times.steps == 1 and times.issue_s > 0
+
+
 def test_cache_full_is_a_clear_error_and_changes_nothing(tmp_path):
     ours, _ = load(tmp_path, "qwen3_moe")
     engine = Engine(ours, cache_lens=8, page_size=4)

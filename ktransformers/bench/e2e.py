@@ -102,7 +102,7 @@ def measure_ours(args, config) -> dict:
             times.append(time.perf_counter() - t0)
             engine.release(seq)
         prefill[P] = P / statistics.median(times)
-    decode = []
+    decode, issue = [], []  # tok/s; us a step from its start until its work is enqueued
     split = []  # per repeat: (us in a CPU experts call, us from a call's end to the next ring)
     for _ in range(args.repeats):
         seq = engine.new_sequence()
@@ -112,17 +112,21 @@ def measure_ours(args, config) -> dict:
         sync()
         bell = loaded.model.kt_context.host_staging().doorbell  # (made when a graph first rings it)
         before = doorbell_counts(bell)
+        engine.step_times.reset()
         t0 = time.perf_counter()
         for token in steps[1:]:
             engine.decode(seq, token)
         sync()
         decode.append((args.decode - 1) / (time.perf_counter() - t0))
+        times = engine.step_times
+        issue.append(times.issue_s / max(times.steps, 1) * 1e6)
         if bell is not None:
             served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
             split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3,
                           (busy + between) / (args.decode - 1) / 1e3))
         engine.release(seq)
-    out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded}
+    out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded,
+           "issue_us": statistics.median(issue)}
     if split:
         out["cpu_call_us"] = statistics.median(s[0] for s in split)
         out["between_us"] = statistics.median(s[1] for s in split)
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
                               "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),
+                              "issue_us": r.get("issue_us"),
                               "rest_of_step_us": (1e6 / r["decode"] - r["layers_us"]
                                                   if r.get("layers_us") and r["decode"] else None),
                               "extrapolated": extra if r["engine"] == "ktransformers" else None}))
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
         print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
               f"MoE layer's call and after the last, the step's sync and Python, and any gap between layers "
-              f"longer than the doorbell's spin)")
+              f"longer than the doorbell's spin); of it {ours['issue_us']:.0f} us issuing the step on the host "
+              f"(cache bookkeeping, graph inputs, the replay's launch)")
     if extra:
         print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
               f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")

@@ -27,6 +27,26 @@ from .streaming import StopMatcher, StreamDecoder
 
 
 @dataclass
+class StepTimes:
+    """Where a step's wall time goes on the host: `issue_s`, from the step's start until its work
+    is enqueued (the cache's bookkeeping, the graph's inputs, the replay or the eager forward's
+    launches: Python, during which a GPU done with the step before sits idle until the first
+    launch), and `wait_s`, from then until the GPU is done and its CPU experts' errors are checked
+    (about nothing on a CPU cache, which computes while issuing). Sums since `reset()`."""
+    steps: int = 0
+    issue_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add(self, issue_s: float, wait_s: float) -> None:
+        self.steps += 1
+        self.issue_s += issue_s
+        self.wait_s += wait_s
+
+    def reset(self) -> None:
+        self.steps, self.issue_s, self.wait_s = 0, 0.0, 0.0
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
@@ -189,6 +209,7 @@ class Engine:
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
+        self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         self._chain_layerwise_prefill()
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
@@ -237,15 +258,18 @@ class Engine:
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed `new_tokens[i]` to `seqs[i]` in one forward; logits of each one's last token [n, V]."""
+        start = time.perf_counter()
         batch = self.cache.prepare(seqs, [len(t) for t in new_tokens])
         try:
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch and all(len(t) == 1 for t in new_tokens):
                 logits = self.graphs.run(batch, [t[0] for t in new_tokens])
             else:
                 logits = self._eager_step(batch, new_tokens)
+            issued = time.perf_counter()
             if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
                 self._wait_gpu()
                 self.context.check_host_errors()
+            self.step_times.add(issued - start, time.perf_counter() - issued)
         except BaseException:
             for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
                 self.cache.truncate(s, start)
