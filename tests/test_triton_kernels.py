@@ -203,16 +203,27 @@ def test_dequantize_kernel(dev, fmt):
 
 
 @pytest.mark.parametrize("M", [1, 20, 130])
-def test_fp8_gemm(dev, M):
-    from ktransformers.kernels.triton import fp8
+def test_fp8_gemm(dev, M, monkeypatch):
+    """The FP8 GEMM against its dequantized reference; few rows split K (the first shape, on the
+    GPU and the interpreter's 4 SMs) and add the splits in the launch: the bf16 output is the
+    float32 one rounded, the counters are back at 0, and without counters the atomic fallback
+    gives the same values."""
+    from ktransformers.kernels.triton import common, fp8
     for N, K in ((256, 512), (200, 300)):
         g = gen(M + N)
         dense = torch.randn(N, K, generator=g)
-        w = fp8.quantize_fp8(dense)
-        assert rel_err(w.dequantize(), dense) < 0.05
-        x = torch.randn(M, K, generator=g)
-        y = fp8.fp8_gemm(x.to(dev), w.to(dev), torch.float32)
-        assert rel_err(y.cpu(), x @ w.dequantize().T) < tol(dev)
+        w = fp8.quantize_fp8(dense).to(dev)
+        assert rel_err(w.dequantize().cpu(), dense) < 0.05
+        x = torch.randn(M, K, generator=g).to(dev)
+        y = fp8.fp8_gemm(x, w, torch.float32)
+        assert rel_err(y.cpu(), x.cpu() @ w.dequantize().cpu().T) < tol(dev)
+        if M <= 16 and N == 256:
+            assert common.plan_split_k(x, N, K, 16, 64, 128, torch.float32).reduce
+        assert torch.equal(fp8.fp8_gemm(x, w, torch.bfloat16), y.to(torch.bfloat16))
+        assert int(common.split_counters(x.device).abs().sum()) == 0
+        with monkeypatch.context() as m:
+            m.setattr(common, "split_counters", lambda device: None)
+            assert rel_err(fp8.fp8_gemm(x, w, torch.float32).cpu(), y.cpu()) < 1e-6
 
 
 def _histories(lens, S, seed):

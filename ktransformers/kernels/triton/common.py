@@ -80,16 +80,6 @@ def split_grid(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOC
     return (-(-M // BLOCK_M), -(-N // BLOCK_N), splits), k_per_split
 
 
-def split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, out_dtype: torch.dtype):
-    """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows, K is split across programs until
-    the GPU is busy (float32 atomics into a zeroed output). Returns (grid, k_per_split, atomic, y)."""
-    grid, k_per_split = split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-    M, atomic = x.shape[0], grid[2] > 1
-    y = (torch.zeros(M, N, device=x.device, dtype=torch.float32) if atomic
-         else torch.empty(M, N, device=x.device, dtype=out_dtype))
-    return grid, k_per_split, atomic, y
-
-
 # Split-K launches with a serial reduction: each split stores its partial sums, and the last of a
 # tile's programs to arrive (an int32 counter a tile, which it sets back to 0) adds them in split
 # order and writes the output in its dtype. One launch where atomics into a zeroed float32 buffer
@@ -136,8 +126,9 @@ class SplitPlan:
 
 def plan_split_k(x: torch.Tensor, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int,
                  out_dtype: torch.dtype, per_sm: int = 2, min_blocks: int = 2) -> SplitPlan:
-    """split_k's plan, reducing a split K in the launch itself where the counters allow (no
-    zeroed buffer then: its memset is a launch of its own)."""
+    """Plan a GEMM launch over x [M, K] -> [M, N]: with few rows K is split (split_grid), the
+    splits reduced in the launch itself where the counters allow, else added with float32
+    atomics into a zeroed y (a memset and a cast besides the GEMM: the fallback)."""
     grid, k_per_split = split_grid(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, per_sm, min_blocks)
     M = x.shape[0]
     counters = split_counters(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None

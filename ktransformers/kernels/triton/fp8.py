@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DENSE_ROWS, dot_f32, split_k
+from .common import DENSE_ROWS, dot_f32, plan_split_k
+from .quant_linear import store_tile
 
 FP8_BLOCK = 128
 
@@ -75,9 +76,9 @@ def dequantize_t(w: FP8Weight) -> torch.Tensor:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_sn, k_per_split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                     ATOMIC: tl.constexpr, DOT_F32: tl.constexpr):
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym, stride_sn,
+                     k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_BLOCK: tl.constexpr, ATOMIC: tl.constexpr, REDUCE: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,12 +95,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, 
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32)) * s
         else:
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16)) * s
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
 
 
 def fp8_gemm(x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -116,9 +112,12 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype | None = None
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
     BLOCK_K = FP8_BLOCK
     BLOCK_M, BLOCK_N = (16, 64) if M <= 16 else ((64, 64) if M <= 64 else (128, 128))
-    grid, k_per_split, atomic, y = split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
-    _fp8_gemm_kernel[grid](x, w.weight, w.scale_inv, y, M, N, K, x.stride(0), y.stride(0), w.scale_inv.stride(0),
-                           k_per_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_BLOCK=FP8_BLOCK,
-                           ATOMIC=atomic, DOT_F32=dot_f32(), num_warps=4,
-                           num_stages=3 if x.device.type == "cuda" else 1)
-    return y.to(out_dtype) if atomic else y
+    # few rows split K, the splits added in the launch (common.plan_split_k; atomics where the
+    # tile counters cannot be made): one launch where a memset, the GEMM and a cast were three
+    plan = plan_split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
+    y = plan.y
+    _fp8_gemm_kernel[plan.grid](x, w.weight, w.scale_inv, y, *plan.scratch(), M, N, K, x.stride(0), y.stride(0),
+                                w.scale_inv.stride(0), plan.k_per_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                BLOCK_K=BLOCK_K, SCALE_BLOCK=FP8_BLOCK, ATOMIC=plan.atomic, REDUCE=plan.reduce,
+                                DOT_F32=dot_f32(), num_warps=4, num_stages=3 if x.device.type == "cuda" else 1)
+    return y.to(out_dtype) if plan.atomic else y
