@@ -94,6 +94,26 @@ def test_prefix_reuse_recomputes_only_the_new_tail(tmp_path):
     assert rel_err(logits[0], full_logits(ours, other)[-1]) < TOL
 
 
+def test_engine_after_another_ones_decode_keeps_torch_threads(tmp_path):
+    """CPU decode drops torch to one thread; an engine made after that keeps the count from before
+    for its prefill (it took the one thread, and its prefill sums differed in the last bits)."""
+    ours, _ = load(tmp_path, "qwen3_moe")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = Engine(ours, cache_lens=16, page_size=4)
+        seq = first.new_sequence()
+        first.prefill(seq, [1, 2, 3])
+        first.decode(seq, 4)
+        assert torch.get_num_threads() == 1
+        second = Engine(ours, cache_lens=16, page_size=4)
+        assert second.torch_threads == 2
+        second.prefill(second.new_sequence(), [5, 6])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_step_times_count_the_steps(tmp_path):
     """Engine.step_times sums each step's issue and wait times (what bench.e2e reports), counts
     only steps that ran (not one refused for room), and starts over on reset()."""

@@ -173,3 +173,38 @@ def test_deepseek_fp8_rule_file(tmp_path, dev):
     ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(10))
     err = rel_err(logits(ours, ids), logits(ref, ids))
     assert err < 1e-2, f"{err:.2e}"  # CPU experts' int8 activations ~5e-3, the GEMM's bf16 dot ~1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monkeypatch):
+    """The GPU rule files wrap each decoder layer in KDecoderLayer, whose forward runs the
+    attention's residual add and the post-attention norm in one launch: the same logits, to the
+    bit, as transformers' own layer forward on the same children (prefill and cached decode)."""
+    from ktransformers.kernels.triton import norm_rope
+    from ktransformers.operators.layer import KDecoderLayer
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
+    layers = [m for m in ours.modules() if isinstance(m, KDecoderLayer)]
+    assert len(layers) == 2 and all(m.fused_add_norm for m in layers)
+    for m in layers:  # (float32 on the CPU: the norm's own Triton path, not its C++ one, on both sides)
+        m.post_attention_layernorm.ext = None
+    calls, real = [], norm_rope.add_rms_norm
+    monkeypatch.setattr(norm_rope, "add_rms_norm", lambda *a: calls.append(a) or real(*a))
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
+
+    def run():
+        engine = Engine(ours, cache_lens=32, page_size=4)
+        seq = engine.new_sequence()
+        out = [engine.prefill(seq, ids[0, :6].tolist())] + [engine.decode(seq, t) for t in ids[0, 6:].tolist()]
+        return logits(ours, ids), torch.cat(out).cpu()
+
+    fused = run()
+    assert len(calls) >= 2 * 2  # two layers x (the full forward, the prefill; decode replays graphs on CUDA)
+    for m in layers:
+        m.fused_add_norm = False
+    calls.clear()
+    plain = run()
+    assert not calls
+    for a, b, what in zip(fused, plain, ("full forward", "prefill and decode")):
+        assert torch.equal(a, b), f"{family} {what}: {(a - b).abs().max().item():.2e}"

@@ -58,6 +58,25 @@ def test_rms_norm(dev, dtype, D):
         assert_match(rms_norm(x, w32, 1e-6), rms_norm_reference(x, w32, 1e-6), "float32 weight")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 2048, 7168])
+def test_add_rms_norm(dev, dtype, D):
+    """A decoder layer's residual add and the next norm in one launch: the sum as torch's add
+    rounds it, the norm as rms_norm_reference of that sum, bit for bit in bf16."""
+    from ktransformers.kernels.triton.norm_rope import add_rms_norm, rms_norm_reference
+    g = gen(D + 1)
+    w = (torch.randn(D, generator=g) * 0.3 + 1).to(dtype).to(dev)
+    for shape in [(1, 1, D), (3, D), (2, 5, D)]:
+        a, b = ((torch.randn(shape, generator=g) * 3).to(dtype).to(dev) for _ in range(2))
+        s, y = add_rms_norm(a, b, w, 1e-6)
+        assert_match(s, a + b, f"sum {shape}")
+        assert_match(y, rms_norm_reference(a + b, w, 1e-6), f"norm {shape}")
+    with pytest.raises(ValueError, match="add_rms_norm: a"):
+        add_rms_norm(a, b[..., :D // 2], w, 1e-6)
+    with pytest.raises(ValueError, match=rf"weight must be a contiguous \[{D}\]"):
+        add_rms_norm(a, b, w[: D // 2], 1e-6)
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,B,S", [
     (32, 4, 128, 1, 1), (16, 2, 64, 2, 5), (64, 8, 64, 1, 1), (16, 2, 128, 2, 1), (32, 4, 64, 1, 5)])
 def test_qk_norm_rope(dev, heads, kv_heads, d, B, S):

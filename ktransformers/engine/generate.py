@@ -26,6 +26,24 @@ from .sampling import Sampler, SamplingParams
 from .streaming import StopMatcher, StreamDecoder
 
 
+# torch's intra-op threads as they were before an engine dropped them to one for CPU decode:
+# an engine made after another one's decode must not take that one thread for its prefill
+_THREADS_BEFORE_DECODE: int | None = None
+
+
+def _torch_threads() -> int:
+    current = torch.get_num_threads()
+    return _THREADS_BEFORE_DECODE if current == 1 and _THREADS_BEFORE_DECODE else current
+
+
+def _set_torch_threads(n: int) -> None:
+    global _THREADS_BEFORE_DECODE
+    current = torch.get_num_threads()
+    if n == 1 and current != 1:
+        _THREADS_BEFORE_DECODE = current
+    torch.set_num_threads(n)
+
+
 @dataclass
 class StepTimes:
     """Where a step's wall time goes on the host: `issue_s`, from the step's start until its work
@@ -205,7 +223,7 @@ class Engine:
         # Decode on the CPU: torch's own ops are tiny there, and its OpenMP threads spinning after
         # each op would steal the cores the expert kernels' threads stream weights on.
         self.cpu_decode = self.cache.device.type == "cpu"
-        self.torch_threads = torch.get_num_threads()
+        self.torch_threads = _torch_threads()
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
@@ -252,7 +270,7 @@ class Engine:
             set_phase(self.model, phase)
             self._phase = phase
             if self.cpu_decode:
-                torch.set_num_threads(1 if phase == "generate" else self.torch_threads)
+                _set_torch_threads(1 if phase == "generate" else self.torch_threads)
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()

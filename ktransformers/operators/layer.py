@@ -22,6 +22,11 @@ from .registry import OPERATORS
 
 _F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
 
+# transformers' decoder layers whose forward is exactly x1 = x + attn(input_norm(x))[0], then
+# x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.24): _forward_fused runs the same with
+# the residual add and post_norm in one launch
+FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer"})
+
 
 @dataclass
 class _DecodePlan:
@@ -78,6 +83,7 @@ class KDecoderLayer(BaseInjectedModule):
                 setattr(self, name, value)
         self._plan: _DecodePlan | None | bool = False  # False: not looked for yet; None: not available
         self.cpu_decode = True  # False: always the module-by-module path (tests compare the two)
+        self.fused_add_norm = type(orig_module).__name__ in FUSABLE_LAYERS  # False: transformers' forward
 
     def load(self) -> None:
         self._plan = False
@@ -90,7 +96,34 @@ class KDecoderLayer(BaseInjectedModule):
             out = self._decode_one(hidden_states, kwargs.get("position_embeddings"))
             if out is not None:
                 return out
+        if self.fused_add_norm and not args and self._triton_post_norm(hidden_states) is not None:
+            return self._forward_fused(hidden_states, kwargs)
         return self._hf_forward(self, hidden_states, *args, **kwargs)
+
+    def _triton_post_norm(self, x: torch.Tensor):
+        """The post-attention KRMSNorm when its own forward would take the Triton kernel for x (not
+        the C++ row norm it runs float32 decode rows with on the CPU)."""
+        from .layernorm import CPP_ROWS, TRITON_ROWS, KRMSNorm
+        post = self.post_attention_layernorm
+        if not (isinstance(post, KRMSNorm) and post.triton_norm is not None and post.weight is not None
+                and post.weight.device == x.device and len(post.shape) == 1 and x.shape[-1] == post.shape[0]):
+            return None
+        rows = x.numel() // x.shape[-1]
+        cpp = post.ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and rows <= CPP_ROWS
+        return post if rows <= TRITON_ROWS and not cpp else None
+
+    def _forward_fused(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """transformers' forward of the FUSABLE_LAYERS with the attention's residual add and the
+        post-attention norm in one launch (the same bits: the add rounds as torch's, the norm is
+        the Triton norm KRMSNorm runs); the rest through the same children."""
+        from ..kernels.triton.norm_rope import add_rms_norm
+        post = self.post_attention_layernorm
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
+        if h.shape != x.shape or h.device != x.device:
+            x1 = x + h
+            return x1 + self.mlp(post(x1))
+        x1, h = add_rms_norm(x, h, post.weight, post.eps)
+        return x1 + self.mlp(h)
 
     def _find_plan(self) -> _DecodePlan | None:
         """The kernels of this layer when every part of it runs on the C++ CPU kernels in float32."""

@@ -16,6 +16,7 @@ from .registry import OPERATORS
 # Up to this many rows (decode steps, short prefill chunks; q/k norms have a row per head) one
 # Triton launch; longer inputs keep torch's ops (whose launch overheads no longer matter there)
 TRITON_ROWS = 4096
+CPP_ROWS = 64  # float32 rows on the CPU up to this many: the C++ row norm
 
 
 class KRMSNorm(BaseInjectedModule):
@@ -45,7 +46,7 @@ class KRMSNorm(BaseInjectedModule):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.numel() // self.shape[0]
         if (self.ext is not None and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
-                and rows <= 64):
+                and rows <= CPP_ROWS):
             return rms_norm(self.ext, hidden_states, self.weight, self.eps)
         if self.triton_norm is not None and rows <= TRITON_ROWS and hidden_states.device == self.weight.device:
             return self.triton_norm(hidden_states, self.weight, self.eps)

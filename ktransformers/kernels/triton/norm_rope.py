@@ -91,6 +91,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_a, s_b, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    a = tl.load(a_ptr + row * s_a + d, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32)
+    s = round_to(a + b, s_ptr.dtype.element_ty)  # torch's add: float32 sum, rounded once
+    tl.store(s_ptr + row * D + d, s.to(s_ptr.dtype.element_ty), mask=m)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    y = _normalize(s, w, D, eps, s_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(s, rms_norm(s)) for s = a + b, rows [.., D] of the same shape on one device, in one launch:
+    a decoder layer's residual add and the next norm (s of torch's promoted dtype of a and b; the
+    norm as rms_norm_reference(s, weight, eps))."""
+    D = a.shape[-1]
+    if b.shape != a.shape or b.device != a.device:
+        raise ValueError(f"add_rms_norm: a {tuple(a.shape)} on {a.device} and b {tuple(b.shape)} on {b.device} differ")
+    if weight.shape != (D,) or weight.device != a.device or not weight.is_contiguous():
+        raise ValueError(f"add_rms_norm: weight must be a contiguous [{D}] on {a.device}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    ra, rb = _rows(a), _rows(b)
+    s = torch.empty(a.shape, device=a.device, dtype=torch.promote_types(a.dtype, b.dtype))
+    y = torch.empty(a.shape, device=a.device, dtype=torch.promote_types(s.dtype, weight.dtype))
+    if ra.shape[0]:
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(ra.shape[0],)](ra, rb, weight, s, y, D, ra.stride(0), rb.stride(0), float(eps),
+                                             BLOCK_D=block, num_warps=_warps(block))
+    return s, y
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
                          Hq, Hk, S, half, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
                          v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
