@@ -67,6 +67,21 @@ def test_a_bigger_gpu_takes_more_layers_and_a_tight_one_no_hot_experts(tiny):
     check_rules(model, p, write_rules(p, yaml.safe_load((RULES_DIR / "DeepSeek-V3-Chat.yaml").read_text())))
 
 
+def test_planned_qwen3_rules_keep_the_decoder_layer_rule():
+    """The Qwen3-MoE GPU rules wrap each decoder layer (model.layers.N itself, no dot after it) in
+    KDecoderLayer: the planner's per-GPU copies of that rule still match every layer, on its GPU."""
+    hf = tiny_model("qwen3_moe", layers=4)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    p = plan_gpus(model, hf.config, {"cuda:0": 8 * MIB, "cuda:1": 8 * MIB}, cache_lens=1024, reserve=MIB)
+    text = write_rules(p, yaml.safe_load((RULES_DIR / "Qwen3Moe.yaml").read_text()))
+    check_rules(model, p, text)
+    rows = {r.name: r for r in plan(model, parse_rules(text))}
+    gpu_of = {i: g for g, layers in p.layers.items() for i in layers}
+    for i in range(4):
+        row = rows[f"model.layers.{i}"]
+        assert row.operator.endswith("KDecoderLayer") and row.device == gpu_of[i], row
+
+
 def test_too_small_budgets_are_refused(tiny):
     model, config = tiny
     with pytest.raises(ValueError, match="the layers do not fit the GPUs: .* lower --cache_lens or add GPUs"):

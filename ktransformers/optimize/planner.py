@@ -211,7 +211,9 @@ def write_rules(placement: Placement, template: list[dict]) -> str:
             copy = dict(rule)
             restricted = name[len("^model\\.layers\\."):] if inside_only else name
             if inside_only:
-                copy["match"] = {**match, "name": f"^model\\.layers\\.(?=(?:{'|'.join(map(str, own))})\\.){restricted}"}
+                # (a layer's own modules, or the layer itself: KDecoderLayer's rule names model.layers.N)
+                runs = "|".join(map(str, own))
+                copy["match"] = {**match, "name": f"^model\\.layers\\.(?=(?:{runs})(?:\\.|$)){restricted}"}
             else:
                 copy["match"] = {**match, "name": _restrict(name, own)}
             new_kwargs = _on(kwargs, gpu)
