@@ -3,8 +3,11 @@
 `KDecoderLayer` replaces a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)):
 Qwen3-MoE, Mixtral) and adopts its children under the same names, so the rules for
 `...self_attn`, `...mlp.gate`, `...mlp.experts` still apply. Its forward is the original class's
-own forward, run on this module, except for one case: a decode step of one sequence and one
-token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule files). There the
+own forward, run on this module, except for two cases. Where the post-attention norm runs its
+Triton kernel (the GPU rule files), the forward is the same steps with the attention's residual
+add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS). And a decode step of
+one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
+files) takes a path of its own. There the
 kernels are called back to back on buffers held by the layer — the same kernels with the same
 inputs as the module-by-module path, so the result is the same to the bit — instead of through
 the ~25 module calls, argument checks and small torch ops between them, which on a 2-core
