@@ -7,11 +7,11 @@ own forward, run on this module, except for two cases. Where the post-attention 
 Triton kernel (the GPU rule files), the forward is the same steps with the attention's residual
 add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS). And a decode step of
 one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
-files) takes a path of its own. There the
-kernels are called back to back on buffers held by the layer — the same kernels with the same
-inputs as the module-by-module path, so the result is the same to the bit — instead of through
-the ~25 module calls, argument checks and small torch ops between them, which on a 2-core
-machine cost about a quarter of a Qwen3-30B-A3B layer's kernel time.
+files) takes a path of its own: the kernels called back to back on buffers held by the layer
+— the same kernels with the same inputs as the module-by-module path, so the result is the same
+to the bit — instead of through the ~25 module calls, argument checks and small torch ops
+between them, which on a 2-core machine cost about a quarter of a Qwen3-30B-A3B layer's kernel
+time.
 """
 from __future__ import annotations
 
