@@ -276,7 +276,7 @@ class Engine:
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed `new_tokens[i]` to `seqs[i]` in one forward; logits of each one's last token [n, V]."""
-        start = time.perf_counter()
+        began = time.perf_counter()
         batch = self.cache.prepare(seqs, [len(t) for t in new_tokens])
         try:
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch and all(len(t) == 1 for t in new_tokens):
@@ -287,7 +287,7 @@ class Engine:
             if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
                 self._wait_gpu()
                 self.context.check_host_errors()
-            self.step_times.add(issued - start, time.perf_counter() - issued)
+            self.step_times.add(issued - began, time.perf_counter() - issued)
         except BaseException:
             for s, start in zip(seqs, batch.starts):  # the step did not happen: forget its tokens
                 self.cache.truncate(s, start)

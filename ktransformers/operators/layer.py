@@ -99,21 +99,16 @@ class KDecoderLayer(BaseInjectedModule):
             out = self._decode_one(hidden_states, kwargs.get("position_embeddings"))
             if out is not None:
                 return out
-        if self.fused_add_norm and not args and self._triton_post_norm(hidden_states) is not None:
+        if self.fused_add_norm and not args and self._post_norm_runs_triton(hidden_states):
             return self._forward_fused(hidden_states, kwargs)
         return self._hf_forward(self, hidden_states, *args, **kwargs)
 
-    def _triton_post_norm(self, x: torch.Tensor):
-        """The post-attention KRMSNorm when its own forward would take the Triton kernel for x (not
-        the C++ row norm it runs float32 decode rows with on the CPU)."""
-        from .layernorm import CPP_ROWS, TRITON_ROWS, KRMSNorm
+    def _post_norm_runs_triton(self, x: torch.Tensor) -> bool:
+        """Whether the post-attention norm is a KRMSNorm whose forward takes its Triton kernel for
+        rows shaped like x (the sum x + attn(x) it normalizes)."""
+        from .layernorm import KRMSNorm
         post = self.post_attention_layernorm
-        if not (isinstance(post, KRMSNorm) and post.triton_norm is not None and post.weight is not None
-                and post.weight.device == x.device and len(post.shape) == 1 and x.shape[-1] == post.shape[0]):
-            return None
-        rows = x.numel() // x.shape[-1]
-        cpp = post.ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and rows <= CPP_ROWS
-        return post if rows <= TRITON_ROWS and not cpp else None
+        return isinstance(post, KRMSNorm) and post.weight is not None and post.path(x) == "triton"
 
     def _forward_fused(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """transformers' forward of the FUSABLE_LAYERS with the attention's residual add and the

@@ -43,12 +43,22 @@ class KRMSNorm(BaseInjectedModule):
     def unload(self) -> None:
         self.weight = self.ext = self.triton_norm = None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def path(self, hidden_states: torch.Tensor) -> str:
+        """Which kernel forward runs for these rows: "cpp" (float32 decode rows on the CPU),
+        "triton" or "torch"."""
         rows = hidden_states.numel() // self.shape[0]
         if (self.ext is not None and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
                 and rows <= CPP_ROWS):
-            return rms_norm(self.ext, hidden_states, self.weight, self.eps)
+            return "cpp"
         if self.triton_norm is not None and rows <= TRITON_ROWS and hidden_states.device == self.weight.device:
+            return "triton"
+        return "torch"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        path = self.path(hidden_states)
+        if path == "cpp":
+            return rms_norm(self.ext, hidden_states, self.weight, self.eps)
+        if path == "triton":
             return self.triton_norm(hidden_states, self.weight, self.eps)
         if hidden_states.dtype == torch.float32:
             return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)

@@ -54,13 +54,20 @@ def _normalize(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, s_x, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+    """A row's norm; ADD: of the row's sum with b's (x + b, stored at s_ptr, rounded as torch's add
+    rounds: a float32 sum rounded once), the norm reading the rounded sum."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
     x = tl.load(x_ptr + row * s_x + d, mask=m, other=0.0).to(tl.float32)
+    x_ty = x_ptr.dtype.element_ty
+    if ADD:
+        x_ty = s_ptr.dtype.element_ty
+        x = round_to(x + tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32), x_ty)
+        tl.store(s_ptr + row * D + d, x.to(x_ty), mask=m)
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    y = _normalize(x, w, D, eps, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
+    y = _normalize(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -85,23 +92,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), float(eps), BLOCK_D=block,
-                                           num_warps=_warps(block))
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, D, rows.stride(0), 0, float(eps),
+                                           BLOCK_D=block, ADD=False, num_warps=_warps(block))
     return out
-
-
-@triton.jit
-def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_a, s_b, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    m = d < D
-    a = tl.load(a_ptr + row * s_a + d, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32)
-    s = round_to(a + b, s_ptr.dtype.element_ty)  # torch's add: float32 sum, rounded once
-    tl.store(s_ptr + row * D + d, s.to(s_ptr.dtype.element_ty), mask=m)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    y = _normalize(s, w, D, eps, s_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -119,8 +112,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     y = torch.empty(a.shape, device=a.device, dtype=torch.promote_types(s.dtype, weight.dtype))
     if ra.shape[0]:
         block = triton.next_power_of_2(D)
-        _add_rms_norm_kernel[(ra.shape[0],)](ra, rb, weight, s, y, D, ra.stride(0), rb.stride(0), float(eps),
-                                             BLOCK_D=block, num_warps=_warps(block))
+        _rms_norm_kernel[(ra.shape[0],)](ra, rb, weight, s, y, D, ra.stride(0), rb.stride(0), float(eps),
+                                         BLOCK_D=block, ADD=True, num_warps=_warps(block))
     return s, y
 
 

@@ -20,6 +20,7 @@ launch (the routers' logits: 5.2 us on the H200 where F.linear and its casts too
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -195,18 +196,6 @@ def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, 
 
 
 @triton.jit
-def _dense_split_sum(x_ptr, w_ptr, rn, N, K, k_start, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N]: one row of x times rows rn of a row-major float W [N, K] over the split."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-    return acc
-
-
-@triton.jit
 def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
@@ -224,13 +213,14 @@ def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_pt
     """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
     the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 1)
     k_start = tl.program_id(2) * k_per_split
     if INT4:
         acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
-                              GROUP_SIZE)
-    else:
-        acc = _dense_split_sum(x_ptr, w_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K)
-    store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, False, REDUCE)
+                              GROUP_SIZE)[None, :]
+    else:  # a row-major dense W [N, K]
+        acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE)
 
 
 @triton.jit
@@ -390,9 +380,9 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     out_dtype = out_dtype or x.dtype
     if M > DENSE_ROWS and x.device.type == "cuda":
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
-    offset = w.offset if w.offset is not None else w.scale
     if M == 1 and w.bits == 4 and w.offset is not None:
-        return _int4_gemv(x, w, offset, out_dtype)
+        return _int4_gemv(x, w, out_dtype)
+    offset = w.offset if w.offset is not None else w.scale
     BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
     if M <= 16:
         BLOCK_M, BLOCK_N = 16, 64
@@ -410,7 +400,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     return y.to(out_dtype) if plan.atomic else y
 
 
-def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, offset: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> torch.Tensor:
     """group_gemm of one row on int4 weights (_int4_gemv_kernel). K is split until there are
     ~4 programs an SM, down to one 256-value block a split: on the H200 at Qwen3's q/k/o shapes,
     7.7 / 4.7 / 8.3 us a call against 8.7 / 5.4 / 9.4 for the tl.dot GEMM's 16-row tiles
@@ -418,7 +408,7 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, offset: torch.Tensor, out_d
     K, N = w.in_features, w.out_features
     BLOCK_N, BLOCK_K = 64, _gemv_block_k(K)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
-    _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
+    _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
                                  REDUCE=plan.reduce, num_warps=2)
     return plan.y.to(out_dtype) if plan.atomic else plan.y
@@ -428,19 +418,30 @@ def _gemv_block_k(K: int) -> int:
     return 256 if K % 256 == 0 else (128 if K % 128 == 0 else (64 if K % 64 == 0 else 32))
 
 
-def _many_operand(w, x: torch.Tensor):
-    """(INT4, BLOCK_N, weight, scale, offset, N) of one gemv_many weight, or None where the launch
-    does not take it (int8 codes, no offset, another K or device, a non-row-major dense weight or
-    one cuBLAS streams faster, offsets past int32)."""
+class _Operand(NamedTuple):
+    """One weight of a gemv_many launch as its kernel arguments (a dense weight stands in for its
+    own absent scale and offset)."""
+    int4: bool
+    block_n: int
+    weight: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    n: int
+
+
+def _many_operand(w, x: torch.Tensor) -> _Operand | None:
+    """One gemv_many weight, or None where the launch does not take it (int8 codes, no offset,
+    another K or device, a non-row-major dense weight or one cuBLAS streams faster, offsets past
+    int32)."""
     K = x.shape[1]
     if isinstance(w, GroupQuantWeight):
         if (w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device
                 or w.codes.numel() >= 2**31):
             return None
-        return True, 64, w.codes, w.scale, w.offset, w.out_features
+        return _Operand(True, 64, w.codes, w.scale, w.offset, w.out_features)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
-        return False, 32, w, w, w, w.shape[0]
+        return _Operand(False, 32, w, w, w, w.shape[0])
     return None
 
 
@@ -459,29 +460,30 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
         return None
     x = x.contiguous()
     K = x.shape[1]
-    tiles = [triton.cdiv(op[5], op[1]) for op in ops]
+    tiles = [triton.cdiv(op.n, op.block_n) for op in ops]
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
     BLOCK_K = _gemv_block_k(K)
     # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
-    grid, k_per_split = split_grid(x, ops[widest][5], K, 1, ops[widest][1], BLOCK_K, per_sm=4, min_blocks=1)
+    grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
     splits = grid[2]
     counters = split_counters(x.device) if splits > 1 else x  # (x: never read without a split)
     if counters is None:
         return None
-    ys = [torch.empty(1, op[5], device=x.device, dtype=out_dtype) for op in ops]
-    parts = [torch.empty(splits, 1, op[5], device=x.device, dtype=torch.float32) if splits > 1 else y
+    ys = [torch.empty(1, op.n, device=x.device, dtype=out_dtype) for op in ops]
+    parts = [torch.empty(splits, 1, op.n, device=x.device, dtype=torch.float32) if splits > 1 else y
              for op, y in zip(ops, ys)]
     segs = list(zip(ops, ys, parts))
     if len(segs) == 2:
         segs.append(segs[1])  # a placeholder third weight: the grid holds two weights' tiles, never reaching it
     args = []
-    for (_, _, w, sc, off, N), y, part in segs:
-        args += [w, sc, off, y, part, N]
+    for op, y, part in segs:
+        args += [op.weight, op.scale, op.offset, y, part, op.n]
+    (o0, _, _), (o1, _, _), (o2, _, _) = segs
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
-                                               INT4_0=segs[0][0][0], INT4_1=segs[1][0][0], INT4_2=segs[2][0][0],
-                                               BN0=segs[0][0][1], BN1=segs[1][0][1], BN2=segs[2][0][1],
+                                               INT4_0=o0.int4, INT4_1=o1.int4, INT4_2=o2.int4,
+                                               BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
                                                BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2)
     return ys
 

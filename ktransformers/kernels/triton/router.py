@@ -127,7 +127,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
         return None
     weights = torch.empty(T, top_k, device=x.device, dtype=weights_dtype)
     index = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
-    part = plan.partials if plan.reduce else plan.y
+    part = plan.scratch()[0]
     block_e = max(16, triton.next_power_of_2(E))
     _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
