@@ -186,6 +186,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  d.watch(reinterpret_cast<uint32_t*>(ring), reinterpret_cast<uint32_t*>(done));
              }, "poll a ring/done pair (addresses of pinned host memory that outlives this object)")
         .def("wake", &Doorbell::wake)
+        .def("rest", &Doorbell::rest, "stop spinning (this thread and the pool's workers) until the next wake()")
         .def_property_readonly("served", &Doorbell::served)
         .def_property_readonly("bad_rings", &Doorbell::bad_rings)
         .def_property_readonly("busy_ns", &Doorbell::busy_ns, "nanoseconds spent in the calls")

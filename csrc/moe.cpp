@@ -443,9 +443,17 @@ std::shared_ptr<MoEHostCall> Doorbell::call(uint32_t number) {
     return number <= calls_.size() ? calls_[number - 1] : nullptr;
 }
 
-void Doorbell::wake() {
+void Doorbell::wake() {  // (wake and rest come from one thread: the later of the two wins)
+    rt_->pool().rouse();
+    resting_.store(false, std::memory_order_release);
     woken_.store(true, std::memory_order_release);
     cv_.notify_one();
+}
+
+void Doorbell::rest() {
+    woken_.store(false, std::memory_order_release);
+    resting_.store(true, std::memory_order_release);
+    rt_->pool().rest();
 }
 
 void Doorbell::loop() {
@@ -491,6 +499,10 @@ void Doorbell::loop() {
             served = true;
         }
         const auto now = clock::now();
+        if (!served && resting_.exchange(false, std::memory_order_acq_rel)) {
+            last = now - spin;  // idle from now
+            after_call = false;
+        }
         if (!served && woken_.exchange(false, std::memory_order_acq_rel)) {
             last = now;
             after_call = false;  // a new step: its first ring follows Python, not a GPU layer

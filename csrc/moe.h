@@ -149,7 +149,11 @@ class Doorbell {
     uint32_t add(std::shared_ptr<MoEHostCall> call);  // the call's number (from 1), what a ring is set to
     // Poll a pair of 4-byte aligned, distinct words (alive as long as this object).
     void watch(uint32_t* ring, uint32_t* done);
-    void wake();  // a step is about to ring: spin again
+    void wake();  // a step is about to ring: spin again (and so do the pool's workers)
+    // The step's rings are all served and the next step is not about to start (Python has the
+    // cores: sampling, the next step's inputs): stop spinning now, this thread and the pool's
+    // workers, until wake(). A ring that comes anyway is served within the idle nap (100 us).
+    void rest();
     uint64_t served() const { return served_.load(std::memory_order_relaxed); }
     uint64_t bad_rings() const { return bad_.load(std::memory_order_relaxed); }
     // Nanoseconds spent in the calls, and between the end of a call and the next ring seen within
@@ -173,6 +177,7 @@ class Doorbell {
     std::vector<std::shared_ptr<MoEHostCall>> calls_;  // guarded by mu_
     std::vector<Slot> slots_;                          // guarded by mu_; the loop copies it when version_ moves
     std::atomic<uint64_t> version_{0};
+    std::atomic<bool> resting_{false};
     std::atomic<bool> stop_{false}, woken_{false};
     std::atomic<uint64_t> served_{0}, bad_{0}, busy_ns_{0}, between_ns_{0}, betweens_{0};
     std::thread thread_;

@@ -80,17 +80,32 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int, int)>& 
     job_ = nullptr;
 }
 
+void ThreadPool::rest() { rests_.fetch_add(1, std::memory_order_release); }
+
+void ThreadPool::rouse() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        rouses_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+}
+
 void ThreadPool::worker(int id) {
     if (pin_) pin_to(id);
     uint64_t seen = 0;
     for (;;) {
-        // spin a little for the next job, then sleep until one comes
+        // spin a little for the next job (unless told to rest), then sleep until one comes or a
+        // rouse() says one is coming
+        const uint64_t rested = rests_.load(std::memory_order_acquire);
+        const uint64_t roused = rouses_.load(std::memory_order_acquire);
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-        while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+        while (generation_.load(std::memory_order_acquire) == seen && rests_.load(std::memory_order_acquire) == rested &&
+               std::chrono::steady_clock::now() < until)
             for (int i = 0; i < 8; i++) KT_PAUSE();  // a PAUSE is ~140 cycles on Sapphire Rapids: check every ~0.5 us
         if (generation_.load(std::memory_order_acquire) == seen) {
             std::unique_lock<std::mutex> lock(mu_);
-            wake_.wait(lock, [&] { return generation_.load() != seen; });
+            wake_.wait(lock, [&] { return generation_.load() != seen || rouses_.load() != roused; });
+            if (generation_.load() == seen) continue;  // roused: spin for the job that is coming
         }
         seen = generation_.load(std::memory_order_acquire);
         if (stop_) return;

@@ -32,6 +32,11 @@ class ThreadPool {
     void parallel_for(int n_tasks, const std::function<void(int, int)>& fn);
     int size() const { return n_threads_; }
     void pin_caller() const;  // pin the calling thread to core 0 (when pinning is on)
+    // rest(): workers spinning for a next job go to sleep now (no job is coming soon: the cores
+    // are the caller's, e.g. Python between two decode steps); rouse(): sleeping workers spin
+    // again (a job is coming: its first parallel_for then finds them awake). Neither touches a job.
+    void rest();
+    void rouse();
 
   private:
     void worker(int id);
@@ -44,6 +49,7 @@ class ThreadPool {
     const std::function<void(int, int)>* job_ = nullptr;
     std::atomic<int> n_tasks_{0}, next_{0}, busy_{0};
     std::atomic<uint64_t> generation_{0};
+    std::atomic<uint64_t> rests_{0}, rouses_{0};  // counters: a change ends a spin / a sleep
     std::atomic<bool> stop_{false};
     std::mutex mu_;
     std::condition_variable wake_;

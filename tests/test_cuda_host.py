@@ -100,6 +100,54 @@ def test_doorbell_runs_the_rung_call(dtype):
     assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
 
 
+def test_doorbell_rest_and_wake():
+    """rest() stops the doorbell thread and the pool's workers spinning (the process then burns
+    about no CPU while idle; after wake() the doorbell spins for DOORBELL_SPIN_US), and a call
+    rung while resting, or right after a wake, is still served and right."""
+    runtime = CPURuntime(2)
+    kernel = _kernel(runtime)
+    staging = HostStaging(runtime, pinned=False)
+    g = torch.Generator().manual_seed(5)
+
+    def one_call(ring):
+        x, ids, w, y, call = staging.prepare(kernel, 2, torch.float32)
+        x.copy_(torch.randn(2, 256, generator=g))
+        ids.copy_(torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(2)]))
+        w.copy_(torch.rand(2, 2, generator=g))
+        y.fill_(float("nan"))
+        ring()
+        assert torch.equal(y, kernel.forward(x.clone(), ids.clone(), w.clone()))
+
+    def burnt_over(seconds):
+        c0 = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - c0
+    one_call(lambda: _ring_and_wait(staging, kernel, 2, torch.float32))
+    staging.wake()
+    spinning = burnt_over(0.015)  # inside the doorbell's 20 ms spin window
+    staging.wake()
+    staging.rest()  # (the later of the two wins)
+    time.sleep(0.001)
+    resting = burnt_over(0.015)
+    assert spinning > 0.008, f"the doorbell did not spin after wake(): {spinning * 1e3:.1f} ms of CPU in 15 ms"
+    assert resting < 0.004, f"the doorbell or the pool still spun after rest(): {resting * 1e3:.1f} ms of CPU in 15 ms"
+
+    def ring_resting():  # no wake(): served within the idle nap
+        ring, done = staging.flags(kernel)
+        _word(ring).value = staging.number(kernel, 2, torch.float32)
+        deadline = time.monotonic() + 10
+        while _word(done).value != 1:
+            assert time.monotonic() < deadline, "a call rung while resting was never served"
+            time.sleep(1e-4)
+        _word(done).value = 0
+    for _ in range(5):
+        staging.rest()
+        one_call(ring_resting)
+        staging.rest()
+        one_call(lambda: _ring_and_wait(staging, kernel, 2, torch.float32))
+    staging.check_errors()
+
+
 def test_doorbell_and_python_calls_share_the_pool():
     """The doorbell thread and Python both drive the one pool (a GPU step's CPU experts while
     Python runs a CPU kernel, e.g. a bandwidth probe or a CPU-placed layer): they take turns,
@@ -142,7 +190,8 @@ def test_host_function_addresses_are_c_functions():
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_cuda_graph_decode_equals_eager(tmp_path, family):
     """Graph replays (CPU experts as host functions inside the graph, hot experts on the GPU)
-    give the eager step's logits, for one sequence and for two in one batch."""
+    give the eager step's logits, for one sequence and for two in one batch, as sequences come,
+    go, swap places in the batch and cross page boundaries."""
     hf = tiny_model(family, layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
     model = build_skeleton(hf.config, torch.bfloat16)
@@ -158,6 +207,14 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
         out = [engine.decode(a, t)[0] for t in ids[10:16]]
         out += list(engine.step([a, b], [[ids[16]], [ids[7]]]))
         out += list(engine.step([a, b], [[ids[17]], [ids[8]]]))
+        # the graph's slot-table rows change hands: sequences swap rows, one is freed and its
+        # pages go to a new one, a row's sequence crosses a page boundary
+        out += list(engine.step([b, a], [[ids[9]], [ids[18]]]))
+        engine.release(b)
+        c = engine.new_sequence()
+        engine.prefill(c, ids[5:20])
+        for t in range(3):
+            out += list(engine.step([c, a], [[ids[20 + t]], [ids[t]]]))
         results.append(torch.stack(out).float().cpu())
         if graphs:
             assert engine.graphs.batch_sizes == [1, 2]

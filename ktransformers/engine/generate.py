@@ -286,6 +286,7 @@ class Engine:
             issued = time.perf_counter()
             if self.on_cuda:  # CPU experts ran from the stream(s): raise what they failed with
                 self._wait_gpu()
+                self.context.rest_host_calls()
                 self.context.check_host_errors()
             self.step_times.add(issued - began, time.perf_counter() - issued)
         except BaseException:

@@ -73,14 +73,27 @@ class DecodeGraphs:
         runs = segments_of(engine.layer_devices)
         self.segments = [_Segment(d, r, k == 0, k == len(runs) - 1) for k, (d, r) in enumerate(runs)]
         cap = engine.cache.capacity
-        self.static = {}  # device -> the step's positions, new slots, slot table and lengths there
+        # The step's small inputs, per device, in one buffer so that one copy from pinned host
+        # memory fills them: token ids, positions and new slots (int64: index_copy_ wants them
+        # so), then the lengths (int32, as the attention kernels read them).
+        self._bytes = max_batch * (3 * 8 + 4)
+        self.static = {}  # device -> the step's ids, positions, new slots, slot table and lengths there
         for device in dict.fromkeys(d for d, _ in runs):
-            self.static[device] = dict(
-                positions=torch.zeros(max_batch, dtype=torch.long, device=device),
-                slots=torch.zeros(max_batch, dtype=torch.long, device=device),
-                table=torch.zeros(max_batch, cap, dtype=torch.int32, device=device),
-                lens=torch.ones(max_batch, dtype=torch.int32, device=device))
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=runs[0][0])
+            small = torch.zeros(self._bytes, dtype=torch.uint8, device=device)
+            self.static[device] = dict(small=small, **self._views(small, max_batch),
+                                       table=torch.zeros(max_batch, cap, dtype=torch.int32, device=device))
+            self.static[device]["lens"].fill_(1)
+        self.ids = self.static[runs[0][0]]["ids"]
+        pinned = torch.cuda.is_available()
+        self._host = [torch.zeros(self._bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._host_views = [{k: v.numpy() for k, v in self._views(h, max_batch).items()} for h in self._host]
+        self._flip = 0  # which host buffer the next step fills (the other may still be copying)
+        self._rows: list[list[int]] = [[] for _ in range(max_batch)]  # pages whose slots each table row holds
+
+    @staticmethod
+    def _views(small: torch.Tensor, n: int) -> dict:
+        longs = small[:24 * n].view(torch.int64).view(3, n)
+        return dict(ids=longs[0], positions=longs[1], slots=longs[2], lens=small[24 * n:].view(torch.int32))
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -88,14 +101,28 @@ class DecodeGraphs:
         return sorted(self.segments[0].graphs)
 
     def _fill(self, batch: ForwardBatch, tokens: list[int]) -> None:
-        B = len(tokens)
-        table, lens = batch.slot_table()  # columns past `width` stay stale: lens bounds reads
-        self.ids[:B].copy_(torch.tensor(tokens), non_blocking=True)
-        for device, s in self.static.items():
-            s["positions"][:B].copy_(batch.positions, non_blocking=True)
-            s["slots"][:B].copy_(batch.slots, non_blocking=True)
-            s["table"][:B, :table.shape[1]].copy_(table)
-            s["lens"][:B].copy_(lens)
+        """The step's inputs into the static buffers: the small ones written on the host into a
+        pinned buffer and copied with one launch a device; a slot-table row only where its
+        sequence has gained pages since the row was written (a row holds the slots of whole
+        pages, `lens` bounds what is read), else nothing."""
+        B, page = len(tokens), self.engine.cache.page_size
+        host = self._host_views[self._flip]
+        host["ids"][:B] = tokens
+        for b, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
+            host["positions"][b] = start
+            host["slots"][b] = seq.pages[start // page] * page + start % page
+            host["lens"][b] = start + 1
+            held = self._rows[b]
+            fresh = 0 if seq.pages[:len(held)] != held else len(held)  # pages already in the row
+            if fresh < len(seq.pages):
+                lo, hi = fresh * page, len(seq.pages) * page
+                for s in self.static.values():
+                    s["table"][b, lo:hi].copy_(seq.slots[lo:hi], non_blocking=True)
+                self._rows[b] = list(seq.pages)
+        src = self._host[self._flip]
+        self._flip ^= 1
+        for s in self.static.values():
+            s["small"].copy_(src, non_blocking=True)
 
     def _static_batch(self, batch: ForwardBatch, B: int) -> ForwardBatch:
         """The step as the attention operators see it, every tensor a static buffer."""

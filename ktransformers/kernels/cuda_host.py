@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,7 @@ class HostStaging:
         self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
         self._packs: dict[int, bool] = {}  # CUDA device index -> inputs written by one kernel (packs())
         self._bad_rings = 0  # the doorbell's count of rings naming no call, as last checked
+        self._rest = os.environ.get("KT_POOL_REST", "1") != "0"
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
         item = torch.tensor([], dtype=dtype).element_size()
@@ -279,9 +281,18 @@ class HostStaging:
         return self.doorbell
 
     def wake(self) -> None:
-        """A step is about to run: let the doorbell spin (no-op in host mode)."""
+        """A step is about to run: let the doorbell and the pool's workers spin (no-op in host mode)."""
         if self.doorbell is not None:
             self.doorbell.wake()
+
+    def rest(self) -> None:
+        """The step's calls are all done (its streams synchronized): the doorbell thread and the
+        pool's workers stop spinning until the next wake(), leaving the cores to Python between
+        steps. Otherwise every core has a spinning thread pinned to it then, and the host's part
+        of a step (sampling, the next step's inputs, the graph's launch) ran ~2x slower on the
+        16-core host with 16 threads. KT_POOL_REST=0 keeps them spinning (for an A/B)."""
+        if self.doorbell is not None and self._rest:
+            self.doorbell.rest()
 
     def check_errors(self) -> None:
         """Raise the first error a host call recorded (after the stream ran them)."""

@@ -136,6 +136,12 @@ class RunContext:
         if self._staging is not None:
             self._staging.check_errors()
 
+    def rest_host_calls(self) -> None:
+        """The CPU jobs fed from the CUDA streams are done (call after the streams ran): their
+        threads stop spinning until the next step wakes them."""
+        if self._staging is not None:
+            self._staging.rest()
+
 
 class BaseInjectedModule(nn.Module):
     """Base of every operator. Subclasses set `Options` (a frozen dataclass extending Placement)."""
