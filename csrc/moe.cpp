@@ -444,7 +444,6 @@ std::shared_ptr<MoEHostCall> Doorbell::call(uint32_t number) {
 }
 
 void Doorbell::wake() {  // (wake and rest come from one thread: the later of the two wins)
-    rt_->pool().rouse();
     resting_.store(false, std::memory_order_release);
     woken_.store(true, std::memory_order_release);
     cv_.notify_one();
@@ -504,6 +503,7 @@ void Doorbell::loop() {
             after_call = false;
         }
         if (!served && woken_.exchange(false, std::memory_order_acq_rel)) {
+            rt_->pool().rouse();  // here, not in wake(): waking the workers costs the caller (Python) nothing
             last = now;
             after_call = false;  // a new step: its first ring follows Python, not a GPU layer
         }

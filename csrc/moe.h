@@ -149,7 +149,7 @@ class Doorbell {
     uint32_t add(std::shared_ptr<MoEHostCall> call);  // the call's number (from 1), what a ring is set to
     // Poll a pair of 4-byte aligned, distinct words (alive as long as this object).
     void watch(uint32_t* ring, uint32_t* done);
-    void wake();  // a step is about to ring: spin again (and so do the pool's workers)
+    void wake();  // a step is about to ring: spin again (this thread then rouses the pool's workers)
     // The step's rings are all served and the next step is not about to start (Python has the
     // cores: sampling, the next step's inputs): stop spinning now, this thread and the pool's
     // workers, until wake(). A ring that comes anyway is served within the idle nap (100 us).

@@ -65,3 +65,14 @@ rows.sort(key=lambda e: -e.self_cpu_time_total)
 print(f"{'count/step':>10} {'self cpu us/step':>16}  name (torch.profiler, CPU side)")
 for e in rows[:30]:
     print(f"{e.count / 10:>10.1f} {e.self_cpu_time_total / 10:>16.1f}  {e.key[:100]}")
+
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+profiler = cProfile.Profile()
+profiler.enable()
+for t in range(20):
+    engine.decode(seq, 400 + t)
+torch.cuda.synchronize()
+profiler.disable()
+print("cProfile of 20 steps (tottime: in the function itself, its callees excluded):")
+pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
