@@ -49,15 +49,37 @@ class ForwardBatch:
 
     `starts[i]` is how many tokens seqs[i] held before the step (the position of its first new
     token); `positions` [N] and `slots` [N] give each packed token's position and cache slot;
-    `read_slots[i]` lists the slots of seqs[i]'s whole history after the step, in order."""
+    `read_slots[i]` lists the slots of seqs[i]'s whole history after the step, in order. Those
+    three are made on first use when not given (a CUDA-graph step reads none of them: its
+    inputs come from `seqs` and `starts` on the host)."""
 
     seqs: list[Sequence]
     q_lens: list[int]
     starts: list[int]
-    positions: torch.Tensor
-    slots: torch.Tensor
-    read_slots: list[torch.Tensor]
+    _positions: torch.Tensor | None = None
+    _slots: torch.Tensor | None = None
+    _read_slots: list[torch.Tensor] | None = None
     _tables: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            parts = [torch.arange(start, start + q) for q, start in zip(self.q_lens, self.starts)]
+            self._positions = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._positions
+
+    @property
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            parts = [s.slots[start:start + q] for s, q, start in zip(self.seqs, self.q_lens, self.starts)]
+            self._slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._slots
+
+    @property
+    def read_slots(self) -> list[torch.Tensor]:
+        if self._read_slots is None:
+            self._read_slots = [s.slots[:start + q] for s, q, start in zip(self.seqs, self.q_lens, self.starts)]
+        return self._read_slots
 
     def slot_table(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int32 [B, max_len] padded with 0, lens int32 [B]) of every sequence's history,
@@ -169,15 +191,9 @@ class PagedCache:
             if n:
                 self._add_pages(s, [self._free.pop() for _ in range(n)])
         starts = [s.length for s in seqs]
-        positions, slots, read_slots = [], [], []
-        for s, q, start in zip(seqs, q_lens, starts):
-            positions.append(torch.arange(start, start + q))
-            slots.append(s.slots[start:start + q])
-            read_slots.append(s.slots[:start + q])
-            s.length = start + q
-        if len(seqs) == 1:
-            return ForwardBatch(list(seqs), list(q_lens), starts, positions[0], slots[0], read_slots)
-        return ForwardBatch(list(seqs), list(q_lens), starts, torch.cat(positions), torch.cat(slots), read_slots)
+        for s, q in zip(seqs, q_lens):
+            s.length += q
+        return ForwardBatch(list(seqs), list(q_lens), starts)  # (its tensors made when first read)
 
     def _add_pages(self, seq: Sequence, pages: list[int]) -> None:
         seq.pages.extend(pages)
