@@ -12,7 +12,7 @@
 #      decode at the thread counts of THREAD_SWEEP (e.g. "15 16").
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
 # tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
-# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file,
+# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file (its kernels),
 # STAGING=1 scripts/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
 # CPU with llama.cpp's build (-j16): their CPU-side rates read low there (a quiet run: NO_LLAMA=1).
 # After the build: BENCH_MOE="16 14" runs bench.moe's Qwen3 Q4_K_M layer at those thread counts
