@@ -449,10 +449,9 @@ void Doorbell::wake() {  // (wake and rest come from one thread: the later of th
     cv_.notify_one();
 }
 
-void Doorbell::rest() {
+void Doorbell::rest() {  // (the pool is told by this object's thread, in the order it sees wakes and rests)
     woken_.store(false, std::memory_order_release);
     resting_.store(true, std::memory_order_release);
-    rt_->pool().rest();
 }
 
 void Doorbell::loop() {
@@ -499,6 +498,7 @@ void Doorbell::loop() {
         }
         const auto now = clock::now();
         if (!served && resting_.exchange(false, std::memory_order_acq_rel)) {
+            rt_->pool().rest();
             last = now - spin;  // idle from now
             after_call = false;
         }

@@ -152,7 +152,8 @@ class Doorbell {
     void wake();  // a step is about to ring: spin again (this thread then rouses the pool's workers)
     // The step's rings are all served and the next step is not about to start (Python has the
     // cores: sampling, the next step's inputs): stop spinning now, this thread and the pool's
-    // workers, until wake(). A ring that comes anyway is served within the idle nap (100 us).
+    // workers, until wake(). A ring that comes anyway is served within the idle nap (100 us, or
+    // 1 ms after a second idle).
     void rest();
     uint64_t served() const { return served_.load(std::memory_order_relaxed); }
     uint64_t bad_rings() const { return bad_.load(std::memory_order_relaxed); }

@@ -70,6 +70,7 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int, int)>& 
     next_.store(0);
     n_tasks_.store(n_tasks, std::memory_order_release);
     busy_.store(n_threads_ - 1);
+    resting_.store(false, std::memory_order_relaxed);  // (workers spin again after this job)
     {
         std::lock_guard<std::mutex> lock(mu_);
         generation_.fetch_add(1, std::memory_order_release);
@@ -80,11 +81,12 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int, int)>& 
     job_ = nullptr;
 }
 
-void ThreadPool::rest() { rests_.fetch_add(1, std::memory_order_release); }
+void ThreadPool::rest() { resting_.store(true, std::memory_order_release); }
 
 void ThreadPool::rouse() {
     {
         std::lock_guard<std::mutex> lock(mu_);
+        resting_.store(false, std::memory_order_release);
         rouses_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
@@ -96,10 +98,9 @@ void ThreadPool::worker(int id) {
     for (;;) {
         // spin a little for the next job (unless told to rest), then sleep until one comes or a
         // rouse() says one is coming
-        const uint64_t rested = rests_.load(std::memory_order_acquire);
         const uint64_t roused = rouses_.load(std::memory_order_acquire);
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-        while (generation_.load(std::memory_order_acquire) == seen && rests_.load(std::memory_order_acquire) == rested &&
+        while (generation_.load(std::memory_order_acquire) == seen && !resting_.load(std::memory_order_acquire) &&
                std::chrono::steady_clock::now() < until)
             for (int i = 0; i < 8; i++) KT_PAUSE();  // a PAUSE is ~140 cycles on Sapphire Rapids: check every ~0.5 us
         if (generation_.load(std::memory_order_acquire) == seen) {

@@ -49,7 +49,8 @@ class ThreadPool {
     const std::function<void(int, int)>* job_ = nullptr;
     std::atomic<int> n_tasks_{0}, next_{0}, busy_{0};
     std::atomic<uint64_t> generation_{0};
-    std::atomic<uint64_t> rests_{0}, rouses_{0};  // counters: a change ends a spin / a sleep
+    std::atomic<bool> resting_{false};  // set by rest(), cleared by rouse() and parallel_for(): no spinning while set
+    std::atomic<uint64_t> rouses_{0};   // a change ends a sleep
     std::atomic<bool> stop_{false};
     std::mutex mu_;
     std::condition_variable wake_;

@@ -100,10 +100,11 @@ def test_doorbell_runs_the_rung_call(dtype):
     assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
 
 
-def test_doorbell_rest_and_wake():
+def test_doorbell_rest_and_wake(monkeypatch):
     """rest() stops the doorbell thread and the pool's workers spinning (the process then burns
     about no CPU while idle; after wake() the doorbell spins for DOORBELL_SPIN_US), and a call
     rung while resting, or right after a wake, is still served and right."""
+    monkeypatch.setenv("KT_POOL_REST", "1")
     runtime = CPURuntime(2)
     kernel = _kernel(runtime)
     staging = HostStaging(runtime, pinned=False)

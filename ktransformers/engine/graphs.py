@@ -87,7 +87,10 @@ class DecodeGraphs:
         pinned = torch.cuda.is_available()
         self._host = [torch.zeros(self._bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._host_views = [{k: v.numpy() for k, v in self._views(h, max_batch).items()} for h in self._host]
-        self._flip = 0  # which host buffer the next step fills (the other may still be copying)
+        # which host buffer the next step fills. Engine.step synchronizes the step's streams
+        # before it returns, so a buffer's copy is done when the buffer is next written; steps
+        # issued two deep without that sync would need an event per buffer.
+        self._flip = 0
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]  # pages whose slots each table row holds
 
     @staticmethod
