@@ -6,7 +6,7 @@ roofline of the same run and llama.cpp (experts on the CPU, `-ot exps=CPU`) on t
 
 Ours: the shipped GPU rule file for the architecture (or --optimize_config_path), bf16 on the GPU,
 CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
---chunk_size); decode tok/s over --decode steps after a 512-token prompt.
+--chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over --decode steps after a 512-token prompt.
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
 bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
 device-copy bandwidth); the floor time is the sum, and `ratio` = measured / roofline tok/s.
@@ -90,16 +90,17 @@ def measure_ours(args, config) -> dict:
     gen = torch.Generator().manual_seed(0)
     vocab = config.vocab_size
     prefill = {}
-    for P in [args.prompts[0]] + list(args.prompts):  # the first length twice: warm-up
+    for P in args.prompts:
         times = []
-        for _ in range(args.repeats):
+        for i in range(args.repeats + 1):  # the first run of each length is a warm-up (as llama-bench's)
             prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
             seq = engine.new_sequence()
             sync()
             t0 = time.perf_counter()
             engine.prefill(seq, prompt)
             sync()
-            times.append(time.perf_counter() - t0)
+            if i:  # (each length compiles its Triton kernels' block-size variants in its first run)
+                times.append(time.perf_counter() - t0)
             engine.release(seq)
         prefill[P] = P / statistics.median(times)
     decode, issue = [], []  # tok/s; us a step from its start until its work is enqueued
