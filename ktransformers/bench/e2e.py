@@ -99,7 +99,7 @@ def measure_ours(args, config) -> dict:
             t0 = time.perf_counter()
             engine.prefill(seq, prompt)
             sync()
-            if i:  # (each length compiles its Triton kernels' block-size variants in its first run)
+            if i:  # (a length's first run may compile Triton kernels for its block sizes)
                 times.append(time.perf_counter() - t0)
             engine.release(seq)
         prefill[P] = P / statistics.median(times)
