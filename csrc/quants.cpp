@@ -511,7 +511,8 @@ inline void scale_accumulate(__m512* acc, __m512 d, const act_q8_k* const* a, in
 template <typename Tile, int T>
 void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     constexpr bool five = std::is_same<Tile, tile_q5_k16>::value;  // Q5_K: a fifth bit from qh
-    const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0x0F);
     const __m512i pair6 = _mm512_set1_epi32(0x003F003F), pair4 = _mm512_set1_epi32(0x000F000F);
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -537,22 +538,27 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
             const __m512i sc = j < 4 ? _mm512_and_si512(_mm512_srli_epi32(P0, 8 * j), six)
                                      : _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi32(P2, 8 * (j - 4)),
                                                                                   _mm512_srli_epi32(P0, 8 * (j - 4) + 2), four, 0xE4), six);
-            __m512i dj[T];
-            for (int t = 0; t < T; t++) dj[t] = _mm512_setzero_si512();
+            __m512i dj[T], dh[T];
+            for (int t = 0; t < T; t++) dj[t] = _mm512_setzero_si512(), dh[t] = _mm512_setzero_si512();
             __m512i qh = _mm512_setzero_si512();
             if constexpr (five) qh = _mm512_loadu_si512(w->part[j].qh);
             for (int q = 0; q < 4; q++) {
                 __m512i v;
                 if constexpr (five) v = _mm512_loadu_si512(w->part[j].qs[q]);
                 else v = _mm512_loadu_si512(w->qs[4 * j + q]);
-                __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                __m512i lo = _mm512_and_si512(v, low4);
                 if constexpr (five) {  // bit q -> bit 4 (low values), bit 4 + q -> bit 4 (high); a | (b & c)
                     const __m512i bit4 = _mm512_set1_epi8(0x10);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(qh, 4 - q), bit4, 0xF8);
                     hi = _mm512_ternarylogic_epi32(hi, q ? _mm512_srli_epi16(qh, q) : qh, bit4, 0xF8);
+                    dpbusd_tokens<T>(dj, dj, lo, hi, a, b, 32 * j + 4 * q);
+                } else {  // the high nibbles in place, as 16x their value: one AND, no shift
+                    dpbusd_tokens<T>(dj, dh, lo, _mm512_and_si512(v, high4), a, b, 32 * j + 4 * q);
                 }
-                dpbusd_tokens<T>(dj, dj, lo, hi, a, b, 32 * j + 4 * q);
             }
+            if constexpr (!five)  // (a sum of multiples of 16: the shift is exact)
+                for (int t = 0; t < T; t++) dj[t] = _mm512_add_epi32(dj[t], _mm512_srai_epi32(dh[t], 4));
             for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dj[t], sc));
         }
         // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7)
