@@ -159,6 +159,8 @@ def test_paged_cache_bookkeeping():
     t = cache.new_sequence()
     batch = cache.prepare([s, t], [1, 2])
     assert t.pages == [2] and batch.slots.tolist() == [5, 8, 9] and batch.starts == [5, 0]
+    for seq in (s, t):  # the host's slot arithmetic (CUDA-graph inputs) agrees with the slot tensors
+        assert [cache.slot(seq, i) for i in range(seq.length)] == seq.slots[:seq.length].tolist()
     new = torch.randn(3, 3)
     cache.write(0, batch, new)
     assert torch.equal(cache.read(0, batch, 0)[0], torch.cat([values, new[:1]]))

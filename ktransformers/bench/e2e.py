@@ -6,7 +6,8 @@ roofline of the same run and llama.cpp (experts on the CPU, `-ot exps=CPU`) on t
 
 Ours: the shipped GPU rule file for the architecture (or --optimize_config_path), bf16 on the GPU,
 CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
---chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over --decode steps after a 512-token prompt.
+--chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over
+--decode steps after a 512-token prompt.
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
 bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
 device-copy bandwidth); the floor time is the sum, and `ratio` = measured / roofline tok/s.

@@ -200,7 +200,13 @@ class PagedCache:
         new = self._page_slots(pages)
         seq.slots = new if seq.slots is None or seq.slots.numel() == 0 else torch.cat([seq.slots, new])
 
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The flat slot of seq's token at `position`, on the host (seq.slots holds the same,
+        on the cache's device)."""
+        return seq.pages[position // self.page_size] * self.page_size + position % self.page_size
+
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        """Every slot of these pages, in order: slot(seq, i) for i over them."""
         table = torch.tensor(pages, dtype=torch.long)
         return (table[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(self.device)
 

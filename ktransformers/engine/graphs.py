@@ -108,12 +108,13 @@ class DecodeGraphs:
         pinned buffer and copied with one launch a device; a slot-table row only where its
         sequence has gained pages since the row was written (a row holds the slots of whole
         pages, `lens` bounds what is read), else nothing."""
-        B, page = len(tokens), self.engine.cache.page_size
+        cache = self.engine.cache
+        B, page = len(tokens), cache.page_size
         host = self._host_views[self._flip]
         host["ids"][:B] = tokens
         for b, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             host["positions"][b] = start
-            host["slots"][b] = seq.pages[start // page] * page + start % page
+            host["slots"][b] = cache.slot(seq, start)
             host["lens"][b] = start + 1
             held = self._rows[b]
             fresh = 0 if seq.pages[:len(held)] != held else len(held)  # pages already in the row
