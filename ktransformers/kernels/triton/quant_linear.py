@@ -383,7 +383,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     if M == 1 and w.bits == 4 and w.offset is not None:
         return _int4_gemv(x, w, out_dtype)
     offset = w.offset if w.offset is not None else w.scale
-    BLOCK_K = 128 if K % 128 == 0 else (64 if K % 64 == 0 else 32)
+    BLOCK_K = _block_k(K, 128)
     if M <= 16:
         BLOCK_M, BLOCK_N = 16, 64
     elif M <= 64:
@@ -406,7 +406,7 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> 
     7.7 / 4.7 / 8.3 us a call against 8.7 / 5.4 / 9.4 for the tl.dot GEMM's 16-row tiles
     (scripts/gpu_tune.py gemv, cold weights)."""
     K, N = w.in_features, w.out_features
-    BLOCK_N, BLOCK_K = 64, _gemv_block_k(K)
+    BLOCK_N, BLOCK_K = 64, _block_k(K, 256)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
@@ -414,8 +414,12 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> 
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
-def _gemv_block_k(K: int) -> int:
-    return 256 if K % 256 == 0 else (128 if K % 128 == 0 else (64 if K % 64 == 0 else 32))
+def _block_k(K: int, largest: int) -> int:
+    """The widest K block, `largest` down to 32 (a group), that divides K (else 32)."""
+    block = largest
+    while block > GROUP and K % block:
+        block //= 2
+    return block
 
 
 class _Operand(NamedTuple):
@@ -463,7 +467,7 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     tiles = [triton.cdiv(op.n, op.block_n) for op in ops]
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
-    BLOCK_K = _gemv_block_k(K)
+    BLOCK_K = _block_k(K, 256)
     # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
