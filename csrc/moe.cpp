@@ -50,14 +50,17 @@ bool decode_sized(int pairs, int experts_active) { return pairs <= 2 * experts_a
 
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
 // Tasks a thread (0: chosen here). Decode: long runs of rows stream best and a dynamic schedule
-// still balances with a few tasks a thread. Measured at T=1 on the Qwen3 layer
-// (scripts/moe_tasks_sweep.py, in-kernel): 2 threads (EPYC) 4 -> 0.85-0.90 of the stream, 16 ->
-// 0.85; 16 threads (Sapphire Rapids) 4 or 8 -> 0.81-0.82, 16 -> 0.78-0.81. Prefill (experts with
-// unequal token counts) keeps 16 for balance.
+// still balances with a few tasks a thread. Measured at T=1 on the Qwen3 layer, in-kernel: 2
+// threads (EPYC, scripts/moe_tasks_sweep.py) 4 -> 0.85-0.90 of the stream, 16 -> 0.85; 16 threads
+// on the GPU host with 48 copies of the layer cycled (17.5 GiB, as a 48-layer model holds: little
+// of it in the 300 MB L3; scripts/cpu_footprint.py, four sweeps, the default prefetch) 4 -> 0.77,
+// 0.81, 0.86, 0.89 of the stream; 8 -> 0.79, 0.75, 0.82, 0.88 in the same sweeps; 16 no better.
+// (The earlier choice of 8 was measured on 2-3 copies, partly served from that L3.) Prefill
+// (experts with unequal token counts) keeps 16 for balance.
 int chunk_rows(int rows, int experts_active, int pairs, int threads) {
     const int active = std::max(1, experts_active);
     int per_thread = g_tasks_per_thread.load(std::memory_order_relaxed);
-    if (per_thread <= 0) per_thread = !decode_sized(pairs, experts_active) ? 16 : threads < 8 ? 4 : 8;
+    if (per_thread <= 0) per_thread = !decode_sized(pairs, experts_active) ? 16 : 4;
     const int want_tasks = std::max(1, (per_thread * threads + active - 1) / active);
     const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
     return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)

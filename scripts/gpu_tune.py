@@ -105,7 +105,7 @@ def gemv_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
                                                         p.k_per_split, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE=32,
-                                                        ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
+                                                        ATOMIC=False, REDUCE=p.reduce, GDC=False, num_warps=warps)
                             return p.y
                         trial(best, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
                                     f"w {warps}", call, ws, ref)
@@ -146,7 +146,7 @@ def attn_sweep():
                                     k.stride(0), k.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                     s.stride(0), Hq, Hq // Hkv, d, 1, d, 0.088, 0, tps, splits, BLOCK_H=bh, BLOCK_T=bt,
                                     BLOCK_D1=d, BLOCK_D2=16, BLOCK_DV=d, HAS_K2=False, V_IS_K1=False, DOT_F32=False,
-                                    MERGE=False, BLOCK_S=A._pow2(splits, 2), num_warps=warps, num_stages=stages)
+                                    MERGE=False, BLOCK_S=A._pow2(splits, 2), GDC=False, num_warps=warps, num_stages=stages)
                                 out = torch.empty(1, Hq, d, device="cuda", dtype=torch.bfloat16)
                                 A._merge_splits_kernel[(Hq,)](acc, lse, out, splits, d, BLOCK_S=A._pow2(splits, 2),
                                                               CHUNK_S=8, BLOCK_DV=d, num_warps=4)
@@ -176,7 +176,7 @@ def dense_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._dense_gemv_kernel[p.grid](x, w, p.y, *p.scratch(), 1, N, 2048, x.stride(0), w.stride(0),
                                                          p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
-                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, num_warps=warps)
+                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, GDC=False, num_warps=warps)
                             return p.y
                         trial(best, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
                                     f"w {warps}", call, ws, ref)

@@ -453,3 +453,84 @@ def test_fused_paths_without_counters_fall_back(dev, monkeypatch):
     assert rel_err(A.decode_attention(q, k, v, slots, n, d ** -0.5).cpu(), merged.cpu()) < 1e-6 and merges
     assert ql.gemv_many(x, weights, torch.float32) is None
     assert router.router_topk(x, gate, 4, True, torch.float32, torch.float32) is None
+
+
+def test_pdl_options(monkeypatch):
+    """Kernels launch as programmatic dependents only on CUDA devices that have PDL, and not with
+    KT_PDL=0; elsewhere their GDC parameter is off (gdc_enter compiles to nothing)."""
+    from ktransformers.kernels.triton.pdl import pdl
+    assert pdl(torch.device("cpu")) == {"GDC": False}
+    if torch.cuda.is_available():
+        on = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl(torch.device("cuda")) == ({"GDC": True, "launch_pdl": True} if on else {"GDC": False})
+        monkeypatch.setenv("KT_PDL", "0")
+        assert pdl(torch.device("cuda")) == {"GDC": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_chain_in_graph_equals_plain(monkeypatch):
+    """A decode layer's chain of launches, each reading what the one before wrote (norm -> q/k/v
+    GEMVs -> q/k norm + RoPE with the cache write -> attention -> o GEMV -> residual add + norm ->
+    router -> pack into pinned memory), six times over, replayed as a CUDA graph of programmatic
+    dependent launches: the same bits as the same launches made plainly (KT_PDL=0), eagerly. A
+    kernel that read its input before waiting for the launch that writes it would read the
+    previous replay's values here."""
+    from ktransformers.kernels.triton import attention as A
+    from ktransformers.kernels.triton import handoff, norm_rope
+    from ktransformers.kernels.triton import quant_linear as ql
+    from ktransformers.kernels.triton import router
+    from ktransformers.kernels.triton.pdl import pdl
+    if not pdl(torch.device("cuda"))["GDC"]:
+        pytest.skip("this GPU has no programmatic dependent launch")
+    g = gen(77)
+    H, heads, kv, d, E, K, S = 512, 8, 2, 64, 64, 4, 96
+    dev = "cuda"
+    wq, wk = (ql.quantize_int4(torch.randn(n * d, H, generator=g) / H ** 0.5).to(dev) for n in (heads, kv))
+    wv = (torch.randn(kv * d, H, generator=g) / H ** 0.5).to(torch.bfloat16).to(dev)
+    wo = ql.quantize_int4(torch.randn(H, heads * d, generator=g) / (heads * d) ** 0.5).to(dev)
+    w_in, w_post, qn, kn = ((1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(dev) for n in (H, H, d, d))
+    gate = torch.randn(E, H, generator=g).to(dev)
+    angles = torch.rand(1, 1, d, generator=g) * 6
+    cos, sin = angles.cos().to(torch.bfloat16).to(dev), angles.sin().to(torch.bfloat16).to(dev)
+    x0 = torch.randn(1, H, generator=g).to(torch.bfloat16).to(dev)
+    caches0 = [torch.randn(S, kv, d, generator=g).to(torch.bfloat16).to(dev) for _ in range(2)]
+    slots = torch.randperm(S, generator=g)[:40].to(dev)
+    slot_table, lens = slots[None].to(torch.int32), torch.tensor([40], dtype=torch.int32, device=dev)
+    step = slots[-1:].long()
+    pinned = (torch.empty(1, H, dtype=torch.bfloat16, pin_memory=True), torch.empty(1, K, dtype=torch.int64, pin_memory=True),
+              torch.empty(1, K, dtype=torch.float32, pin_memory=True))
+
+    def chain(x, kc, vc):
+        outs = []
+        for _ in range(6):
+            h = norm_rope.rms_norm(x, w_in, 1e-6)
+            q, k, v = ql.gemv_many(h, [wq, wk, wv], torch.bfloat16)
+            q, k = norm_rope.qk_norm_rope(q.view(1, 1, heads, d), k.view(1, 1, kv, d), cos, sin, qn, kn,
+                                          write=(v.view(1, 1, kv, d), kc, vc, step))
+            a = A.decode_attention(q.view(1, heads, d), kc, vc, slot_table, lens, d ** -0.5, out_dtype=torch.bfloat16)
+            o = ql.group_gemm(a.reshape(1, heads * d), wo, torch.bfloat16)
+            x, h2 = norm_rope.add_rms_norm(x, o, w_post, 1e-6)
+            _, w, ids = router.router_topk(h2, gate, K, True, torch.float32, torch.float32)
+            handoff.pack_moe_inputs(h2, ids, w, *pinned)
+            outs += [x, w, ids]
+        return outs
+
+    monkeypatch.setenv("KT_PDL", "0")
+    plain_caches = [c.clone() for c in caches0]
+    want = [t.clone() for t in chain(x0, *plain_caches)]
+    monkeypatch.setenv("KT_PDL", "1")
+    caches = [c.clone() for c in caches0]
+    chain(x0, *[c.clone() for c in caches0])  # compiled and the counters made, outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = chain(x0, *caches)
+    for _ in range(3):  # each replay rewrites what the previous one left
+        for c, c0 in zip(caches, caches0):
+            c.copy_(c0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(a, b) for a, b in zip(caches, plain_caches))

@@ -11,7 +11,7 @@ use it to run every level the CPU has); KT_CPU_PREFETCH=<bytes>, how far ahead t
 prefetch weights (default 4096, 0: none; one page ahead measured best on the 16-core Sapphire
 Rapids host and no worse on the 2-core EPYC), KT_CPU_PREFETCH_HINT=t0|t1|t2|nta into which cache
 (default t0, L1); KT_MOE_TASKS, tasks a thread per MoE phase
-(default 0: decode 4 below 8 threads else 8, prefill 16); KT_MOE_PIPELINE=0 runs a decode call's gate/up, activation and down as three
+(default 0: decode 4, prefill 16); KT_MOE_PIPELINE=0 runs a decode call's gate/up, activation and down as three
 parallel regions with barriers instead of one (default 1); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
 experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
 host functions where the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .common import MAX_SPLIT_TILES, dot_f32, sm_count, split_counters
 from .norm_rope import round_to
+from .pdl import gdc_enter, pdl
 
 
 # Most splits of one sequence's history in decode_attention (the merge reads every split).
@@ -52,8 +53,9 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
                    Hq, group, D1, D2, DV, scale, window, tokens_per_split, num_splits,
                    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                    BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr,
-                   MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+                   MERGE: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
     b = tl.program_id(0)
+    gdc_enter(GDC)  # (q and the step's k/v rows are the previous launch's)
     blocks_per_kv = tl.cdiv(group, BLOCK_H)
     kvh = tl.program_id(1) // blocks_per_kv
     hl = (tl.program_id(1) % blocks_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)  # heads within the group
@@ -195,7 +197,7 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
                          BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
                          HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(), MERGE=counters is not None,
                          BLOCK_S=_pow2(splits, 2), num_warps=8 if max(D1, DV) >= 256 else 4,
-                         num_stages=2 if q1.device.type == "cuda" else 1)
+                         num_stages=2 if q1.device.type == "cuda" else 1, **pdl(q1.device))
     if splits == 1:
         return acc[:, :, 0]
     if counters is not None:

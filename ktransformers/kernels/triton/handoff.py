@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .norm_rope import round_to
+from .pdl import gdc_enter, pdl
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr):
 
 @triton.jit
 def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, s_x, s_i, s_w,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    gdc_enter(GDC)
     _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
@@ -64,7 +66,8 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x
     if T == 0:
         return
     _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, H, K, x.stride(0), ids.stride(0), weights.stride(0),
-                       BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(K), num_warps=4)
+                       BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(K), num_warps=4,
+                       **pdl(x.device))
 
 
 @triton.jit

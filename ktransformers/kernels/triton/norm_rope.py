@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from .pdl import gdc_enter, pdl
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """KRMSNorm's torch path: rows of x [.., D] normalized, times weight [D]."""
@@ -54,19 +56,21 @@ def _normalize(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
+                     GDC: tl.constexpr):
     """A row's norm; ADD: of the row's sum with b's (x + b, stored at s_ptr, rounded as torch's add
     rounds: a float32 sum rounded once), the norm reading the rounded sum."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)  # (a weight: before waiting, GDC)
+    gdc_enter(GDC)
     x = tl.load(x_ptr + row * s_x + d, mask=m, other=0.0).to(tl.float32)
     x_ty = x_ptr.dtype.element_ty
     if ADD:
         x_ty = s_ptr.dtype.element_ty
         x = round_to(x + tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32), x_ty)
         tl.store(s_ptr + row * D + d, x.to(x_ty), mask=m)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
     y = _normalize(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -93,7 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, D, rows.stride(0), 0, float(eps),
-                                           BLOCK_D=block, ADD=False, num_warps=_warps(block))
+                                           BLOCK_D=block, ADD=False, num_warps=_warps(block), **pdl(x.device))
     return out
 
 
@@ -113,7 +117,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     if ra.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(ra.shape[0],)](ra, rb, weight, s, y, D, ra.stride(0), rb.stride(0), float(eps),
-                                         BLOCK_D=block, ADD=True, num_warps=_warps(block))
+                                         BLOCK_D=block, ADD=True, num_warps=_warps(block), **pdl(a.device))
     return s, y
 
 
@@ -121,7 +125,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
                          Hq, Hk, S, half, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
                          v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
-                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr):
+                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr, GDC: tl.constexpr):
     """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row is read as its
     two rotary halves, so rotate_half is a swap of registers. WRITE: k's programs also store the
     rotated row, and v's row of the same head, at the token's slot of the caches."""
@@ -132,6 +136,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     b, s = t // S, t % S
     i = tl.arange(0, BLOCK_HALF)
     m = i < half
+    gdc_enter(GDC)
     if is_q:
         src, w_ptr, dst, eps = q_ptr + t * s_qt + h * s_qh, qw_ptr, qo_ptr + (t * Hq + h) * 2 * half, q_eps
     else:
@@ -244,5 +249,6 @@ def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float,
                                            float(eps[0]), float(eps[1]), v, v.stride(1), v.stride(2), k_cache,
                                            v_cache, slots, k_cache.shape[0],
                                            BLOCK_HALF=triton.next_power_of_2(half), NORM=norm,
-                                           WRITE=write is not None, num_warps=1, enable_fp_fusion=False)
+                                           WRITE=write is not None, num_warps=1, enable_fp_fusion=False,
+                                           **pdl(q.device))
     return qo, ko

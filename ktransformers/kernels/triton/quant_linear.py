@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
 from .common import DENSE_ROWS, MAX_SPLIT_TILES, dot_f32, plan_split_k, sm_count, split_counters, split_grid
+from .pdl import gdc_enter, pdl
 from .norm_rope import round_to
 
 GROUP = 32
@@ -170,46 +171,64 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
 
 
 @triton.jit
+def _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_SIZE: tl.constexpr):
+    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]) of int4
+    weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
+    G: tl.constexpr = BLOCK_K // GROUP_SIZE
+    mask_n = rn < N
+    shifts = tl.arange(0, 8) * 4
+    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
+    q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
+    rg = k0 // GROUP_SIZE + tl.arange(0, G)
+    mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
+    s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
+    o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
+    return q, s, o
+
+
+@triton.jit
+def _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) + offset * sum(x_g)."""
+    G: tl.constexpr = BLOCK_K // GROUP_SIZE
+    rk = k0 + tl.arange(0, BLOCK_K)
+    xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, GROUP_SIZE))
+    return s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
+
+
+@triton.jit
 def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, GDC: tl.constexpr):
     """float32 [BLOCK_N]: one row of x times int4 weight columns rn over [k_start, k_start +
     k_per_split), without tl.dot: per group g of 32 values
         scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
-    (the groups' terms kept apart and summed once at the end)."""
-    G: tl.constexpr = BLOCK_K // GROUP_SIZE
-    mask_n = rn < N
-    acc = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    shifts = tl.arange(0, 8) * 4
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
-                        other=0)
-        q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
-        rk = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, GROUP_SIZE))
-        rg = k0 // GROUP_SIZE + tl.arange(0, G)
-        mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
-        s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-        o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-        acc += s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
+    (the groups' terms kept apart and summed once at the end). The first block's weights are
+    loaded before gdc_enter (GDC: while the kernel that writes x still runs), x after it."""
+    q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    gdc_enter(GDC)
+    acc = _int4_block_sum(x_ptr, q, s, o, K, k_start, BLOCK_K, GROUP_SIZE)
+    for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
+        q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N, BLOCK_K, GROUP_SIZE)
+        acc += _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K, GROUP_SIZE)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
+                      ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
     """One row of x against int4 weights in float32 (program_id 1: BLOCK_N columns, 2: the K split)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
-                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE)
+                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
     store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE)
 
 
 @triton.jit
 def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, tile, k_per_split,
                   INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  REDUCE: tl.constexpr):
+                  REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
     the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,9 +236,9 @@ def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_pt
     k_start = tl.program_id(2) * k_per_split
     if INT4:
         acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
-                              GROUP_SIZE)[None, :]
+                              GROUP_SIZE, GDC)[None, :]
     else:  # a row-major dense W [N, K]
-        acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K)
+        acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K, GDC)
     store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE)
 
 
@@ -228,19 +247,19 @@ def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
                       w0, s0, o0, y0, p0, N0, w1, s1, o1, y1, p1, N1, w2, s2, o2, y2, p2, N2,
                       INT4_0: tl.constexpr, INT4_1: tl.constexpr, INT4_2: tl.constexpr, BN0: tl.constexpr,
                       BN1: tl.constexpr, BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      REDUCE: tl.constexpr):
+                      REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Two or three GEMVs of one row in one launch: program_id(1) < T0 are weight 0's tiles, the
     next T1 weight 1's, the rest weight 2's."""
     t = tl.program_id(1)
     if t < T0:
         _gemv_segment(x_ptr, w0, s0, o0, y0, p0, count_ptr, N0, K, t, k_per_split, INT4_0, BN0, BLOCK_K,
-                      GROUP_SIZE, REDUCE)
+                      GROUP_SIZE, REDUCE, GDC)
     elif t < T0 + T1:
         _gemv_segment(x_ptr, w1, s1, o1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, INT4_1, BN1, BLOCK_K,
-                      GROUP_SIZE, REDUCE)
+                      GROUP_SIZE, REDUCE, GDC)
     else:
         _gemv_segment(x_ptr, w2, s2, o2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, INT4_2, BN2, BLOCK_K,
-                      GROUP_SIZE, REDUCE)
+                      GROUP_SIZE, REDUCE, GDC)
 
 
 @triton.jit
@@ -281,23 +300,31 @@ def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: t
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr):
+                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
     """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows over its K split, in
     float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, tl.program_id(2) * k_per_split,
-                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, GDC)
     store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
 
 
 @triton.jit
 def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_per_split, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start + k_per_split)."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start +
+    k_per_split). The first block of weights is loaded before gdc_enter, x after it (as
+    _int4_split_sum)."""
     mask_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+    rk = k_start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
+                other=0.0).to(tl.float32)
+    gdc_enter(GDC)
+    a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
+                other=0.0).to(tl.float32)
+    acc = tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+    for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
                     other=0.0).to(tl.float32)
@@ -339,7 +366,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
     y = plan.y
     _dense_gemv_kernel[plan.grid](x, w, y, *plan.scratch(), M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                   plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4)
+                                  ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4, **pdl(x.device))
     return y.to(out_dtype) if plan.atomic else y
 
 
@@ -410,7 +437,7 @@ def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> 
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
-                                 REDUCE=plan.reduce, num_warps=2)
+                                 REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
@@ -488,7 +515,8 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
                                                INT4_0=o0.int4, INT4_1=o1.int4, INT4_2=o2.int4,
                                                BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
-                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2)
+                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2,
+                                               **pdl(x.device))
     return ys
 
 

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .common import MAX_SPLIT_TILES, split_counters
 from .norm_rope import round_to
+from .pdl import pdl
 from .quant_linear import GEMV_ROWS, _dense_rows, gemv_plan, split_reduce
 
 MAX_EXPERTS, MAX_K = 1024, 32
@@ -57,14 +58,15 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
 @triton.jit
 def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, M, E, H, stride_xm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
-                   K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+                   K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                   GDC: tl.constexpr):
     """Router logits y [M, E] = x [M, H] Gᵀ (quant_linear's dense GEMV: program_id 1 a tile of
     BLOCK_N experts, 2 a split of H added in the launch), then, by the program that completes
     the last tile (a counter past the tiles' own), every token's top-K routing from y."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, g_ptr, rm, rn, M, E, H, stride_xm, H, tl.program_id(2) * k_per_split, k_per_split,
-                      BLOCK_M, BLOCK_N, BLOCK_H)
+                      BLOCK_M, BLOCK_N, BLOCK_H, GDC)
     mask = (rm < M)[:, None] & (rn < E)[None, :]
     out = y_ptr + rm[:, None] * E + rn[None, :]
     tiles = tl.num_programs(1)
@@ -132,5 +134,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
-                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4)
+                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4,
+                              **pdl(x.device))
     return plan.y, weights, index
