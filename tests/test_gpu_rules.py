@@ -187,10 +187,13 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
     ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
     layers = [m for m in ours.modules() if isinstance(m, KDecoderLayer)]
     assert len(layers) == 2 and all(m.fused_add_norm for m in layers)
-    for m in layers:  # (float32 on the CPU: the norm's own Triton path, not its C++ one, on both sides)
-        m.post_attention_layernorm.ext = None
+    for m in layers:  # (float32 on the CPU: the norms' own Triton path, not their C++ one, on both sides)
+        m.post_attention_layernorm.ext = m.input_layernorm.ext = None
     calls, real = [], norm_rope.add_rms_norm
     monkeypatch.setattr(norm_rope, "add_rms_norm", lambda *a: calls.append(a) or real(*a))
+    handed, rms = [], norm_rope.rms_norm
+    for m in layers:  # the norm kernel each input norm runs by itself (not when handed its input)
+        m.input_layernorm.triton_norm = lambda x, w, eps, m=m: handed.append(m) or rms(x, w, eps)
     ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
 
     def run():
@@ -200,11 +203,15 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
         return logits(ours, ids), torch.cat(out).cpu()
 
     fused = run()
-    assert len(calls) >= 2 * 2  # two layers x (the full forward, the prefill; decode replays graphs on CUDA)
+    # the full forward and the prefill (decode replays graphs on CUDA): two post-attention norms
+    # and layer 0's last add with layer 1's input norm each; layer 1's input norm never alone
+    assert len(calls) >= 2 * 3
+    assert layers[1] not in handed and handed.count(layers[0]) >= 2
     for m in layers:
         m.fused_add_norm = False
     calls.clear()
+    handed.clear()
     plain = run()
-    assert not calls
+    assert not calls and layers[1] in handed
     for a, b, what in zip(fused, plain, ("full forward", "prefill and decode")):
         assert torch.equal(a, b), f"{family} {what}: {(a - b).abs().max().item():.2e}"

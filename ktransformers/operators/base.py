@@ -106,6 +106,10 @@ class RunContext:
         self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)
         self.cache = None  # a cache.PagedCache
         self.batch = None  # the cache.ForwardBatch of the forward in flight
+        # decoder layers by index (operators/layer.py: a layer ends with the next one's input norm)
+        self.decoder_layers: dict[int, nn.Module] = {}
+        # (x, norm, norm(x)) left by a decoder layer for the next one, whose input norm it computed
+        self.prenormed: tuple | None = None
 
     def cpu_runtime(self):
         if self._cpu is None:

@@ -5,7 +5,9 @@ Qwen3-MoE, Mixtral) and adopts its children under the same names, so the rules f
 `...self_attn`, `...mlp.gate`, `...mlp.experts` still apply. Its forward is the original class's
 own forward, run on this module, except for two cases. Where the post-attention norm runs its
 Triton kernel (the GPU rule files), the forward is the same steps with the attention's residual
-add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS). And a decode step of
+add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS), and the layer's last
+residual add fused with the next layer's input norm, which it hands over through the model's
+RunContext (one launch where an add and a norm were two, a layer). And a decode step of
 one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
 files) takes a path of its own: the kernels called back to back on buffers held by the layer
 — the same kernels with the same inputs as the module-by-module path, so the result is the same
@@ -29,6 +31,12 @@ _F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
 # x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.24): _forward_fused runs the same with
 # the residual add and post_norm in one launch
 FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer"})
+
+
+def layer_index(key: str) -> int | None:
+    """N of a decoder layer's key "....layers.N", else None."""
+    head, _, last = key.rpartition(".")
+    return int(last) if last.isdigit() and head.endswith("layers") else None
 
 
 @dataclass
@@ -90,9 +98,16 @@ class KDecoderLayer(BaseInjectedModule):
 
     def load(self) -> None:
         self._plan = False
+        index = layer_index(self.key)
+        if index is not None:
+            self.run_context().decoder_layers[index] = self
 
     def unload(self) -> None:
         self._plan = False
+        layers = self.run_context().decoder_layers
+        index = layer_index(self.key)
+        if layers.get(index) is self:
+            del layers[index]
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if self.cpu_decode and self.phase == "generate" and hidden_states.shape[:-1] == (1, 1):
@@ -115,13 +130,37 @@ class KDecoderLayer(BaseInjectedModule):
         post-attention norm in one launch (the same bits: the add rounds as torch's, the norm is
         the Triton norm KRMSNorm runs); the rest through the same children."""
         from ..kernels.triton.norm_rope import add_rms_norm
-        post = self.post_attention_layernorm
-        h, _ = self.self_attn(hidden_states=self.input_layernorm(x), **kwargs)
+        post, ctx = self.post_attention_layernorm, self.run_context()
+        handed, ctx.prenormed = ctx.prenormed, None
+        if handed is not None and handed[0] is x and handed[1] is self.input_layernorm:
+            normed = handed[2]  # the previous layer's last launch normalized x for this layer
+        else:
+            normed = self.input_layernorm(x)
+        h, _ = self.self_attn(hidden_states=normed, **kwargs)
         if h.shape != x.shape or h.device != x.device:
             x1 = x + h
             return x1 + self.mlp(post(x1))
         x1, h = add_rms_norm(x, h, post.weight, post.eps)
-        return x1 + self.mlp(h)
+        y = self.mlp(h)
+        norm = self._next_input_norm(x1, y)
+        if norm is None:
+            return x1 + y
+        x2, normed_next = add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y is)
+        ctx.prenormed = (x2, norm, normed_next)
+        return x2
+
+    def _next_input_norm(self, x1: torch.Tensor, y: torch.Tensor):
+        """The next decoder layer's input norm where it runs the Triton kernel on rows like x1 and
+        that layer takes _forward_fused (the one that reads the hand-over), else None."""
+        from .layernorm import KRMSNorm
+        index = layer_index(self.key)
+        nxt = self.run_context().decoder_layers.get(index + 1) if index is not None else None
+        if nxt is None or not nxt.fused_add_norm or y.shape != x1.shape or y.device != x1.device:
+            return None
+        norm = nxt.input_layernorm
+        if not isinstance(norm, KRMSNorm) or norm.weight is None or norm.path(x1) != "triton":
+            return None
+        return norm if nxt._post_norm_runs_triton(x1) else None
 
     def _find_plan(self) -> _DecodePlan | None:
         """The kernels of this layer when every part of it runs on the C++ CPU kernels in float32."""
