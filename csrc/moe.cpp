@@ -248,6 +248,8 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     const void* xu[kMaxGroup];
     float out[kMaxGroup * kTileRows];
     const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
+    prefetch_prologue(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_);
+    prefetch_prologue(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_);
     for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
         const int m = std::min(kMaxGroup, count - g0);
         for (int i = 0; i < m; i++) {
@@ -321,6 +323,7 @@ void MoE::down_rows(int e, int r0, int r1) {
     const void* hs[kMaxGroup];
     float out[kMaxGroup * kTileRows];
     const int ds = rows_step(down_fmt_);
+    prefetch_prologue(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_);
     for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
         const int m = std::min(kMaxGroup, count - g0);
         for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];

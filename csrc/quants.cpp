@@ -154,6 +154,7 @@ inline void prefetch_line(const char* p) {
         default: _mm_prefetch(p, _MM_HINT_T0);
     }
 }
+bool g_prologue = true;  // prefetch_prologue on
 // prefetch part `part` (of `parts`) of the lines `g_tile_prefetch` bytes past `tile`
 template <typename Tile>
 inline void prefetch_ahead(const Tile* tile, int part, int parts) {
@@ -1233,6 +1234,16 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
 }
 
 std::pair<int, int> tile_prefetch() { return {g_tile_prefetch, g_tile_prefetch_hint}; }
+
+void set_task_prologue(bool on) { g_prologue = on; }
+bool task_prologue() { return g_prologue; }
+
+void prefetch_prologue(const void* start, size_t bytes) {
+    if (!g_tile_prefetch || !g_prologue) return;
+    const char* p = (const char*)start;
+    const size_t n = bytes < (size_t)g_tile_prefetch ? bytes : (size_t)g_tile_prefetch;
+    for (size_t b = 0; b < n; b += 64) prefetch_line(p + b);
+}
 
 void set_tile_prefetch(int bytes, int hint) {
     if (bytes < 0 || bytes > (1 << 20)) throw std::invalid_argument("tile prefetch distance must be 0..1 MiB, got " + std::to_string(bytes));

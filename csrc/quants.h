@@ -57,6 +57,13 @@ void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 // Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none), into the
 // cache level of `hint`: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
 void set_tile_prefetch(int bytes, int hint = 0);
+// The first min(bytes, distance) bytes of a run of weights about to be read, at once, with the
+// tile prefetch's hint: the tiled kernels prefetch `distance` ahead of where they read, so
+// without it a run's first distance bytes come by demand misses. Off with set_task_prologue(false)
+// or a distance of 0.
+void prefetch_prologue(const void* start, size_t bytes);
+void set_task_prologue(bool on);
+bool task_prologue();
 std::pair<int, int> tile_prefetch();  // (bytes, hint) as last set
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.

@@ -5,8 +5,8 @@ model holds); T=1 calls, timed inside the kernel, cycle over the first k copies 
 the weight buffers in 4 KiB pages and then advised for transparent huge pages (KT_HUGEPAGES=1).
 Prints the OS's huge-page settings, the NUMA nodes, how many huge pages the buffers got, and for
 each k the kernel's median, its GB/s and the ratio to the stream probe of the same run. With
-SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint and the
-decode tasks a thread (two rounds, interleaved).
+SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
+decode tasks a thread and the tasks' prologue prefetch (two rounds, interleaved).
     python scripts/cpu_footprint.py [threads] [copies] [k ...]"""
 import os
 import statistics
@@ -58,19 +58,21 @@ def time_cycled(layers, calls, k: int) -> float:
 def sweep(runtime, layers, calls, touched: float, stream: float) -> None:
     ext = runtime.ext
     saved = ext.tile_prefetch()
-    pf = ((0, 0), (4096, 0), (8192, 0), (16384, 0), (4096, 2), (8192, 2))
-    configs = [(b, h, t) for t in (4, 8, 16) for b, h in pf]
+    pf = ((4096, 0), (8192, 0), (4096, 2), (8192, 2))
+    configs = [(b, h, t, p) for t in (4, 8) for b, h in pf for p in (True, False)] + [(0, 0, 4, False)]
     results = {c: [] for c in configs}
     for _ in range(2):
         for c in configs:
             ext.set_tile_prefetch(c[0], c[1])
             ext.set_moe_tasks_per_thread(c[2])
+            ext.set_task_prologue(c[3])
             results[c].append(time_cycled(layers, calls, len(layers)))
     ext.set_tile_prefetch(*saved)
     ext.set_moe_tasks_per_thread(0)
-    print(f"{'prefetch':>8} {'hint':>4} {'tasks':>5} {'kernel us (2 rounds)':>21} {'ratio':>5}")
-    for (b, h, t), us in sorted(results.items(), key=lambda kv: min(kv[1])):
-        print(f"{b:>8} {('t0', 't1', 't2', 'nta')[h]:>4} {t:>5} {us[0]:>10.1f} {us[1]:>10.1f} "
+    ext.set_task_prologue(True)
+    print(f"{'prefetch':>8} {'hint':>4} {'tasks':>5} {'prologue':>8} {'kernel us (2 rounds)':>21} {'ratio':>5}")
+    for (b, h, t, p), us in sorted(results.items(), key=lambda kv: min(kv[1])):
+        print(f"{b:>8} {('t0', 't1', 't2', 'nta')[h]:>4} {t:>5} {'on' if p else 'off':>8} {us[0]:>10.1f} {us[1]:>10.1f} "
               f"{touched / min(us) / 1e3 / stream:>5.2f}", flush=True)
 
 
