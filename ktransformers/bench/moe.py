@@ -102,6 +102,34 @@ def time_layer(layers: list[Layer], calls: list[tuple]) -> tuple[float, float, i
     return statistics.median(times), statistics.median(inside), int(statistics.mean(touched))
 
 
+def l3_bytes() -> int:
+    """The last-level cache of this machine's first CPU (sysfs), 0 when unknown."""
+    import glob
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale if text.rstrip("KMG").isdigit() else 0)
+    return max(sizes, default=0)
+
+
+def default_copies(shape: dict, fmt: str) -> int:
+    """Copies of the layer to cycle: at least 3, and enough to hold 8x the last-level cache, so
+    that calls read their experts from RAM as a model's layers do. (The GPU host's 300 MiB L3
+    served part of 2-3 copies: they read at 1.0-1.17 of the stream where 48 read 0.65-0.80,
+    scripts/cpu_footprint.py.) Fewer where RAM is short (expert_budget then trims experts)."""
+    H, I = shape["hidden"], shape["intermediate"]
+    layer = shape["experts"] * sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
+                                   for n in FORMAT_TYPES[fmt])
+    want = -(-8 * l3_bytes() // layer)
+    fit = int(psutil.virtual_memory().available * 0.4 // layer)
+    return max(3, min(want, fit, 64))
+
+
 def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5, int8: bool = False) -> int:
     """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
     H, I = shape["hidden"], shape["intermediate"]
@@ -126,8 +154,9 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
     """Ours for every T first, then kt-kernel on the same calls: its threads spin while it
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
-    experts = expert_budget(shape, fmt, args.copies + len(peer_threads), int8=args.int8)  # kt-kernel keeps a copy each
-    layers = build_layers(runtime, shape, fmt, args.copies, experts, gen, args.int8, not args.no_tiles)
+    copies = args.copies or default_copies(shape, fmt)
+    experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8)  # kt-kernel keeps a copy each
+    layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles)
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
     for T in args.tokens:
@@ -207,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--formats", nargs="+", default=["Q4_K_M", "Q8_0", "IQ4_XS", "BF16"], choices=FORMAT_TYPES)
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 32, 128, 512])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
-    p.add_argument("--copies", type=int, default=3, help="copies of the layer cycled to defeat the cache")
+    p.add_argument("--copies", type=int, default=0,
+                   help="copies of the layer cycled to defeat the caches (default: >= 3 and 8x the L3, RAM allowing)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--stream-gib", type=float, default=2.0, help="size of the bandwidth probe's buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
