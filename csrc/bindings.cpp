@@ -55,7 +55,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
     m.def("set_task_prologue", &set_task_prologue, "prefetch the first prefetch-distance bytes of each MoE task's "
-          "weight runs when the task starts (default on)");
+          "GGML weight runs (not the int8 prefill copies) when the task starts (default on)");
     m.def("task_prologue", &task_prologue);
     m.def("tile_prefetch", &tile_prefetch, "(bytes, hint) of the tiled kernels' software prefetch, as last set");
     m.def("advise_hugepages", [](uintptr_t data, size_t bytes) -> size_t {

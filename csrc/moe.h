@@ -34,7 +34,7 @@ struct MoEConfig {
 
 enum class Dtype { F32 = 0, BF16 = 1 };
 
-void set_moe_tasks_per_thread(int n);  // tasks a thread per MoE phase (KT_MOE_TASKS; 0, the default: decode 4 below 8 threads else 8, prefill 16)
+void set_moe_tasks_per_thread(int n);  // tasks a thread per MoE phase (KT_MOE_TASKS; 0, the default: decode 4, prefill 16)
 
 class MoE {
   public:

@@ -60,7 +60,8 @@ void set_tile_prefetch(int bytes, int hint = 0);
 // The first min(bytes, distance) bytes of a run of weights about to be read, at once, with the
 // tile prefetch's hint: the tiled kernels prefetch `distance` ahead of where they read, so
 // without it a run's first distance bytes come by demand misses. Off with set_task_prologue(false)
-// or a distance of 0.
+// or a distance of 0. (The MoE's GGML-block tasks issue it for their gate and up runs together
+// at the start, as measured on the GPU host; the up run's lines then wait in L2.)
 void prefetch_prologue(const void* start, size_t bytes);
 void set_task_prologue(bool on);
 bool task_prologue();

@@ -2,7 +2,8 @@
 
 One Qwen3-30B-A3B-shaped Q4_K_M layer is made once and copied into N fresh layers (as a 48-layer
 model holds); T=1 calls, timed inside the kernel, cycle over the first k copies for several k, with
-the weight buffers in 4 KiB pages and then advised for transparent huge pages (KT_HUGEPAGES=1).
+the weight buffers in 4 KiB pages (where transparent huge pages are "madvise", not "always") and
+then advised for huge pages (KT_HUGEPAGES=1). Needs ~0.4 GiB of free RAM a copy (18 GiB for 48).
 Prints the OS's huge-page settings, the NUMA nodes, how many huge pages the buffers got, and for
 each k the kernel's median, its GB/s and the ratio to the stream probe of the same run. With
 SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
@@ -68,7 +69,7 @@ def sweep(runtime, layers, calls, touched: float, stream: float) -> None:
             ext.set_task_prologue(c[3])
             results[c].append(time_cycled(layers, calls, len(layers)))
     ext.set_tile_prefetch(*saved)
-    ext.set_moe_tasks_per_thread(0)
+    ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "0")))  # (as CPURuntime set them)
     ext.set_task_prologue(True)
     print(f"{'prefetch':>8} {'hint':>4} {'tasks':>5} {'prologue':>8} {'kernel us (2 rounds)':>21} {'ratio':>5}")
     for (b, h, t, p), us in sorted(results.items(), key=lambda kv: min(kv[1])):

@@ -471,11 +471,12 @@ def test_pdl_options(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pdl_chain_in_graph_equals_plain(monkeypatch):
     """A decode layer's chain of launches, each reading what the one before wrote (norm -> q/k/v
-    GEMVs -> q/k norm + RoPE with the cache write -> attention -> o GEMV -> residual add + norm ->
-    router -> pack into pinned memory), six times over, replayed as a CUDA graph of programmatic
-    dependent launches: the same bits as the same launches made plainly (KT_PDL=0), eagerly. A
-    kernel that read its input before waiting for the launch that writes it would read the
-    previous replay's values here."""
+    GEMVs -> q/k norm + RoPE with the cache write -> attention over a history long enough to be
+    split and merged in the launch -> o GEMV -> residual add + norm -> router -> pack into pinned
+    memory), six times over, as programmatic dependent launches: eagerly, and replayed as a CUDA
+    graph on a new input each replay, the same bits as the same launches made plainly
+    (KT_PDL=0). A kernel that read its input before waiting for the launch that writes it would
+    read the previous launch's or the previous replay's values here."""
     from ktransformers.kernels.triton import attention as A
     from ktransformers.kernels.triton import handoff, norm_rope
     from ktransformers.kernels.triton import quant_linear as ql
@@ -484,7 +485,7 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
     if not pdl(torch.device("cuda"))["GDC"]:
         pytest.skip("this GPU has no programmatic dependent launch")
     g = gen(77)
-    H, heads, kv, d, E, K, S = 512, 8, 2, 64, 64, 4, 96
+    H, heads, kv, d, E, K, S, L = 512, 8, 2, 64, 64, 4, 640, 500
     dev = "cuda"
     wq, wk = (ql.quantize_int4(torch.randn(n * d, H, generator=g) / H ** 0.5).to(dev) for n in (heads, kv))
     wv = (torch.randn(kv * d, H, generator=g) / H ** 0.5).to(torch.bfloat16).to(dev)
@@ -493,10 +494,10 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
     gate = torch.randn(E, H, generator=g).to(dev)
     angles = torch.rand(1, 1, d, generator=g) * 6
     cos, sin = angles.cos().to(torch.bfloat16).to(dev), angles.sin().to(torch.bfloat16).to(dev)
-    x0 = torch.randn(1, H, generator=g).to(torch.bfloat16).to(dev)
+    inputs = [torch.randn(1, H, generator=g).to(torch.bfloat16).to(dev) for _ in range(3)]
     caches0 = [torch.randn(S, kv, d, generator=g).to(torch.bfloat16).to(dev) for _ in range(2)]
-    slots = torch.randperm(S, generator=g)[:40].to(dev)
-    slot_table, lens = slots[None].to(torch.int32), torch.tensor([40], dtype=torch.int32, device=dev)
+    slots = torch.randperm(S, generator=g)[:L].to(dev)
+    slot_table, lens = slots[None].to(torch.int32), torch.tensor([L], dtype=torch.int32, device=dev)
     step = slots[-1:].long()
     pinned = (torch.empty(1, H, dtype=torch.bfloat16, pin_memory=True), torch.empty(1, K, dtype=torch.int64, pin_memory=True),
               torch.empty(1, K, dtype=torch.float32, pin_memory=True))
@@ -516,21 +517,29 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
             outs += [x, w, ids]
         return outs
 
+    def run(x):  # (outputs, caches, the last pack) of one chain on fresh copies of the caches
+        caches = [c.clone() for c in caches0]
+        outs = [t.clone() for t in chain(x, *caches)]
+        torch.cuda.synchronize()
+        return outs + caches + [p.clone() for p in pinned]
+
     monkeypatch.setenv("KT_PDL", "0")
-    plain_caches = [c.clone() for c in caches0]
-    want = [t.clone() for t in chain(x0, *plain_caches)]
+    want = [run(x) for x in inputs]
     monkeypatch.setenv("KT_PDL", "1")
+    got = run(inputs[0])  # eagerly (and compiled, the counters made, outside the capture)
+    assert all(torch.equal(a, b) for a, b in zip(got, want[0]))
+    x_in = inputs[0].clone()
     caches = [c.clone() for c in caches0]
-    chain(x0, *[c.clone() for c in caches0])  # compiled and the counters made, outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        got = chain(x0, *caches)
-    for _ in range(3):  # each replay rewrites what the previous one left
-        for c, c0 in zip(caches, caches0):
-            c.copy_(c0)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert all(torch.equal(a, b) for a, b in zip(caches, plain_caches))
+        outs = chain(x_in, *caches)
+    for _ in range(2):
+        for x, ref in zip(inputs, want):
+            x_in.copy_(x)
+            for c, c0 in zip(caches, caches0):
+                c.copy_(c0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs + caches + list(pinned), ref))

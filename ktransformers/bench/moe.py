@@ -103,7 +103,8 @@ def time_layer(layers: list[Layer], calls: list[tuple]) -> tuple[float, float, i
 
 
 def l3_bytes() -> int:
-    """The last-level cache of this machine's first CPU (sysfs), 0 when unknown."""
+    """The largest cache of this machine's first CPU (sysfs; one CCX's or socket's L3 where the
+    machine has several), 0 when unknown."""
     import glob
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
@@ -126,7 +127,7 @@ def default_copies(shape: dict, fmt: str) -> int:
     layer = shape["experts"] * sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
                                    for n in FORMAT_TYPES[fmt])
     want = -(-8 * l3_bytes() // layer)
-    fit = int(psutil.virtual_memory().available * 0.4 // layer)
+    fit = int(psutil.virtual_memory().available * 0.2 // layer)  # (a copy holds its blocks and its tiles)
     return max(3, min(want, fit, 64))
 
 

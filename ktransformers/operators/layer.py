@@ -151,14 +151,16 @@ class KDecoderLayer(BaseInjectedModule):
 
     def _next_input_norm(self, x1: torch.Tensor, y: torch.Tensor):
         """The next decoder layer's input norm where it runs the Triton kernel on rows like x1 and
-        that layer takes _forward_fused (the one that reads the hand-over), else None."""
+        that layer takes _forward_fused (the one that reads the hand-over), else None. (The norm
+        module's forward, and any hook on it, then does not run for that layer's input.)"""
         from .layernorm import KRMSNorm
         index = layer_index(self.key)
         nxt = self.run_context().decoder_layers.get(index + 1) if index is not None else None
         if nxt is None or not nxt.fused_add_norm or y.shape != x1.shape or y.device != x1.device:
             return None
         norm = nxt.input_layernorm
-        if not isinstance(norm, KRMSNorm) or norm.weight is None or norm.path(x1) != "triton":
+        if (not isinstance(norm, KRMSNorm) or norm.weight is None or norm.shape != (x1.shape[-1],)
+                or norm.path(x1) != "triton"):
             return None
         return norm if nxt._post_norm_runs_triton(x1) else None
 

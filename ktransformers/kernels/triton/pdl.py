@@ -30,7 +30,7 @@ _NO_PDL = {"GDC": False}
 
 @functools.lru_cache(maxsize=None)
 def _has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # (NVIDIA's griddepcontrol)
 
 
 def pdl(device: torch.device) -> dict:
