@@ -51,6 +51,9 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
     m.def("set_moe_pipeline", &set_moe_pipeline, "decode: gate/up, activation and down as one parallel region");
     m.def("moe_pipeline", &moe_pipeline);
+    m.def("set_moe_read_only", &set_moe_read_only, "measurement only: MoE tasks read their weight rows and compute "
+          "nothing (outputs 0): what the task structure alone reads at");
+    m.def("moe_read_only", &moe_read_only);
     m.def("moe_pipeline_calls", &moe_pipeline_calls, "MoE calls that took the one-region decode path so far");
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);

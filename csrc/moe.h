@@ -111,6 +111,11 @@ class MoE {
 void set_moe_pipeline(bool on);  // gate_up_down for decode calls (KT_MOE_PIPELINE; default on)
 bool moe_pipeline();
 uint64_t moe_pipeline_calls();  // calls that took gate_up_down so far (tests check the path ran)
+// A measurement, not a mode to compute in: the decode tasks read their weight rows (the same
+// bytes, tasks and order) with plain streaming loads and compute nothing (the outputs are 0).
+// What the task structure alone reads at, against the stream probe and the real kernel.
+void set_moe_read_only(bool on);
+bool moe_read_only();
 
 // One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
 // waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc

@@ -5,7 +5,9 @@ model holds); T=1 calls, timed inside the kernel, cycle over the first k copies 
 the weight buffers in 4 KiB pages (where transparent huge pages are "madvise", not "always") and
 then advised for huge pages (KT_HUGEPAGES=1). Needs ~0.4 GiB of free RAM a copy (18 GiB for 48).
 Prints the OS's huge-page settings, the NUMA nodes, how many huge pages the buffers got, and for
-each k the kernel's median, its GB/s and the ratio to the stream probe of the same run. With
+each k the kernel's median, its GB/s and the ratio to the stream probe of the same run, then the
+same tasks over all N copies reading their bytes and computing nothing (what the task structure
+alone reads at). With
 SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
 decode tasks a thread and the tasks' prologue prefetch (two rounds, interleaved).
     python scripts/cpu_footprint.py [threads] [copies] [k ...]"""
@@ -106,6 +108,13 @@ def main() -> None:
             us = time_cycled(layers, calls, k)
             print(f"{k:>6} {k * per_layer / 2**30:>6.1f} {us:>9.1f} {touched / us / 1e3:>6.1f} "
                   f"{touched / us / 1e3 / stream:>5.2f}", flush=True)
+        runtime.ext.set_moe_read_only(True)  # the same tasks reading the same bytes, computing nothing
+        try:
+            us = time_cycled(layers, calls, n)
+        finally:
+            runtime.ext.set_moe_read_only(False)
+        print(f"{'reads':>6} {n * per_layer / 2**30:>6.1f} {us:>9.1f} {touched / us / 1e3:>6.1f} "
+              f"{touched / us / 1e3 / stream:>5.2f}  (the tasks' reads alone: set_moe_read_only)", flush=True)
         if os.environ.get("SWEEP") == "1":
             sweep(runtime, layers, calls, touched, stream)
         del layers

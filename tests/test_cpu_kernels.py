@@ -297,6 +297,28 @@ def test_bad_input_raises_before_touching_memory(runtime):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
 
 
+def test_moe_read_only_measures_and_switches_back():
+    """The read-only measurement (set_moe_read_only) reads the weights and computes nothing:
+    zeros out; switched off, the same call gives the real result again, to the bit."""
+    gen = torch.Generator().manual_seed(23)
+    E, K, H, I = 6, 2, 256, 256
+    (g, _), (u, _), (d, _) = (expert_weights(t, E, r, c, gen) for t, r, c in
+                              ((GGMLType.Q4_K, I, H), (GGMLType.Q4_K, I, H), (GGMLType.Q6_K, H, I)))
+    rt = CPURuntime(2)
+    kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8)
+    ids, w = routing(1, E, K, gen)
+    x = torch.randn(1, H, generator=gen)
+    want = kernel.forward(x, ids, w)
+    assert want.abs().sum() > 0
+    try:
+        rt.ext.set_moe_read_only(True)
+        assert rt.ext.moe_read_only()
+        assert torch.equal(kernel.forward(x, ids, w), torch.zeros_like(want))
+    finally:
+        rt.ext.set_moe_read_only(False)
+    assert torch.equal(kernel.forward(x, ids, w), want)
+
+
 def test_moe_pipeline_matches_phases(monkeypatch):
     """KT_MOE_PIPELINE=0 (gate/up, activation and down as three parallel regions) and the default
     single region, whose down tasks wait for their expert's last gate/up chunk, compute the same
