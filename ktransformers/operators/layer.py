@@ -128,7 +128,10 @@ class KDecoderLayer(BaseInjectedModule):
     def _forward_fused(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """transformers' forward of the FUSABLE_LAYERS with the attention's residual add and the
         post-attention norm in one launch (the same bits: the add rounds as torch's, the norm is
-        the Triton norm KRMSNorm runs); the rest through the same children."""
+        the Triton norm KRMSNorm runs); the rest through the same children. Where the next layer
+        also runs so, this layer's last add and that layer's input norm are one launch too: the
+        normalized rows wait in the RunContext for the next layer, which takes them only when its
+        input is that very sum."""
         from ..kernels.triton.norm_rope import add_rms_norm
         post, ctx = self.post_attention_layernorm, self.run_context()
         handed, ctx.prenormed = ctx.prenormed, None
