@@ -71,3 +71,20 @@ def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):
     assert abs(e6 - 2 * ram) < 2
     e6_hot, d6_hot = extrapolated_bytes(files, config, 6, {1: 4, 2: 8})  # a mean of 1/2 of the experts hot
     assert abs(e6_hot - e6 / 2) < 2 and d6_hot > d3
+
+
+def test_bench_moe_copies_cover_the_last_level_cache(monkeypatch):
+    """bench.moe cycles at least 3 copies of a layer, and enough to hold 8x the largest cache the
+    machine reports (the GPU host's 300 MiB L3 served part of 3 copies), fewer where RAM is short."""
+    from ktransformers.bench import moe
+    shape = moe.SHAPES["qwen3"]
+    layer = 128 * 3 * 2048 * 768 * 144 // 256  # (about: the Q4_K part; Q6_K's down is larger)
+    monkeypatch.setattr(moe, "l3_bytes", lambda: 0)
+    assert moe.default_copies(shape, "Q4_K_M") == 3
+    monkeypatch.setattr(moe, "l3_bytes", lambda: 300 * 2**20)
+    many = moe.default_copies(shape, "Q4_K_M")
+    assert 3 < many <= -(-8 * 300 * 2**20 // layer)
+    monkeypatch.setattr(moe.psutil, "virtual_memory", lambda: type("M", (), {"available": 2**30})())
+    assert moe.default_copies(shape, "Q4_K_M") == 3  # (RAM: the floor of 3, expert_budget trims experts)
+    monkeypatch.undo()
+    assert moe.l3_bytes() >= 0  # (read from sysfs here: a number, never an error)
