@@ -15,8 +15,10 @@
 # while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file (its kernels),
 # STAGING=1 scripts/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
 # CPU with llama.cpp's build (-j16): their CPU-side rates read low there (a quiet run: NO_LLAMA=1).
-# After the build: BENCH_MOE="16 14" runs bench.moe's Qwen3 Q4_K_M layer at those thread counts
-# (MOE_ARGS: its other flags; default T=1, no peer).
+# After the build: FOOTPRINT=1 runs scripts/cpu_footprint.py (T=1 over 48 copies of the layer, 4 KiB
+# and huge pages, the tasks' reads alone; FOOTPRINT_ARGS, e.g. "16 48 48"; SWEEP=1 its sweep), then
+# BENCH_MOE="16 14" runs bench.moe's Qwen3 Q4_K_M layer at those thread counts (MOE_ARGS: its other
+# flags; default T=1, no peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt-out}
 mkdir -p "$OUT"
@@ -57,6 +59,9 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
     cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"
   fi
   tail -1 "$OUT/synth.txt"
+  if [ "${FOOTPRINT:-0}" = 1 ]; then
+    python3 scripts/cpu_footprint.py ${FOOTPRINT_ARGS:-$THREADS 48 2 48} 2>&1 | grep -v Warn | tee "$OUT/footprint.txt"
+  fi
   for t in ${BENCH_MOE:-}; do  # bench.moe at these thread counts (after the build and synth)
     python3 -m ktransformers.bench.moe --threads "$t" --peer-threads 14 --shapes qwen3 --formats Q4_K_M \
         ${MOE_ARGS:---tokens 1 --no-peer} 2>>"$OUT/bench_moe.err" | tee -a "$OUT/bench_moe.txt"
