@@ -59,6 +59,7 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
     cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"
   fi
   tail -1 "$OUT/synth.txt"
+  sync  # the model file's dirty pages written back now, not while the CPU experts stream (a 1.7x slower run once)
   if [ "${FOOTPRINT:-0}" = 1 ]; then
     python3 scripts/cpu_footprint.py ${FOOTPRINT_ARGS:-$THREADS 48 2 48} 2>&1 | grep -v Warn | tee "$OUT/footprint.txt"
   fi
