@@ -321,11 +321,15 @@ class MoEKernel:
                              f"got {tuple(ids.shape)} and {tuple(weights.shape)}")
         if ids.dtype.is_floating_point:
             raise ValueError(f"{self.name}: top_k_index must be an integer tensor, got {ids.dtype}")
-        x = x.contiguous()
-        ids = ids.to(torch.int64).contiguous()  # ids outside [0, E): the C++ side raises ValueError first
-        weights = weights.to(torch.float32).contiguous()
-        y = torch.empty_like(x)
-        return x, ids, weights, y
+        # (converted only where needed: each torch call costs ~1 us here, more with the caches cold
+        # after a call has streamed its weights through them)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()  # ids outside [0, E): the C++ side raises ValueError first
+        if weights.dtype != torch.float32 or not weights.is_contiguous():
+            weights = weights.to(torch.float32).contiguous()
+        return x, ids, weights, torch.empty_like(x)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         x, ids, weights, y = self._args(x, ids, weights)
