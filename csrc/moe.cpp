@@ -11,10 +11,6 @@
 #include <string>
 #include <thread>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace kt {
 namespace {
 
@@ -50,24 +46,6 @@ std::atomic<bool> g_pipeline{true};
 std::atomic<uint64_t> g_pipeline_calls{0};
 std::atomic<bool> g_read_only{false};
 std::atomic<uint64_t> g_read_sink{0};  // (keeps the read-only loads alive)
-
-// The bytes [p, p + n) read as the stream probe reads them; the lines' XOR.
-uint64_t read_bytes(const uint8_t* p, size_t n) {
-    uint64_t sum = 0;
-    size_t i = 0;
-#if defined(__AVX2__)
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-    for (; i + 64 <= n; i += 64) {
-        a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(p + i)));
-        a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i*)(p + i + 32)));
-    }
-    uint64_t lanes[4];
-    _mm256_storeu_si256((__m256i*)lanes, _mm256_xor_si256(a0, a1));
-    sum = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
-#endif
-    for (; i < n; i++) sum ^= p[i];
-    return sum;
-}
 
 // A decode-sized call: about a token an expert (at most two, on average, over the experts hit).
 bool decode_sized(int pairs, int experts_active) { return pairs <= 2 * experts_active; }
@@ -275,8 +253,8 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     float out[kMaxGroup * kTileRows];
     const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
     if (g_read_only.load(std::memory_order_relaxed)) {
-        g_read_sink.fetch_xor(read_bytes(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_) ^
-                              read_bytes(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_), std::memory_order_relaxed);
+        g_read_sink.fetch_xor(xor_bytes(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_) ^
+                              xor_bytes(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_), std::memory_order_relaxed);
         for (int i = 0; i < count; i++) {
             std::fill(&s_.g[(size_t)(p0 + i) * I + r0], &s_.g[(size_t)(p0 + i) * I + r1], 0.f);
             std::fill(&s_.u[(size_t)(p0 + i) * I + r0], &s_.u[(size_t)(p0 + i) * I + r1], 0.f);
@@ -359,7 +337,7 @@ void MoE::down_rows(int e, int r0, int r1) {
     float out[kMaxGroup * kTileRows];
     const int ds = rows_step(down_fmt_);
     if (g_read_only.load(std::memory_order_relaxed)) {
-        g_read_sink.fetch_xor(read_bytes(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_),
+        g_read_sink.fetch_xor(xor_bytes(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_),
                               std::memory_order_relaxed);
         for (int i = 0; i < count; i++) std::fill(&s_.y_pairs[(size_t)(p0 + i) * H + r0], &s_.y_pairs[(size_t)(p0 + i) * H + r1], 0.f);
         return;

@@ -116,6 +116,8 @@ uint64_t moe_pipeline_calls();  // calls that took gate_up_down so far (tests ch
 // What the task structure alone reads at, against the stream probe and the real kernel.
 void set_moe_read_only(bool on);
 bool moe_read_only();
+// The XOR of the bytes [p, p + n), read as the stream probe reads them (stream.cpp).
+uint64_t xor_bytes(const uint8_t* p, size_t n);
 
 // One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
 // waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc
