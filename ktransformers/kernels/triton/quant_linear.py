@@ -316,22 +316,23 @@ def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_
     """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start +
     k_per_split). The first block of weights is loaded before gdc_enter, x after it (as
     _int4_split_sum)."""
-    mask_n = rn < N
-    rk = k_start + tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
-                other=0.0).to(tl.float32)
+    w = _dense_block(w_ptr, rn, N, K, stride_wn, k_start, BLOCK_K)
     gdc_enter(GDC)
-    a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
-                other=0.0).to(tl.float32)
-    acc = tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+    acc = tl.sum(_dense_block(x_ptr, rm, M, K, stride_xm, k_start, BLOCK_K)[:, None, :] * w[None, :, :], axis=2)
     for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :],
-                    other=0.0).to(tl.float32)
+        a = _dense_block(x_ptr, rm, M, K, stride_xm, k0, BLOCK_K)
+        w = _dense_block(w_ptr, rn, N, K, stride_wn, k0, BLOCK_K)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
     return acc
+
+
+@triton.jit
+def _dense_block(ptr, rows, R, K, stride, k0, BLOCK_K: tl.constexpr):
+    """float32 [len(rows), BLOCK_K]: columns [k0, k0 + BLOCK_K) of row-major rows `rows` (of R;
+    past R or K: 0), of x or of a dense weight."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(ptr + rows[:, None] * stride + rk[None, :], mask=(rows < R)[:, None] & (rk < K)[None, :],
+                   other=0.0).to(tl.float32)
 
 
 def gemv_plan(x: torch.Tensor, N: int, out_dtype: torch.dtype):
