@@ -95,19 +95,18 @@ class KDecoderLayer(BaseInjectedModule):
         self._plan: _DecodePlan | None | bool = False  # False: not looked for yet; None: not available
         self.cpu_decode = True  # False: always the module-by-module path (tests compare the two)
         self.fused_add_norm = type(orig_module).__name__ in FUSABLE_LAYERS  # False: transformers' forward
+        self.index = layer_index(key)  # (the next layer is index + 1 in the RunContext)
 
     def load(self) -> None:
         self._plan = False
-        index = layer_index(self.key)
-        if index is not None:
-            self.run_context().decoder_layers[index] = self
+        if self.index is not None:
+            self.run_context().decoder_layers[self.index] = self
 
     def unload(self) -> None:
         self._plan = False
         layers = self.run_context().decoder_layers
-        index = layer_index(self.key)
-        if layers.get(index) is self:
-            del layers[index]
+        if layers.get(self.index) is self:
+            del layers[self.index]
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if self.cpu_decode and self.phase == "generate" and hidden_states.shape[:-1] == (1, 1):
@@ -145,20 +144,19 @@ class KDecoderLayer(BaseInjectedModule):
             return x1 + self.mlp(post(x1))
         x1, h = add_rms_norm(x, h, post.weight, post.eps)
         y = self.mlp(h)
-        norm = self._next_input_norm(x1, y)
+        norm = self._next_input_norm(ctx, x1, y)
         if norm is None:
             return x1 + y
         x2, normed_next = add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y is)
         ctx.prenormed = (x2, norm, normed_next)
         return x2
 
-    def _next_input_norm(self, x1: torch.Tensor, y: torch.Tensor):
+    def _next_input_norm(self, ctx, x1: torch.Tensor, y: torch.Tensor):
         """The next decoder layer's input norm where it runs the Triton kernel on rows like x1 and
         that layer takes _forward_fused (the one that reads the hand-over), else None. (The norm
         module's forward, and any hook on it, then does not run for that layer's input.)"""
         from .layernorm import KRMSNorm
-        index = layer_index(self.key)
-        nxt = self.run_context().decoder_layers.get(index + 1) if index is not None else None
+        nxt = ctx.decoder_layers.get(self.index + 1) if self.index is not None else None
         if nxt is None or not nxt.fused_add_norm or y.shape != x1.shape or y.device != x1.device:
             return None
         norm = nxt.input_layernorm
