@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps
+from ktransformers.bench.moe import SHAPES, Layer, build_layers, make_calls, stream_gbps, time_layer
 from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
 
 
@@ -38,24 +38,21 @@ def show(path: str) -> str:
         return f"({e.strerror})"
 
 
-def copies_of(runtime, layer, n: int, shape: dict) -> list[MoEKernel]:
+def copies_of(runtime, layer: Layer, n: int, shape: dict) -> list[Layer]:
+    """n fresh copies of the layer's blocks, each its own kernel (tiles repacked as a model's are)."""
     H, I, E, K = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]
     out = []
     for _ in range(n):
         w = [ExpertWeights(p.data.clone(), p.ggml_type) for p in layer.weights]
-        out.append(MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=w[0], up=w[1], down=w[2],
-                             max_tokens=16))
+        kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=w[0], up=w[1], down=w[2],
+                           max_tokens=16)
+        out.append(Layer(kernel, layer.expert_bytes, ()))
     return out
 
 
-def time_cycled(layers, calls, k: int) -> float:
+def time_cycled(layers: list[Layer], calls, k: int) -> float:
     """Median microseconds inside the kernel of the calls, cycling over the first k layers."""
-    inside = []
-    for i, (x, ids, w) in enumerate(calls):
-        layers[i % k].forward(x, ids, w)
-        if i >= 2:
-            inside.append(layers[i % k].last_seconds())
-    return statistics.median(inside) * 1e6
+    return time_layer(layers[:k], calls)[1] * 1e6
 
 
 def sweep(runtime, layers, calls, touched: float, stream: float) -> None:
