@@ -123,19 +123,21 @@ def default_copies(shape: dict, fmt: str) -> int:
     that calls read their experts from RAM as a model's layers do. (The GPU host's 300 MiB L3
     served part of 2-3 copies: they read at 1.0-1.17 of the stream where 48 read 0.65-0.80,
     scripts/cpu_footprint.py.) Fewer where RAM is short (expert_budget then trims experts)."""
-    H, I = shape["hidden"], shape["intermediate"]
-    layer = shape["experts"] * sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
-                                   for n in FORMAT_TYPES[fmt])
+    layer = shape["experts"] * expert_bytes(shape, fmt)
     want = -(-8 * l3_bytes() // layer)
     fit = int(psutil.virtual_memory().available * 0.2 // layer)  # (a copy holds its blocks and its tiles)
     return max(3, min(want, fit, 64))
 
 
+def expert_bytes(shape: dict, fmt: str) -> int:
+    """Bytes of one expert's gate, up and down in the format's GGML blocks."""
+    H, I = shape["hidden"], shape["intermediate"]
+    return sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems for n in FORMAT_TYPES[fmt])
+
+
 def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5, int8: bool = False) -> int:
     """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
-    H, I = shape["hidden"], shape["intermediate"]
-    per_expert = sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems
-                     for n in FORMAT_TYPES[fmt]) + (3 * I * H if int8 else 0)
+    per_expert = expert_bytes(shape, fmt) + (3 * shape["intermediate"] * shape["hidden"] if int8 else 0)
     fit = int(psutil.virtual_memory().available * ram_fraction / (per_expert * copies))
     return max(shape["top_k"], min(shape["experts"], fit))
 
