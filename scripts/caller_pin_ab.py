@@ -6,12 +6,11 @@ bench.moe's took 222-267 us inside the kernel, for the same bytes.)
     python scripts/caller_pin_ab.py [threads] [rounds]
 The 2-core dev machine, 2026-12-01: 560 / 558 us, no difference."""
 import os
-import statistics
 import sys
 
 import torch
 
-from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps
+from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps, time_layer
 from ktransformers.kernels.cpu import CPURuntime
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else os.cpu_count()
@@ -25,12 +24,7 @@ allowed = sorted(os.sched_getaffinity(0))
 
 
 def median_kernel_us() -> float:
-    inside = []
-    for i, (x, ids, w) in enumerate(calls):
-        layer = layers[i % len(layers)]
-        layer.kernel.forward(x, ids, w)
-        inside.append(layer.kernel.last_seconds())
-    return statistics.median(inside[2:]) * 1e6
+    return time_layer(layers, calls)[1] * 1e6
 
 
 for r in range(rounds):
