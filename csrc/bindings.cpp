@@ -1,14 +1,12 @@
 // Python bindings (module_local: each ISA build registers its own types in one process). Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "linear.h"
 #include "attention.h"
@@ -56,9 +54,6 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("set_moe_read_only", &set_moe_read_only, "measurement only: MoE tasks read their weight rows and compute "
           "nothing (outputs 0): what the task structure alone reads at");
     m.def("moe_read_only", &moe_read_only);
-    m.def("set_route_hints", &set_route_hints, "doorbell calls of one token with a route hint read the next layer's "
-          "likely experts ahead (default on)");
-    m.def("route_hints", &route_hints);
     m.def("moe_pipeline_calls", &moe_pipeline_calls, "MoE calls that took the one-region decode path so far");
     m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
           "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
@@ -165,27 +160,6 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("last_ns", &MoE::last_ns, "nanoseconds of the last call, inside the kernel")
-        .def("warm", [](MoE& moe, std::vector<int> experts, size_t budget, uint64_t max_ns, uintptr_t stop) {
-                 if (stop % alignof(uint32_t)) throw std::invalid_argument("warm: the stop word must be 4-byte aligned");
-                 return moe.warm(experts.data(), (int)experts.size(), budget,
-                                 reinterpret_cast<const volatile uint32_t*>(stop), max_ns);
-             }, py::arg("experts"), py::arg("budget"), py::arg("max_ns") = uint64_t(1000000000), py::arg("stop") = uintptr_t(0),
-             py::call_guard<py::gil_scoped_release>(),
-             "read up to `budget` bytes of these experts' weights into the caches (ids outside the layer skipped), "
-             "stopping once the 32-bit word at `stop` (0: none) is nonzero or after max_ns; returns the bytes read")
-        .def("top_experts", [](MoE& moe, uintptr_t router, size_t router_bytes, uintptr_t x, size_t x_bytes) {
-                 const MoEConfig& c = moe.config();
-                 if (router_bytes != (size_t)c.experts * c.hidden * sizeof(bf16_t) || x_bytes != (size_t)c.hidden * sizeof(float))
-                     throw std::invalid_argument("top_experts: the router must be bfloat16 [" + std::to_string(c.experts) + ", " +
-                                                 std::to_string(c.hidden) + "] and x float32 [" + std::to_string(c.hidden) + "]");
-                 std::vector<float> logits(c.experts);
-                 std::vector<int> out(c.top_k);
-                 {
-                     py::gil_scoped_release unlocked;
-                     moe.guess(cptr<bf16_t>(router), cptr<float>(x), logits.data(), out.data());
-                 }
-                 return out;
-             }, "the top_k experts by router . x (a route hint's guess; router bf16 [E, H], x float32 [H])")
         .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              });
@@ -206,25 +180,6 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  return call;
              }))
         .def_property_readonly("address", [](MoEHostCall& c) { return (uintptr_t)&c; })
-        .def("set_hint", [](MoEHostCall& c, std::shared_ptr<MoE> next, uintptr_t router, size_t router_bytes, uintptr_t stop) {
-                 if (!next) throw std::invalid_argument("set_hint: no next layer");
-                 const MoEConfig& n = next->config();
-                 if (n.hidden != c.moe->config().hidden)
-                     throw std::invalid_argument("set_hint: the next layer's hidden size " + std::to_string(n.hidden) +
-                                                 " is not this layer's " + std::to_string(c.moe->config().hidden));
-                 if (!router || router_bytes != (size_t)n.experts * n.hidden * sizeof(bf16_t))
-                     throw std::invalid_argument("set_hint: the folded router must be bfloat16 [" + std::to_string(n.experts) +
-                                                 ", " + std::to_string(n.hidden) + "], got " + std::to_string(router_bytes) + " bytes");
-                 if (!stop || stop % alignof(uint32_t)) throw std::invalid_argument("set_hint: the stop word must be 4-byte aligned");
-                 auto h = std::make_shared<RouteHint>();
-                 h->next = std::move(next);
-                 h->router = cptr<bf16_t>(router);
-                 h->stop = reinterpret_cast<const volatile uint32_t*>(stop);
-                 c.hint = std::move(h);
-             }, "after this call (one token, doorbell), guess the next layer's experts with the folded router "
-                "(bf16 [E, H], alive as long as this call) and read them until the stop word (the next ring) is set")
-        .def("clear_hint", [](MoEHostCall& c) { c.hint.reset(); })
-        .def_property_readonly("hinted", [](MoEHostCall& c) { return (bool)c.hint; })
         .def("take_error", [](MoEHostCall& c) {
                  std::string e;
                  std::swap(e, c.error);
@@ -243,10 +198,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def_property_readonly("busy_ns", &Doorbell::busy_ns, "nanoseconds spent in the calls")
         .def_property_readonly("between_ns", &Doorbell::between_ns,
                                "nanoseconds from a call's end to the next ring seen while spinning")
-        .def_property_readonly("betweens", &Doorbell::betweens, "how many such gaps between_ns sums")
-        .def_property_readonly("hint_guessed", &Doorbell::hint_guessed, "experts guessed by route hints (and checked)")
-        .def_property_readonly("hint_hits", &Doorbell::hint_hits, "of them, those the next call took")
-        .def_property_readonly("warm_bytes", &Doorbell::warm_bytes, "bytes the route hints read ahead");
+        .def_property_readonly("betweens", &Doorbell::betweens, "how many such gaps between_ns sums");
     m.attr("moe_host_submit") = (uintptr_t)&moe_host_submit;
     m.attr("moe_host_wait") = (uintptr_t)&moe_host_wait;
 

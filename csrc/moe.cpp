@@ -45,7 +45,6 @@ std::atomic<int> g_tasks_per_thread{0};  // the settings are read by every runti
 std::atomic<bool> g_pipeline{true};
 std::atomic<uint64_t> g_pipeline_calls{0};
 std::atomic<bool> g_read_only{false};
-std::atomic<bool> g_route_hints{true};
 std::atomic<uint64_t> g_read_sink{0};  // (keeps the read-only loads alive)
 
 // A decode-sized call: about a token an expert (at most two, on average, over the experts hit).
@@ -75,8 +74,6 @@ void set_moe_tasks_per_thread(int n) { g_tasks_per_thread.store(std::max(0, n), 
 void set_moe_pipeline(bool on) { g_pipeline.store(on, std::memory_order_relaxed); }
 void set_moe_read_only(bool on) { g_read_only.store(on, std::memory_order_relaxed); }
 bool moe_read_only() { return g_read_only.load(std::memory_order_relaxed); }
-void set_route_hints(bool on) { g_route_hints.store(on, std::memory_order_relaxed); }
-bool route_hints() { return g_route_hints.load(std::memory_order_relaxed); }
 bool moe_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
 uint64_t moe_pipeline_calls() { return g_pipeline_calls.load(std::memory_order_relaxed); }
 
@@ -420,80 +417,6 @@ void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
     });
 }
 
-size_t MoE::warm(const int* experts, int n, size_t budget, const volatile uint32_t* stop, uint64_t max_ns) {
-    constexpr size_t kPiece = 64 << 10, kStep = 4 << 10;  // a task's bytes; read between two looks at *stop
-    const int E = cfg_.experts, I = cfg_.intermediate, H = cfg_.hidden;
-    struct Region {
-        const uint8_t* p;
-        size_t bytes;
-    };
-    Region regions[3 * 64];
-    int R = 0;
-    for (int i = 0; i < n && R + 3 <= 3 * 64; i++) {
-        const int e = experts[i];
-        if (e < 0 || e >= E) continue;
-        regions[R++] = {(const uint8_t*)cfg_.gate + (size_t)e * I * gate_row_, (size_t)I * gate_row_};
-        regions[R++] = {(const uint8_t*)cfg_.up + (size_t)e * I * up_row_, (size_t)I * up_row_};
-        regions[R++] = {(const uint8_t*)cfg_.down + (size_t)e * H * down_row_, (size_t)H * down_row_};
-    }
-    size_t longest = 0;
-    for (int r = 0; r < R; r++) longest = std::max(longest, regions[r].bytes);
-    const size_t rounds = (longest + kPiece - 1) / kPiece;
-    if (!R || !rounds || !budget) return 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(max_ns);
-    std::atomic<size_t> taken{0}, done{0};
-    std::atomic<bool> over{false};
-    rt_->run_inline([&] { rt_->pool().parallel_for((int)std::min<size_t>(rounds * R, INT32_MAX), [&](int task, int) {
-        const Region& g = regions[task % R];
-        const size_t at = (size_t)(task / R) * kPiece;
-        if (at >= g.bytes || over.load(std::memory_order_relaxed)) return;
-        const size_t want = std::min(kPiece, g.bytes - at);
-        if (taken.fetch_add(want, std::memory_order_relaxed) >= budget) return;
-        uint64_t x = 0;
-        size_t b = 0;
-        for (; b < want; b += kStep) {
-            if ((stop && *stop != 0) || (b % (4 * kStep) == 0 && std::chrono::steady_clock::now() > deadline)) {
-                over.store(true, std::memory_order_relaxed);
-                break;
-            }
-            x ^= xor_bytes(g.p + at + b, std::min(kStep, want - b));
-        }
-        done.fetch_add(std::min(b, want), std::memory_order_relaxed);
-        g_read_sink.fetch_xor(x, std::memory_order_relaxed);  // (keeps the loads)
-    }); });
-    return done.load();
-}
-
-void MoE::guess(const bf16_t* router, const float* x, float* logits, int* out) {
-    rt_->run_inline([&] { top_experts(rt_->pool(), router, cfg_.experts, cfg_.hidden, x, cfg_.top_k, logits, out); });
-}
-
-void top_experts(ThreadPool& pool, const bf16_t* router, int E, int H, const float* x, int k, float* logits, int* out) {
-    constexpr int kRows = 8;  // router rows a task
-    pool.parallel_for((E + kRows - 1) / kRows, [&](int task, int) {
-        for (int e = task * kRows; e < std::min(E, (task + 1) * kRows); e++) {
-            const bf16_t* w = router + (size_t)e * H;
-            float acc[8] = {};
-            int j = 0;
-            for (; j + 8 <= H; j += 8)
-                for (int l = 0; l < 8; l++) acc[l] += bf16_to_f32(w[j + l]) * x[j + l];
-            float sum = 0.f;
-            for (; j < H; j++) sum += bf16_to_f32(w[j]) * x[j];
-            for (int l = 0; l < 8; l++) sum += acc[l];
-            logits[e] = sum;
-        }
-    });
-    k = std::min(k, E);
-    for (int i = 0; i < k; i++) {  // k is small (8): k passes over E
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            if (std::find(out, out + i, e) != out + i) continue;
-            if (best < 0 || logits[e] > logits[best]) best = e;
-        }
-        out[i] = best;
-    }
-}
-
 void moe_host_submit(void* data) {
     auto* call = static_cast<MoEHostCall*>(data);
     try {
@@ -556,37 +479,6 @@ void Doorbell::rest() {  // (the pool is told by this object's thread, in the or
     resting_.store(true, std::memory_order_release);
 }
 
-void Doorbell::keep_input(const MoEHostCall& c) {
-    const int H = c.moe->config().hidden;
-    hint_x_.resize(H);
-    if (c.dtype == Dtype::F32) std::copy((const float*)c.x, (const float*)c.x + H, hint_x_.begin());
-    else for (int i = 0; i < H; i++) hint_x_[i] = bf16_to_f32(((const bf16_t*)c.x)[i]);
-}
-
-void Doorbell::score_guess(const MoEHostCall& c) {
-    const bool guessed = guess_for_ == c.moe.get();
-    guess_for_ = nullptr;  // (a guess is for the very next call)
-    if (!guessed || c.tokens != 1) return;
-    const int K = c.moe->config().top_k;
-    int hits = 0;
-    for (int k = 0; k < K; k++)
-        hits += std::find(guess_.begin(), guess_.end(), (int)c.ids[k]) != guess_.end();
-    hint_guessed_.fetch_add(guess_.size(), std::memory_order_relaxed);
-    hint_hits_.fetch_add(hits, std::memory_order_relaxed);
-}
-
-void Doorbell::read_ahead(const MoEHostCall& c) {
-    const RouteHint& h = *c.hint;
-    const MoEConfig& next = h.next->config();
-    hint_logits_.resize(next.experts);
-    guess_.resize(next.top_k);
-    h.next->guess(h.router, hint_x_.data(), hint_logits_.data(), guess_.data());
-    guess_for_ = h.next.get();
-    // until the next layer rings; at most 0.5 ms (it may not come: its experts ran elsewhere this step)
-    warm_bytes_.fetch_add(h.next->warm(guess_.data(), (int)guess_.size(), SIZE_MAX, h.stop, 500000),
-                          std::memory_order_relaxed);
-}
-
 void Doorbell::loop() {
     rt_->pool().pin_caller();  // where the dispatcher runs: this thread is the pool's thread 0 when serving
     std::vector<Slot> slots;
@@ -612,12 +504,8 @@ void Doorbell::loop() {
                                       std::memory_order_relaxed);
                 betweens_.fetch_add(1, std::memory_order_relaxed);
             }
-            auto c = call(number);
-            const bool hinted = c && c->hint && c->tokens == 1 && route_hints();
-            if (c) {
+            if (auto c = call(number)) {
                 try {
-                    score_guess(*c);
-                    if (hinted) keep_input(*c);
                     c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype);
                 } catch (const std::exception& ex) {
                     if (c->error.empty()) c->error = ex.what();
@@ -628,13 +516,6 @@ void Doorbell::loop() {
             }
             __atomic_store_n(s.done, 1u, __ATOMIC_RELEASE);
             last = clock::now();
-            if (hinted && c->error.empty()) {  // (the GPU runs meanwhile: `last` stays the call's end)
-                try {
-                    read_ahead(*c);
-                } catch (const std::exception& ex) {
-                    c->error = std::string("reading ahead: ") + ex.what();
-                }
-            }
             after_call = true;
             busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(last - start).count(),
                                std::memory_order_relaxed);

@@ -46,14 +46,6 @@ class MoE {
     const MoEConfig& config() const { return cfg_; }
     // Nanoseconds the last call took from its first phase to its output (no caller overhead).
     uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
-    // Read up to `budget` bytes of these experts' decode weights (gate, up and down rows, a
-    // 64 KiB piece of each in turn from their starts) on the pool, computing nothing: the bytes
-    // come to the caches before a call that will likely need them. Stops early once *stop (when
-    // given) is nonzero or after max_ns. Ids outside [0, E) are skipped. Returns the bytes read.
-    // Runs on the calling thread with the pool, like forward (the caller owns the pool meanwhile).
-    size_t warm(const int* experts, int n, size_t budget, const volatile uint32_t* stop, uint64_t max_ns);
-    // top_experts over this layer's experts (router [E, H], top_k of them into out), on the pool.
-    void guess(const bf16_t* router, const float* x, float* logits, int* out);
 
   private:
     void check(int tokens, const int64_t* ids) const;
@@ -127,26 +119,6 @@ bool moe_read_only();
 // The XOR of the bytes [p, p + n), read as the stream probe reads them (stream.cpp).
 uint64_t xor_bytes(const uint8_t* p, size_t n);
 
-// The experts a router would likely pick: the k largest of router[e] . x over e < E (router
-// bf16 [E, H] rows, x float32 [H]), highest first, into out; logits [E] is the caller's scratch.
-void top_experts(ThreadPool& pool, const bf16_t* router, int E, int H, const float* x, int k, float* logits, int* out);
-
-// Reading ahead at decode (route hints). Between one layer's CPU experts and the next layer's,
-// the GPU runs the next layer's attention (~50 us) while the CPU cores wait. The next router reads
-// n' * h' / rms(h'), where h' is this layer's residual h plus what this layer's experts and the next
-// attention add to it, and n' the next layer's norm weights; this layer's MoE input is
-// x = n * h / rms(h). Leaving out those two additions, the next router with its columns scaled by
-// n' / n (folded once at load), applied to x, ranks the experts the next layer will likely pick
-// (up to a positive scale). Their bytes are read into the caches while the GPU works, until the next
-// layer rings. A wrong guess costs only idle time: no result depends on it.
-struct RouteHint {
-    std::shared_ptr<MoE> next;            // the next layer's experts
-    const bf16_t* router = nullptr;       // [next experts, hidden], the folded router (owned by Python)
-    const volatile uint32_t* stop = nullptr;  // the next layer's ring word: reading ahead ends when rung
-};
-void set_route_hints(bool on);  // KT_ROUTE_HINT (default on)
-bool route_hints();
-
 // One MoE call with its inputs and output at fixed addresses (pinned host buffers), started and
 // waited for by plain C functions of one pointer: what cudaLaunchHostFunc / cuLaunchHostFunc
 // enqueue on a GPU stream, so that a stream (and a CUDA graph captured from it) runs the CPU
@@ -162,7 +134,6 @@ struct MoEHostCall {
     void* y = nullptr;
     Dtype dtype = Dtype::F32;
     std::string error;
-    std::shared_ptr<RouteHint> hint;  // doorbell calls of one token: read the next layer's likely experts after
 };
 void moe_host_submit(void* call);  // MoE::submit of the call (returns at once)
 void moe_host_wait(void* call);    // waits for the runtime's queued jobs
@@ -198,11 +169,6 @@ class Doorbell {
     uint64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
     uint64_t between_ns() const { return between_ns_.load(std::memory_order_relaxed); }
     uint64_t betweens() const { return betweens_.load(std::memory_order_relaxed); }
-    // Route hints: experts guessed for a next call and checked against its ids, how many of the
-    // guesses it took, and the bytes read ahead.
-    uint64_t hint_guessed() const { return hint_guessed_.load(std::memory_order_relaxed); }
-    uint64_t hint_hits() const { return hint_hits_.load(std::memory_order_relaxed); }
-    uint64_t warm_bytes() const { return warm_bytes_.load(std::memory_order_relaxed); }
 
   private:
     struct Slot {
@@ -211,9 +177,6 @@ class Doorbell {
     };
     void loop();
     std::shared_ptr<MoEHostCall> call(uint32_t number);
-    void keep_input(const MoEHostCall& c);     // before a hinted call: its x, as float32 (the buffer is reused)
-    void score_guess(const MoEHostCall& c);    // before a call: how many of the guessed experts it takes
-    void read_ahead(const MoEHostCall& c);     // after a hinted call: guess the next layer's experts, read them
 
     std::shared_ptr<Runtime> rt_;
     const int spin_us_;
@@ -225,11 +188,6 @@ class Doorbell {
     std::atomic<bool> resting_{false};
     std::atomic<bool> stop_{false}, woken_{false};
     std::atomic<uint64_t> served_{0}, bad_{0}, busy_ns_{0}, between_ns_{0}, betweens_{0};
-    std::atomic<uint64_t> hint_guessed_{0}, hint_hits_{0}, warm_bytes_{0};
-    // the loop thread's own: the kept input, router logits, the guess and the call it is for
-    std::vector<float> hint_x_, hint_logits_;
-    std::vector<int> guess_;
-    const MoE* guess_for_ = nullptr;
     std::thread thread_;
 };
 

@@ -7,8 +7,7 @@ then advised for huge pages (KT_HUGEPAGES=1). Needs ~0.4 GiB of free RAM a copy 
 Prints the OS's huge-page settings, the NUMA nodes, how many huge pages the buffers got, and for
 each k the kernel's median, its GB/s and the ratio to the stream probe of the same run, then the
 same tasks over all N copies reading their bytes and computing nothing (what the task structure
-alone reads at), and (4 KiB pages) the calls after reading 4 MB, 8 MB or all of their own experts
-ahead (what a route hint's read-ahead gains with a perfect guess). With
+alone reads at). With
 SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
 decode tasks a thread and the tasks' prologue prefetch (two rounds, interleaved).
     python scripts/cpu_footprint.py [threads] [copies] [k ...]"""
@@ -54,25 +53,6 @@ def copies_of(runtime, layer: Layer, n: int, shape: dict) -> list[Layer]:
 def time_cycled(layers: list[Layer], calls, k: int) -> float:
     """Median microseconds inside the kernel of the calls, cycling over the first k layers."""
     return time_layer(layers[:k], calls)[1] * 1e6
-
-
-def time_warmed(layers: list[Layer], calls, budget: int) -> tuple[float, float, float]:
-    """Each call after reading up to `budget` bytes of its own experts into the caches
-    (MoE.warm, what a route hint does while the GPU runs a layer's attention, here with a perfect
-    guess), cycling over all layers: medians of the kernel's and the read's microseconds, and the
-    mean MB read."""
-    kernel, reads, read_mb = [], [], []
-    for i, (x, ids, w) in enumerate(calls):
-        layer = layers[i % len(layers)]
-        t0 = time.perf_counter()
-        got = layer.kernel._moe.warm(ids[0].tolist(), budget)
-        took = time.perf_counter() - t0
-        layer.kernel.forward(x, ids, w)
-        if i >= 2:
-            kernel.append(layer.kernel.last_seconds() * 1e6)
-            reads.append(took * 1e6)
-            read_mb.append(got / 1e6)
-    return statistics.median(kernel), statistics.median(reads), statistics.mean(read_mb)
 
 
 def sweep(runtime, layers, calls, touched: float, stream: float) -> None:
@@ -132,12 +112,6 @@ def main() -> None:
             runtime.ext.set_moe_read_only(False)
         print(f"{'reads':>6} {n * per_layer / 2**30:>6.1f} {us:>9.1f} {touched / us / 1e3:>6.1f} "
               f"{touched / us / 1e3 / stream:>5.2f}  (the tasks' reads alone: set_moe_read_only)", flush=True)
-        if huge == "0":
-            for mb in (4, 8, 1000):  # (1000: all of the call's experts)
-                us, read_us, got = time_warmed(layers, calls, mb * 10**6)
-                print(f"{'warmed':>6} {got:>5.1f}M {us:>9.1f} {touched / us / 1e3:>6.1f} {touched / us / 1e3 / stream:>5.2f}"
-                      f"  (after reading {got:.1f} MB of the call's experts ahead in {read_us:.1f} us: "
-                      f"{got / read_us * 1e3:.1f} GB/s)", flush=True)
         if os.environ.get("SWEEP") == "1":
             sweep(runtime, layers, calls, touched, stream)
         del layers

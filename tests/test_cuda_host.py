@@ -252,8 +252,6 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
             assert staging.doorbell.served >= len(ids) and staging.doorbell.bad_rings == 0
             assert staging.doorbell.busy_ns > 0
             assert staging.doorbell.betweens > 0 or family == "deepseek_v3"  # (its tiny model: one MoE layer)
-            # route hints: after each decode call of the first MoE layer, the second's experts guessed and read ahead
-            assert (staging.doorbell.hint_guessed > 0 and staging.doorbell.warm_bytes > 0) or family == "deepseek_v3"
     for graphs in (False, True):
         for other in (("doorbell", "0"), ("doorbell", "1")):
             assert torch.equal(results["host", "0", graphs], results[(*other, graphs)]), (other, graphs)

@@ -123,10 +123,9 @@ def measure_ours(args, config) -> dict:
         times = engine.step_times
         issue.append(times.issue_s / max(times.steps, 1) * 1e6)
         if bell is not None:
-            served, busy, gaps, between, guessed, hits, warmed = (a - b for a, b in zip(doorbell_counts(bell), before))
+            served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
             split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3,
-                          (busy + between) / (args.decode - 1) / 1e3, hits / guessed if guessed else None,
-                          warmed / max(served, 1) / 1e6))
+                          (busy + between) / (args.decode - 1) / 1e3))
         engine.release(seq)
     out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded,
            "issue_us": statistics.median(issue)}
@@ -134,19 +133,14 @@ def measure_ours(args, config) -> dict:
         out["cpu_call_us"] = statistics.median(s[0] for s in split)
         out["between_us"] = statistics.median(s[1] for s in split)
         out["layers_us"] = statistics.median(s[2] for s in split)  # a step's calls and the gaps between them
-        if split[0][3] is not None:  # route hints: guesses the next call took; MB read ahead a call
-            out["hint_hits"] = statistics.median(s[3] for s in split)
-            out["warm_mb"] = statistics.median(s[4] for s in split)
     return out
 
 
-def doorbell_counts(bell) -> tuple[int, ...]:
-    """(calls served, ns in them, gaps, ns in the gaps, experts guessed by route hints, guesses the
-    next call took, bytes read ahead) of the CPU experts' doorbell so far."""
+def doorbell_counts(bell) -> tuple[int, int, int, int]:
+    """(calls served, ns in them, gaps, ns in the gaps) of the CPU experts' doorbell so far."""
     if bell is None:
-        return 0, 0, 0, 0, 0, 0, 0
-    return (bell.served, bell.busy_ns, bell.betweens, bell.between_ns, bell.hint_guessed, bell.hint_hits,
-            bell.warm_bytes)
+        return 0, 0, 0, 0
+    return bell.served, bell.busy_ns, bell.betweens, bell.between_ns
 
 
 def measure_llama(args) -> dict | None:
@@ -241,9 +235,6 @@ def main(argv: list[str] | None = None) -> None:
     if "cpu_call_us" in ours:
         print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
               f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
-        if "hint_hits" in ours:
-            print(f"  route hints: {ours['hint_hits']:.2f} of the guessed experts taken by the next layer, "
-                  f"{ours['warm_mb']:.1f} MB read ahead a call (KT_ROUTE_HINT=0: off)")
         print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
               f"MoE layer's call and after the last, the step's sync and Python, and any gap between layers "
               f"longer than the doorbell's spin); of it {ours['issue_us']:.0f} us issuing the step on the host "

@@ -123,7 +123,6 @@ class CPURuntime:
         self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")), PREFETCH_HINTS.index(hint))
         self.ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "0")))
         self.ext.set_moe_pipeline(os.environ.get("KT_MOE_PIPELINE", "1").strip() != "0")
-        self.ext.set_route_hints(os.environ.get("KT_ROUTE_HINT", "1").strip() != "0")
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
@@ -314,7 +313,6 @@ class MoEKernel:
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(w.kernel_type(runtime.ext) for w in self._weights), g, gb, u, ub, d, db,
                                     addresses, min_tokens)
-        self.route_hint = None  # operators.route_hint.RouteHint: what doorbell calls read ahead after this layer
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)
@@ -337,27 +335,6 @@ class MoEKernel:
         x, ids, weights, y = self._args(x, ids, weights)
         self._moe.forward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
         return y
-
-    def warm(self, experts, budget: int, max_seconds: float = 1.0, stop: torch.Tensor | None = None) -> int:
-        """Read up to `budget` bytes of these experts' decode weights into the caches (ids outside
-        [0, experts) skipped), for at most `max_seconds`, ending early once `stop` (an int32 CPU
-        tensor's first word) is nonzero; returns the bytes read. What a route hint does between
-        two layers."""
-        if stop is not None and (stop.dtype != torch.int32 or stop.device.type != "cpu" or stop.numel() < 1):
-            raise ValueError(f"{self.name}: warm's stop must be an int32 CPU tensor, got {stop.dtype} on {stop.device}")
-        return self._moe.warm([int(e) for e in experts], int(budget), int(max_seconds * 1e9),
-                              0 if stop is None else stop.data_ptr())
-
-    def guess(self, router: torch.Tensor, x: torch.Tensor) -> list[int]:
-        """The top_k experts by router @ x (router bf16 [experts, hidden], x float32 [hidden]) as the
-        C++ side ranks them for a route hint, highest first."""
-        if router.dtype != torch.bfloat16 or tuple(router.shape) != (self.experts, self.hidden) or \
-                not router.is_contiguous() or router.device.type != "cpu":
-            raise ValueError(f"{self.name}: the router must be contiguous CPU bfloat16 [{self.experts}, {self.hidden}], "
-                             f"got {router.dtype} {tuple(router.shape)} on {router.device}")
-        _check_activations(self.name, x.reshape(1, -1), self.hidden)
-        x = x.reshape(-1).float().contiguous()
-        return self._moe.top_experts(router.data_ptr(), router.numel() * 2, x.data_ptr(), x.numel() * 4)
 
     def last_seconds(self) -> float:
         """How long the last call took inside the kernel (from its first phase to its output)."""

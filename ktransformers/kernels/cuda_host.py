@@ -14,9 +14,7 @@ read in kernels/cpu.py):
 - `doorbell` (default): the stream writes the call's number into the layer's `ring` word in
   pinned memory (cuStreamWriteValue32); the extension's Doorbell thread, polling the rings, runs
   the call inline on the pool and sets the layer's `done` word, which the stream waits for
-  (cuStreamWaitValue32) and clears. No host-function node, no thread hand-off in between. After
-  a one-token call whose kernel has a route hint (operators/route_hint.py), the pool then reads
-  the next layer's likely experts into the caches until that layer rings.
+  (cuStreamWaitValue32) and clears. No host-function node, no thread hand-off in between.
 - `host`: host functions (cuLaunchHostFunc) of the extension, `moe_host_submit` queueing the job
   on the runtime's dispatcher and `moe_host_wait` waiting for it; the fallback where stream
   memory operations do not work (checked once per device, eagerly and inside a graph).
@@ -143,12 +141,10 @@ def call_host_func(fn: int, data: int) -> None:
 
 @dataclass
 class _HostCall:
-    """An MoEHostCall on the staging buffer, its kernel (kept alive with it), its doorbell number (0: none yet)
-    and its route hint (kept alive with it: the call reads its folded router)."""
+    """An MoEHostCall on the staging buffer, its kernel (kept alive with it), its doorbell number (0: none yet)."""
     call: object
     kernel: object
     number: int = 0
-    hint: object = None
 
 
 class HostStaging:
@@ -250,11 +246,6 @@ class HostStaging:
         entry = self._entry(kernel, tokens, dtype)
         if not entry.number:
             entry.number = self._bell().add(entry.call)
-            hint = getattr(kernel, "route_hint", None)
-            if tokens == 1 and hint is not None:  # after this call, read the next layer's likely experts
-                entry.hint = hint  # (its folded router alive as long as the call)
-                entry.call.set_hint(hint.next._moe, hint.router.data_ptr(), hint.router.numel() * 2,
-                                    self.flags(hint.next)[0])
         return entry.number
 
     def flags(self, kernel) -> tuple[int, int]:

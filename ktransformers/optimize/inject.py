@@ -189,8 +189,6 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
-    from ..operators.route_hint import link_route_hints
-    link_route_hints(model)  # CPU experts fed from a GPU read the next layer's likely experts ahead
     model.eval()
     return rows
 
