@@ -7,7 +7,8 @@ then advised for huge pages (KT_HUGEPAGES=1). Needs ~0.4 GiB of free RAM a copy 
 Prints the OS's huge-page settings, the NUMA nodes, how many huge pages the buffers got, and for
 each k the kernel's median, its GB/s and the ratio to the stream probe of the same run, then the
 same tasks over all N copies reading their bytes and computing nothing (what the task structure
-alone reads at). With
+alone reads at), and (4 KiB pages) each call run again right after those reads or after itself
+(its bytes then in the caches: the kernel's rate when memory is not what it waits for). With
 SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
 decode tasks a thread and the tasks' prologue prefetch (two rounds, interleaved).
     python scripts/cpu_footprint.py [threads] [copies] [k ...]"""
@@ -53,6 +54,25 @@ def copies_of(runtime, layer: Layer, n: int, shape: dict) -> list[Layer]:
 def time_cycled(layers: list[Layer], calls, k: int) -> float:
     """Median microseconds inside the kernel of the calls, cycling over the first k layers."""
     return time_layer(layers[:k], calls)[1] * 1e6
+
+
+def time_second(runtime, layers: list[Layer], calls, reads_first: bool) -> float:
+    """Each call run twice in a row, cycling over all layers: the median microseconds of the
+    second run, inside the kernel. With reads_first the first run only reads (set_moe_read_only):
+    the call's bytes are then in the caches, brought by the same tasks a call runs; else the first
+    run is the call itself. Against the cold call, what its bytes being cached would gain."""
+    inside = []
+    for i, (x, ids, w) in enumerate(calls):
+        layer = layers[i % len(layers)]
+        runtime.ext.set_moe_read_only(reads_first)
+        try:
+            layer.kernel.forward(x, ids, w)
+        finally:
+            runtime.ext.set_moe_read_only(False)
+        layer.kernel.forward(x, ids, w)
+        if i >= 2:
+            inside.append(layer.kernel.last_seconds() * 1e6)
+    return statistics.median(inside)
 
 
 def sweep(runtime, layers, calls, touched: float, stream: float) -> None:
@@ -112,6 +132,11 @@ def main() -> None:
             runtime.ext.set_moe_read_only(False)
         print(f"{'reads':>6} {n * per_layer / 2**30:>6.1f} {us:>9.1f} {touched / us / 1e3:>6.1f} "
               f"{touched / us / 1e3 / stream:>5.2f}  (the tasks' reads alone: set_moe_read_only)", flush=True)
+        if huge == "0":
+            for reads_first, what in ((True, "after the same tasks read its bytes"), (False, "after the same call")):
+                us = time_second(runtime, layers, calls, reads_first)
+                print(f"{'again':>6} {'':>6} {us:>9.1f} {touched / us / 1e3:>6.1f} {touched / us / 1e3 / stream:>5.2f}"
+                      f"  (each call {what})", flush=True)
         if os.environ.get("SWEEP") == "1":
             sweep(runtime, layers, calls, touched, stream)
         del layers
