@@ -259,6 +259,45 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
+    """Greedy tokens decoded one step ahead (each graph step issued on the previous step's argmax
+    still on the GPU, the CPU experts rung by it) are the step-by-step tokens; stopping early
+    drops the step issued ahead from the cache, and decoding then goes on the same; greedy
+    generation takes the same path."""
+    from ktransformers.engine.sampling import SamplingParams
+    family = "qwen3_moe"
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(12)).tolist()
+    runs = {}
+    for ahead in ("0", "1"):
+        monkeypatch.setenv("KT_DECODE_AHEAD", ahead)
+        engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
+        assert engine.graphs is not None and engine._decodes_ahead() == (ahead == "1")
+        seq = engine.new_sequence()
+        first = int(engine.prefill(seq, prompt)[0].argmax())
+        it = engine.greedy_tokens(seq, first, 40)
+        got = [next(it) for _ in range(20)]  # (across a page boundary: 11 + 20 > 16)
+        it.close()
+        length, cached = seq.length, list(engine.cached_tokens(seq))
+        more = list(engine.greedy_tokens(seq, got[-1], 5))
+        engine.release(seq)
+        gen = engine.generate(prompt, SamplingParams(do_sample=False), 12)
+        list(gen)
+        runs[ahead] = (got, length, cached, more, gen.tokens, gen.finish_reason)
+        staging = engine.context._staging
+        assert staging.doorbell is not None and staging.doorbell.bad_rings == 0
+        staging.check_errors()
+    assert runs["0"] == runs["1"]
+    got, length, cached = runs["1"][:3]
+    assert length == len(prompt) + 20 and cached == prompt + [first] + got[:19]
+    assert runs["1"][4][:1] == [first] and runs["1"][5] == "length"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
     """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
     (next layer prefetched) and give what the CPU experts give. The staging chunk is made small

@@ -364,3 +364,29 @@ def test_segments_of_runs_of_layers():
     assert segments_of([a, a, b, b, b]) == [(a, range(0, 2)), (b, range(2, 5))]
     assert segments_of([a]) == [(a, range(0, 1))]
     assert segments_of([a, b, a]) == [(a, range(0, 1)), (b, range(1, 2)), (a, range(2, 3))]
+
+
+def test_greedy_tokens_equal_decode_and_argmax(tmp_path):
+    """Engine.greedy_tokens (what greedy generation uses) gives decode()'s argmax token by token,
+    records the tokens it fed, and stops at its limit or where the cache cannot grow."""
+    ours, _ = load(tmp_path, "qwen3_moe")
+    engine = Engine(ours, cache_lens=32, page_size=4)
+    prompt = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref_seq = engine.new_sequence()
+    token = int(engine.prefill(ref_seq, prompt)[0].argmax())
+    want = []
+    t = token
+    for _ in range(6):
+        t = int(engine.decode(ref_seq, t)[0].argmax())
+        want.append(t)
+    seq = engine.new_sequence()
+    assert int(engine.prefill(seq, prompt)[0].argmax()) == token
+    it = engine.greedy_tokens(seq, token, 6)
+    got = [next(it) for _ in range(4)]
+    it.close()  # early: what it fed is cached and recorded, nothing more
+    assert got == want[:4]
+    assert engine.cached_tokens(seq) == prompt + [token] + got[:3] and seq.length == len(prompt) + 4
+    assert list(engine.greedy_tokens(seq, got[-1], 2)) == want[4:6]
+    engine.release(ref_seq)
+    room = 32 - seq.length
+    assert len(list(engine.greedy_tokens(seq, want[5], 100))) == room and seq.length == 32  # to the cache's end

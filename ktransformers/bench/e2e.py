@@ -7,7 +7,9 @@ roofline of the same run and llama.cpp (experts on the CPU, `-ot exps=CPU`) on t
 Ours: the shipped GPU rule file for the architecture (or --optimize_config_path), bf16 on the GPU,
 CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
 --chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over
---decode steps after a 512-token prompt.
+--decode greedy steps after a 512-token prompt, as greedy generation runs them
+(Engine.greedy_tokens: each step issued before the previous one's token is read back;
+KT_DECODE_AHEAD=0, one step at a time).
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
 bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
 device-copy bandwidth); the floor time is the sum, and `ratio` = measured / roofline tok/s.
@@ -116,10 +118,9 @@ def measure_ours(args, config) -> dict:
         before = doorbell_counts(bell)
         engine.step_times.reset()
         t0 = time.perf_counter()
-        for token in steps[1:]:
-            engine.decode(seq, token)
+        made = sum(1 for _ in engine.greedy_tokens(seq, steps[1], args.decode - 1))  # as greedy generation decodes
         sync()
-        decode.append((args.decode - 1) / (time.perf_counter() - t0))
+        decode.append(made / (time.perf_counter() - t0))
         times = engine.step_times
         issue.append(times.issue_s / max(times.steps, 1) * 1e6)
         if bell is not None:

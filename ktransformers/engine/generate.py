@@ -127,6 +127,9 @@ class Generation:
         stopper = StopMatcher(self.stop) if self.stop else None
         seq = self.seq or engine.cache.new_sequence()
         history = list(self.prompt_ids)
+        # greedy tokens without a repetition penalty come from Engine.greedy_tokens (one step ahead)
+        ahead_ok = self.params.greedy and self.params.repetition_penalty == 1
+        ahead = None
 
         t0 = t_eval = time.perf_counter()
         try:  # (the finally below frees a sequence of our own even when the prefill fails)
@@ -134,8 +137,8 @@ class Generation:
             self.stats.prompt_tokens = engine.last_prefill_tokens
             self.stats.prompt_seconds = time.perf_counter() - t0
             t_eval = time.perf_counter()
+            token = int(sampler(logits, [history])[0])
             while True:
-                token = int(sampler(logits, [history])[0])
                 self.tokens.append(token)
                 history.append(token)
                 if token in self.eos_ids:
@@ -155,10 +158,19 @@ class Generation:
                 if len(self.tokens) >= self.max_new_tokens:
                     self.finish_reason = "length"
                     break
+                if ahead_ok:
+                    if ahead is None:
+                        ahead = engine.greedy_tokens(seq, token, self.max_new_tokens - len(self.tokens))
+                    token = next(ahead, None)
+                    if token is None:  # (it stops early only where the cache cannot grow)
+                        self.finish_reason = "cache_full"
+                        break
+                    continue
                 if not engine.cache.can_grow(seq, 1):
                     self.finish_reason = "cache_full"
                     break
                 logits = engine.decode(seq, token)
+                token = int(sampler(logits, [history])[0])
             if decoder is not None:
                 tail = decoder.flush()
                 if stopper is not None:
@@ -167,6 +179,8 @@ class Generation:
                 if tail:
                     yield tail
         finally:
+            if ahead is not None:
+                ahead.close()  # a step issued ahead and not wanted: waited for, its entry dropped
             self.stats.eval_tokens = len(self.tokens)
             self.stats.eval_seconds = time.perf_counter() - t_eval
             if self.seq is None:
@@ -191,6 +205,20 @@ def module_device(module: torch.nn.Module, default: torch.device) -> torch.devic
     if tensor is None:
         tensor = next(module.buffers(), None)
     return tensor.device if tensor is not None else default
+
+
+@dataclass
+class _Ahead:
+    """A greedy decode step issued ahead (Engine.greedy_tokens): where its token went in the cache,
+    its argmax on the GPU and in pinned memory once `event` is reached, its input token where known
+    on the host, and the host's time issuing it."""
+    seq: Sequence
+    start: int
+    out: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event
+    fed: int | None
+    issue_s: float
 
 
 class Engine:
@@ -227,6 +255,8 @@ class Engine:
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
+        self._ahead_slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # see _issue_ahead
+        self._ahead_next = 0
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         self._chain_layerwise_prefill()
@@ -404,6 +434,84 @@ class Engine:
     def decode(self, seq: Sequence, token: int) -> torch.Tensor:
         self._set_phase("generate")
         return self.step([seq], [[token]])
+
+    # -- greedy decode, one step ahead ------------------------------------------------------
+    def greedy_tokens(self, seq: Sequence, token: int, limit: int) -> Iterator[int]:
+        """The greedy continuation of `seq` after `token` (not yet fed), at most `limit` tokens,
+        one an iteration; it ends early when the cache cannot grow. With CUDA graphs (one GPU)
+        each step is issued before the previous one's token is read back: its input is the argmax
+        the GPU wrote, so neither the GPU nor the CPU experts wait for Python between steps
+        (KT_DECODE_AHEAD=0: not). Closing the iterator early waits for the step issued ahead and
+        drops its cache entry. Otherwise each step is decode() and the logits' argmax (the
+        tokens are the same: greedy sampling takes that argmax)."""
+        self._set_phase("generate")
+        if not self._decodes_ahead():
+            for _ in range(limit):
+                if not self.cache.can_grow(seq, 1):
+                    return
+                token = int(self.decode(seq, token)[0].argmax())
+                yield token
+            return
+        pending: list[_Ahead] = []  # steps issued, oldest first: each one's input is the one before's argmax
+        issued = 0
+        try:
+            while True:
+                while issued < limit and len(pending) < 2 and self.cache.can_grow(seq, 1):
+                    pending.append(self._issue_ahead(seq, pending[-1].out if pending else token,
+                                                     None if pending else token))
+                    issued += 1
+                if not pending:
+                    return
+                step = pending.pop(0)
+                try:
+                    token = self._finish_ahead(step, last=not pending)
+                except BaseException:
+                    pending.insert(0, step)
+                    raise
+                if pending:
+                    pending[0].fed = token  # the next step's input, now known on the host
+                yield token
+        finally:
+            if pending:  # issued ahead and not wanted (or failed): wait for them, drop their entries
+                for step in pending:
+                    step.event.synchronize()
+                self.cache.truncate(seq, pending[0].start)
+                self.context.rest_host_calls()
+
+    def _decodes_ahead(self) -> bool:
+        return (self.graphs is not None and len(self.graphs.segments) == 1
+                and os.environ.get("KT_DECODE_AHEAD", "1").strip() != "0")
+
+    def _issue_ahead(self, seq: Sequence, token, fed: int | None) -> _Ahead:
+        """Enqueue one graph decode step of `seq` on `token` (an int, or the previous step's GPU
+        argmax) and the copy of its argmax to the host; `fed`: the input's value where known."""
+        began = time.perf_counter()
+        if not self._ahead_slots:  # pinned words and events for the argmaxes of steps in flight (at most 2, 4 kept)
+            blocking = self.context.cpu_pool_threads() + 2 > self._cores  # (see _wait_gpu)
+            self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event(blocking=blocking))
+                                 for _ in range(4)]
+        batch = self.cache.prepare([seq], [1])
+        try:
+            out = self.graphs.run_ahead(batch, token)
+            host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
+            self._ahead_next += 1
+            host.copy_(out, non_blocking=True)
+            event.record()
+        except BaseException:
+            self.cache.truncate(seq, batch.starts[0])
+            raise
+        return _Ahead(seq, batch.starts[0], out, host, event, fed, time.perf_counter() - began)
+
+    def _finish_ahead(self, step: _Ahead, last: bool) -> int:
+        """Wait for a step issued ahead; its argmax token. `last`: no other step is in flight."""
+        t0 = time.perf_counter()
+        step.event.synchronize()
+        if last:
+            self.context.rest_host_calls()
+        self.context.check_host_errors()
+        self.step_times.add(step.issue_s, time.perf_counter() - t0)
+        self._tokens.setdefault(step.seq.seq_id, []).append(step.fed)
+        return int(step.host[0])
 
     def new_sequence(self) -> Sequence:
         return self.cache.new_sequence()

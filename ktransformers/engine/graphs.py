@@ -88,8 +88,8 @@ class DecodeGraphs:
         self._host = [torch.zeros(self._bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._host_views = [{k: v.numpy() for k, v in self._views(h, max_batch).items()} for h in self._host]
         # which host buffer the next step fills. Engine.step synchronizes the step's streams
-        # before it returns, so a buffer's copy is done when the buffer is next written; steps
-        # issued two deep without that sync would need an event per buffer.
+        # before it returns, and Engine.greedy_tokens keeps at most two steps in flight, waiting
+        # for the older before issuing a third: a buffer's copy is done when it is next written.
         self._flip = 0
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]  # pages whose slots each table row holds
 
@@ -193,10 +193,25 @@ class DecodeGraphs:
         finally:
             engine.context.batch = None
 
-    def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
-        """Logits [B, V] of a decode step whose cache room `batch` has reserved."""
+    def run_ahead(self, batch: ForwardBatch, token) -> torch.Tensor:
+        """A one-sequence decode step whose input is `token`, an int or a GPU tensor [1] (the
+        previous step's argmax, which the host has not read): replayed without waiting; returns
+        the argmax of its logits [1] (int64, on the GPU), computed on the stream (one GPU)."""
+        if len(self.segments) != 1:
+            raise ValueError("decoding ahead needs the whole step on one GPU")
+        on_gpu = isinstance(token, torch.Tensor)
+        logits = self.run(batch, [0 if on_gpu else int(token)], token if on_gpu else None, clone=False)
+        return logits.argmax(dim=-1)
+
+    def run(self, batch: ForwardBatch, tokens: list[int], device_ids: torch.Tensor | None = None,
+            clone: bool = True) -> torch.Tensor:
+        """Logits [B, V] of a decode step whose cache room `batch` has reserved. `device_ids`: the
+        token ids on the first GPU, used instead of `tokens` (copied in on the stream). `clone`:
+        the logits in a tensor of their own (else the graph's output, until its next replay)."""
         B = len(tokens)
         self._fill(batch, tokens)
+        if device_ids is not None:
+            self.ids[:B].copy_(device_ids.reshape(-1)[:B])  # (after _fill's copy on the stream)
         if B not in self.segments[0].graphs:
             self._capture(batch, B)
         staging = self.engine.context._staging
@@ -212,4 +227,4 @@ class DecodeGraphs:
             if staging is not None:
                 staging.used.extend(calls)
             previous = outputs
-        return previous[0].clone()
+        return previous[0].clone() if clone else previous[0]
