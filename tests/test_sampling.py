@@ -224,3 +224,15 @@ def test_stop_validation():
         StopMatcher(["ok", ""])
     with pytest.raises(TypeError, match="sequence"):
         StopMatcher("</s>")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_gpu_logits_with_the_cpu_generator():
+    """A GPU engine's logits sampled by the default (CPU) generator: the same tokens, for a seed,
+    as the same logits sampled on the CPU (torch.multinomial refuses a CPU generator on CUDA)."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 3
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    on_cpu = Sampler(params)(logits)
+    on_gpu = Sampler(params)(logits.cuda())
+    assert torch.equal(on_cpu, on_gpu.cpu())

@@ -89,7 +89,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 class Sampler:
     """Picks next tokens for a batch under fixed SamplingParams, with a private torch.Generator on
     `device` so a fixed seed reproduces the same tokens and other code's RNG use cannot disturb it.
-    Logits must live on `device`."""
+    Logits may live on another device (a GPU's): the draw is made on `device`."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -118,4 +118,6 @@ class Sampler:
         # Shift by the max first so a tiny temperature cannot overflow to inf.
         logits = filter_top_p(filter_top_k((logits - row_max) / p.temperature, p.top_k), p.top_p)
         probs = logits.softmax(dim=-1)
+        if probs.device != self.generator.device:  # (a GPU's logits: drawn where the generator is, so a seed
+            probs = probs.to(self.generator.device)  # gives the same tokens on any device; multinomial needs it)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
