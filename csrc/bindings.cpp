@@ -180,11 +180,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  return call;
              }))
         .def_property_readonly("address", [](MoEHostCall& c) { return (uintptr_t)&c; })
-        .def("take_error", [](MoEHostCall& c) {
-                 std::string e;
-                 std::swap(e, c.error);
-                 return e;
-             });
+        .def("take_error", &MoEHostCall::take_error, py::call_guard<py::gil_scoped_release>(),
+             "the first failure since the last take (\"\": none), cleared");
     py::class_<Doorbell, std::shared_ptr<Doorbell>>(m, "Doorbell", py::module_local())
         .def(py::init<std::shared_ptr<Runtime>, int>(), py::arg("runtime"), py::arg("spin_us"))
         .def("add", &Doorbell::add, "register a call; its number is what a ring is set to")

@@ -422,7 +422,7 @@ void moe_host_submit(void* data) {
     try {
         call->moe->submit(call->tokens, call->ids, call->weights, call->x, call->y, call->dtype);
     } catch (const std::exception& e) {
-        if (call->error.empty()) call->error = e.what();
+        call->fail(e.what());
     }
 }
 
@@ -431,7 +431,7 @@ void moe_host_wait(void* data) {
     try {
         call->runtime->sync();
     } catch (const std::exception& e) {
-        if (call->error.empty()) call->error = e.what();
+        call->fail(e.what());
     }
 }
 
@@ -508,7 +508,7 @@ void Doorbell::loop() {
                 try {
                     c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype);
                 } catch (const std::exception& ex) {
-                    if (c->error.empty()) c->error = ex.what();
+                    c->fail(ex.what());
                 }
                 served_.fetch_add(1, std::memory_order_relaxed);
             } else {

@@ -133,6 +133,21 @@ struct MoEHostCall {
     const void* x = nullptr;
     void* y = nullptr;
     Dtype dtype = Dtype::F32;
+    // The first failure, kept until taken. Guarded: a graph replayed twice in flight (decoding a
+    // step ahead) runs the same calls, so one step's error may be set while another's is taken.
+    void fail(const std::string& what) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (error.empty()) error = what;
+    }
+    std::string take_error() {
+        std::lock_guard<std::mutex> lock(error_mu);
+        std::string e;
+        std::swap(e, error);
+        return e;
+    }
+
+  private:
+    std::mutex error_mu;
     std::string error;
 };
 void moe_host_submit(void* call);  // MoE::submit of the call (returns at once)

@@ -259,12 +259,15 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("handoff,pack", [("doorbell", "1"), ("doorbell", "0"), ("host", "0")])
+def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch, handoff, pack):
     """Greedy tokens decoded one step ahead (each graph step issued on the previous step's argmax
-    still on the GPU, the CPU experts rung by it) are the step-by-step tokens; stopping early
-    drops the step issued ahead from the cache, and decoding then goes on the same; greedy
-    generation takes the same path."""
+    still on the GPU, the CPU experts started by it), for each hand-off, are the step-by-step
+    tokens; stopping early drops the step issued ahead from the cache, and decoding then goes on
+    the same; greedy generation takes the same path."""
     from ktransformers.engine.sampling import SamplingParams
+    monkeypatch.setenv("KT_CUDA_HANDOFF", handoff)
+    monkeypatch.setenv("KT_CUDA_PACK", pack)
     family = "qwen3_moe"
     hf = tiny_model(family, layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
@@ -288,7 +291,8 @@ def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
         list(gen)
         runs[ahead] = (got, length, cached, more, gen.tokens, gen.finish_reason)
         staging = engine.context._staging
-        assert staging.doorbell is not None and staging.doorbell.bad_rings == 0
+        assert set(staging.mode.values()) == {handoff}
+        assert (staging.doorbell is not None) == (handoff == "doorbell")
         staging.check_errors()
     assert runs["0"] == runs["1"]
     got, length, cached = runs["1"][:3]

@@ -126,7 +126,7 @@ def measure_ours(args, config) -> dict:
         if bell is not None:
             served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
             split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3,
-                          (busy + between) / (args.decode - 1) / 1e3))
+                          (busy + between) / max(made, 1) / 1e3))
         engine.release(seq)
     out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded,
            "issue_us": statistics.median(issue)}

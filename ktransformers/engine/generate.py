@@ -49,8 +49,10 @@ class StepTimes:
     """Where a step's wall time goes on the host: `issue_s`, from the step's start until its work
     is enqueued (the cache's bookkeeping, the graph's inputs, the replay or the eager forward's
     launches: Python, during which a GPU done with the step before sits idle until the first
-    launch), and `wait_s`, from then until the GPU is done and its CPU experts' errors are checked
-    (about nothing on a CPU cache, which computes while issuing). Sums since `reset()`."""
+    launch, unless the step was issued ahead while that one ran: Engine.greedy_tokens), and
+    `wait_s`, from then (from the start of the wait, for a step issued ahead) until the GPU is
+    done and its CPU experts' errors are checked (about nothing on a CPU cache, which computes
+    while issuing). Sums since `reset()`."""
     steps: int = 0
     issue_s: float = 0.0
     wait_s: float = 0.0
@@ -179,12 +181,14 @@ class Generation:
                 if tail:
                     yield tail
         finally:
-            if ahead is not None:
-                ahead.close()  # a step issued ahead and not wanted: waited for, its entry dropped
-            self.stats.eval_tokens = len(self.tokens)
-            self.stats.eval_seconds = time.perf_counter() - t_eval
-            if self.seq is None:
-                engine.release(seq)
+            try:
+                if ahead is not None:
+                    ahead.close()  # a step issued ahead and not wanted: waited for, its entry dropped
+            finally:
+                self.stats.eval_tokens = len(self.tokens)
+                self.stats.eval_seconds = time.perf_counter() - t_eval
+                if self.seq is None:
+                    engine.release(seq)
 
 
 def _indexed(device) -> torch.device:
@@ -210,13 +214,14 @@ def module_device(module: torch.nn.Module, default: torch.device) -> torch.devic
 @dataclass
 class _Ahead:
     """A greedy decode step issued ahead (Engine.greedy_tokens): where its token went in the cache,
-    its argmax on the GPU and in pinned memory once `event` is reached, its input token where known
-    on the host, and the host's time issuing it."""
+    its argmax on the GPU and in pinned memory once `event` is reached, its CPU experts' host
+    calls, its input token where known on the host, and the host's time issuing it."""
     seq: Sequence
     start: int
     out: torch.Tensor
     host: torch.Tensor
     event: torch.cuda.Event
+    calls: list  # its CPU experts' (host call, name) pairs
     fed: int | None
     issue_s: float
 
@@ -257,6 +262,7 @@ class Engine:
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
         self._ahead_slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # see _issue_ahead
         self._ahead_next = 0
+        self._ahead_active = False  # a greedy_tokens iterator has steps in flight
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         self._chain_layerwise_prefill()
@@ -445,15 +451,17 @@ class Engine:
         drops its cache entry. Otherwise each step is decode() and the logits' argmax (the
         tokens are the same: greedy sampling takes that argmax)."""
         self._set_phase("generate")
-        if not self._decodes_ahead():
+        if not self._decodes_ahead() or self._ahead_active:  # (one iterator ahead at a time on an engine)
             for _ in range(limit):
                 if not self.cache.can_grow(seq, 1):
                     return
                 token = int(self.decode(seq, token)[0].argmax())
                 yield token
             return
+        self._ahead_active = True
         pending: list[_Ahead] = []  # steps issued, oldest first: each one's input is the one before's argmax
         issued = 0
+        failing = None  # the exception leaving the loop, if any (a close() is a GeneratorExit)
         try:
             while True:
                 while issued < limit and len(pending) < 2 and self.cache.can_grow(seq, 1):
@@ -462,26 +470,24 @@ class Engine:
                     issued += 1
                 if not pending:
                     return
-                step = pending.pop(0)
-                try:
-                    token = self._finish_ahead(step, last=not pending)
-                except BaseException:
-                    pending.insert(0, step)
-                    raise
+                token = self._finish_ahead(pending[0], last=len(pending) == 1)  # (an error: the finally drops it too)
+                pending.pop(0)
                 if pending:
                     pending[0].fed = token  # the next step's input, now known on the host
                 yield token
+        except BaseException as e:
+            failing = e
+            raise
         finally:
+            self._ahead_active = False
             if pending:  # issued ahead and not wanted (or failed): wait for them, drop their entries
-                for step in pending:
-                    step.event.synchronize()
-                self.cache.truncate(seq, pending[0].start)
-                self.context.rest_host_calls()
+                self._drop_ahead(seq, pending, report=failing is None or isinstance(failing, GeneratorExit))
 
     def _decodes_ahead(self) -> bool:
         return (self.graphs is not None and len(self.graphs.segments) == 1
                 and os.environ.get("KT_DECODE_AHEAD", "1").strip() != "0")
 
+    @torch.inference_mode()
     def _issue_ahead(self, seq: Sequence, token, fed: int | None) -> _Ahead:
         """Enqueue one graph decode step of `seq` on `token` (an int, or the previous step's GPU
         argmax) and the copy of its argmax to the host; `fed`: the input's value where known."""
@@ -490,28 +496,51 @@ class Engine:
             blocking = self.context.cpu_pool_threads() + 2 > self._cores  # (see _wait_gpu)
             self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event(blocking=blocking))
                                  for _ in range(4)]
+        host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
+        event.synchronize()  # (the slot's last step was read back already; at once for a fresh event)
         batch = self.cache.prepare([seq], [1])
         try:
-            out = self.graphs.run_ahead(batch, token)
-            host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
+            out, calls = self.graphs.run_ahead(batch, token)
             self._ahead_next += 1
-            host.copy_(out, non_blocking=True)
-            event.record()
+            with torch.cuda.device(out.device):  # (the model's GPU, which need not be the current one)
+                host.copy_(out, non_blocking=True)
+                event.record()
         except BaseException:
             self.cache.truncate(seq, batch.starts[0])
             raise
-        return _Ahead(seq, batch.starts[0], out, host, event, fed, time.perf_counter() - began)
+        return _Ahead(seq, batch.starts[0], out, host, event, calls, fed, time.perf_counter() - began)
 
+    @torch.inference_mode()
     def _finish_ahead(self, step: _Ahead, last: bool) -> int:
-        """Wait for a step issued ahead; its argmax token. `last`: no other step is in flight."""
+        """Wait for a step issued ahead; its argmax token. `last`: no other step is in flight. A
+        CPU-experts error seen now fails this step (the one in flight too runs the same calls)."""
         t0 = time.perf_counter()
         step.event.synchronize()
         if last:
             self.context.rest_host_calls()
-        self.context.check_host_errors()
+        staging = self.context._staging
+        if staging is not None:
+            staging.check_calls(step.calls)
         self.step_times.add(step.issue_s, time.perf_counter() - t0)
         self._tokens.setdefault(step.seq.seq_id, []).append(step.fed)
         return int(step.host[0])
+
+    def _drop_ahead(self, seq: Sequence, pending: list[_Ahead], report: bool) -> None:
+        """Steps issued ahead that will not be read: wait for them and forget their cache entries.
+        Their CPU experts' errors are taken (never left for a later step to report) and, with
+        `report` (no other error on its way out), raised."""
+        for step in pending:
+            step.event.synchronize()
+        self.cache.truncate(seq, pending[0].start)
+        self.context.rest_host_calls()
+        staging = self.context._staging
+        if staging is None:
+            return
+        try:
+            staging.check_calls([c for step in pending for c in step.calls])
+        except (ValueError, RuntimeError):
+            if report:
+                raise
 
     def new_sequence(self) -> Sequence:
         return self.cache.new_sequence()

@@ -87,10 +87,11 @@ class DecodeGraphs:
         pinned = torch.cuda.is_available()
         self._host = [torch.zeros(self._bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._host_views = [{k: v.numpy() for k, v in self._views(h, max_batch).items()} for h in self._host]
-        # which host buffer the next step fills. Engine.step synchronizes the step's streams
-        # before it returns, and Engine.greedy_tokens keeps at most two steps in flight, waiting
-        # for the older before issuing a third: a buffer's copy is done when it is next written.
+        # which host buffer the next step fills; a buffer is written again only once the copy
+        # that read it is done (its event: Engine.greedy_tokens leaves steps in flight)
         self._flip = 0
+        self._copied = [{d: torch.cuda.Event() for d in self.static} for _ in range(2)]  # per host buffer:
+        # an event a device after the copy that read it (recorded again each fill)
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]  # pages whose slots each table row holds
 
     @staticmethod
@@ -110,6 +111,8 @@ class DecodeGraphs:
         pages, `lens` bounds what is read), else nothing."""
         cache = self.engine.cache
         B, page = len(tokens), cache.page_size
+        for event in self._copied[self._flip].values():
+            event.synchronize()  # (at once for an event not yet recorded)
         host = self._host_views[self._flip]
         host["ids"][:B] = tokens
         for b, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
@@ -124,9 +127,11 @@ class DecodeGraphs:
                     s["table"][b, lo:hi].copy_(seq.slots[lo:hi], non_blocking=True)
                 self._rows[b] = list(seq.pages)
         src = self._host[self._flip]
+        events = self._copied[self._flip]
         self._flip ^= 1
-        for s in self.static.values():
+        for device, s in self.static.items():
             s["small"].copy_(src, non_blocking=True)
+            events[device].record(torch.cuda.current_stream(device))
 
     def _static_batch(self, batch: ForwardBatch, B: int) -> ForwardBatch:
         """The step as the attention operators see it, every tensor a static buffer."""
@@ -193,21 +198,30 @@ class DecodeGraphs:
         finally:
             engine.context.batch = None
 
-    def run_ahead(self, batch: ForwardBatch, token) -> torch.Tensor:
+    def run_ahead(self, batch: ForwardBatch, token) -> tuple[torch.Tensor, list]:
         """A one-sequence decode step whose input is `token`, an int or a GPU tensor [1] (the
-        previous step's argmax, which the host has not read): replayed without waiting; returns
-        the argmax of its logits [1] (int64, on the GPU), computed on the stream (one GPU)."""
+        previous step's argmax, which the host has not read): replayed without waiting. Returns
+        the argmax of its logits [1] (int64, on the GPU, computed on the stream) and the step's
+        CPU-expert host calls (for HostStaging.check_calls once the step is done; not added to
+        `used`, which another step in flight would empty)."""
         if len(self.segments) != 1:
             raise ValueError("decoding ahead needs the whole step on one GPU")
         on_gpu = isinstance(token, torch.Tensor)
-        logits = self.run(batch, [0 if on_gpu else int(token)], token if on_gpu else None, clone=False)
-        return logits.argmax(dim=-1)
+        logits, calls = self._replay(batch, [0 if on_gpu else int(token)], token if on_gpu else None)
+        return logits.argmax(dim=-1), calls
 
-    def run(self, batch: ForwardBatch, tokens: list[int], device_ids: torch.Tensor | None = None,
-            clone: bool = True) -> torch.Tensor:
-        """Logits [B, V] of a decode step whose cache room `batch` has reserved. `device_ids`: the
-        token ids on the first GPU, used instead of `tokens` (copied in on the stream). `clone`:
-        the logits in a tensor of their own (else the graph's output, until its next replay)."""
+    def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
+        """Logits [B, V] of a decode step whose cache room `batch` has reserved."""
+        logits, calls = self._replay(batch, tokens)
+        staging = self.engine.context._staging
+        if staging is not None:
+            staging.used.extend(calls)
+        return logits.clone()
+
+    def _replay(self, batch: ForwardBatch, tokens: list[int], device_ids: torch.Tensor | None = None) -> tuple:
+        """Fill the inputs (`device_ids`: the token ids on the GPU, used instead of `tokens`),
+        capture on first use, replay every segment: (the graph's logits, until its next replay;
+        the host calls of the CPU experts the replays ring)."""
         B = len(tokens)
         self._fill(batch, tokens)
         if device_ids is not None:
@@ -217,14 +231,13 @@ class DecodeGraphs:
         staging = self.engine.context._staging
         if staging is not None:
             staging.wake()  # CPU experts rung from the graph: their doorbell spins from now
-        previous = ()
+        previous, host_calls = (), []
         for seg in self.segments:
             graph, static_in, outputs, calls = seg.graphs[B]
             with torch.cuda.device(seg.device):
                 for dst, src in zip(static_in, previous):
                     dst.copy_(src)
                 graph.replay()
-            if staging is not None:
-                staging.used.extend(calls)
+            host_calls.extend(calls)
             previous = outputs
-        return previous[0].clone() if clone else previous[0]
+        return previous[0], host_calls

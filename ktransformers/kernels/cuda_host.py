@@ -297,7 +297,12 @@ class HostStaging:
     def check_errors(self) -> None:
         """Raise the first error a host call recorded (after the stream ran them)."""
         used, self.used = self.used, []
-        for call, name in used:
+        self.check_calls(used)
+
+    def check_calls(self, calls) -> None:
+        """Raise the first error these (call, name) pairs recorded, once the stream ran them (each
+        taken: said once), or a ring that named no call."""
+        for call, name in calls:
             error = call.take_error()
             if error:
                 raise ValueError(f"{name}: {error}")
