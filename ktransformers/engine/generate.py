@@ -337,7 +337,7 @@ class Engine:
         """Wait for the step's GPU streams. Where the CPU experts' threads fed from them leave
         fewer than two cores (for this thread and the CUDA driver's), sleep on a blocking event:
         cudaStreamSynchronize spins, and a spinning thread here takes a core from the experts."""
-        crowded = self.context.cpu_pool_threads() + 2 > self._cores
+        crowded = self._crowded()
         for device in sorted({d for d in self.layer_devices if d.type == "cuda"}, key=str):
             stream = torch.cuda.current_stream(device)
             if not crowded:
@@ -348,6 +348,11 @@ class Engine:
                 event = self._done_events[device] = torch.cuda.Event(blocking=True)
             event.record(stream)
             event.synchronize()
+
+    def _crowded(self) -> bool:
+        """Whether the CPU experts' threads leave fewer than two cores (for this thread and the
+        CUDA driver's): waits for the GPU then sleep on blocking events instead of spinning."""
+        return self.context.cpu_pool_threads() + 2 > self._cores
 
     def _eager_step(self, batch, new_tokens: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long,
@@ -493,9 +498,8 @@ class Engine:
         argmax) and the copy of its argmax to the host; `fed`: the input's value where known."""
         began = time.perf_counter()
         if not self._ahead_slots:  # pinned words and events for the argmaxes of steps in flight (at most 2, 4 kept)
-            blocking = self.context.cpu_pool_threads() + 2 > self._cores  # (see _wait_gpu)
-            self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event(blocking=blocking))
-                                 for _ in range(4)]
+            self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True),
+                                  torch.cuda.Event(blocking=self._crowded())) for _ in range(4)]
         host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
         event.synchronize()  # (the slot's last step was read back already; at once for a fresh event)
         batch = self.cache.prepare([seq], [1])
