@@ -8,12 +8,11 @@ reading its bytes sooner (into the caches) cannot make it faster.
     python scripts/cpu_compute_rate.py [threads ...]   (default: 1 2 4 8 and all cores)
 KT_RATE_FORMATS (default "Q4_K_M") names the bench.moe formats to time, e.g. "Q4_K Q6_K Q8_0"."""
 import os
-import statistics
 import sys
 
 import torch
 
-from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps
+from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps, time_layer
 from ktransformers.kernels.cpu import CPURuntime
 
 
@@ -27,14 +26,9 @@ def main() -> None:
         runtime = CPURuntime(threads)
         gen = torch.Generator().manual_seed(0)
         layer = build_layers(runtime, shape, fmt, 1, 8, gen)[0]
-        calls = make_calls(40, 1, 8, 8, shape["hidden"], gen)
-        inside = []
-        for i, (x, ids, w) in enumerate(calls):
-            layer.kernel.forward(x, ids, w)
-            if i >= 5:
-                inside.append(layer.kernel.last_seconds())
-        us = statistics.median(inside) * 1e6
-        gbps = 8 * layer.expert_bytes / us / 1e3
+        _, inside, touched = time_layer([layer], make_calls(40, 1, 8, 8, shape["hidden"], gen))
+        us = inside * 1e6
+        gbps = touched / us / 1e3
         stream = stream_gbps(runtime)
         print(f"{fmt:>7} {threads:>7} {runtime.isa:>6} {us:>9.1f} {gbps:>6.1f} {gbps / threads:>13.1f} {stream:>11.1f} "
               f"{gbps / stream:>5.2f}", flush=True)
