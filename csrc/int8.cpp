@@ -95,63 +95,91 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-void configure_tiles() {  // tiles 0..4: 16 rows x 64 bytes (C is 16 x 16 int32, A and B 16 x 64 bytes)
+void configure_tiles() {  // all 8 tiles: 16 rows x 64 bytes (C is 16 x 16 int32, A and B 16 x 64 bytes)
     thread_local bool configured = false;
     if (configured) return;
     TileConfig c;
-    for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
     _tile_loadconfig(&c);
     configured = true;
 }
 
-// Rows [r, r + 16) of w against `tiles` (1 or 2) groups of 16 activation rows in `a` (row stride k):
-// C tiles 0, 1; B tile 2; A tiles 3, 4.
-template <int TILES>
-void amx_block(const int8_t* packed, const uint8_t* a, int k, int32_t c[TILES][16][16]) {
+// RB (1 or 2) blocks of 16 weight rows, packed one after the other (`packed`, k/64 tiles of 1 KiB
+// a block), against TT (1 or 2) groups of 16 activation rows in `a` (row stride k):
+//   C tile 2 rb + tt += A tile 4 + tt (activations) x B tile 6 + rb (weights)
+// so up to four accumulations are in flight (each tdpbusd waits for the last one into its C) and
+// each weight tile loaded serves both token groups. `ahead` bytes past the tiles being read are
+// prefetched (0: none), the weights streaming from memory one 1 KiB tile per block and step.
+template <int RB, int TT>
+void amx_block(const int8_t* packed, const uint8_t* a, int k, int ahead, int32_t c[2][2][16][16]) {
+    const size_t block = (size_t)(k / 64) * 1024;
     _tile_zero(0);
-    if (TILES > 1) _tile_zero(1);
+    if (TT > 1) _tile_zero(1);
+    if (RB > 1) _tile_zero(2);
+    if (RB > 1 && TT > 1) _tile_zero(3);
     for (int kb = 0; kb < k / 64; kb++) {
-        _tile_loadd(2, packed + (size_t)kb * 1024, 64);
-        _tile_loadd(3, a + kb * 64, k);
-        _tile_dpbusd(0, 3, 2);
-        if (TILES > 1) {
-            _tile_loadd(4, a + (size_t)16 * k + kb * 64, k);
-            _tile_dpbusd(1, 4, 2);
-        }
+        const int8_t* w = packed + (size_t)kb * 1024;
+        if (ahead)
+            for (int rb = 0; rb < RB; rb++)
+                for (int l = 0; l < 1024; l += 64) _mm_prefetch((const char*)w + rb * block + ahead + l, _MM_HINT_T0);
+        _tile_loadd(6, w, 64);
+        if (RB > 1) _tile_loadd(7, w + block, 64);
+        _tile_loadd(4, a + kb * 64, k);
+        if (TT > 1) _tile_loadd(5, a + (size_t)16 * k + kb * 64, k);
+        _tile_dpbusd(0, 4, 6);
+        if (TT > 1) _tile_dpbusd(1, 5, 6);
+        if (RB > 1) _tile_dpbusd(2, 4, 7);
+        if (RB > 1 && TT > 1) _tile_dpbusd(3, 5, 7);
     }
-    _tile_stored(0, c[0], 64);
-    if (TILES > 1) _tile_stored(1, c[TILES - 1], 64);
+    _tile_stored(0, c[0][0], 64);
+    if (TT > 1) _tile_stored(1, c[0][1], 64);
+    if (RB > 1) _tile_stored(2, c[1][0], 64);
+    if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
 }
 
-// Every 16-row block of [r0, r1) that starts at a multiple of 16; returns the first row not done.
+template <int RB>
+void amx_blocks(const int8_t* packed, const uint8_t* a, int k, int m, int ahead, int32_t c[2][2][16][16]) {
+    if (m > 16) amx_block<RB, 2>(packed, a, k, ahead, c);
+    else amx_block<RB, 1>(packed, a, k, ahead, c);
+}
+
+// Every 16-row block of [r0, r1) that starts at a multiple of 16, two blocks at a time where two
+// remain; returns the first row not done.
 int amx_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
              float* out, size_t stride) {
     int first = (r0 + 15) / 16 * 16;
     if (first + 16 > r1 || !amx_available()) return r0;
     configure_tiles();
+    const int last = r1 - (r1 - first) % 16;  // the end of the whole blocks
+    const int ahead = tile_prefetch().first;
     thread_local std::vector<uint8_t> a;  // the activation rows, 32 at a time, zero rows as padding
     if (a.size() < (size_t)32 * k) a.resize((size_t)32 * k);
-    int32_t c[2][16][16];
+    int32_t c[2][2][16][16];
     for (int t0 = 0; t0 < count; t0 += 32) {
         const int m = std::min(32, count - t0);
         for (int i = 0; i < 32; i++)
             if (i < m) std::memcpy(&a[(size_t)i * k], xs[t0 + i], k);
             else std::memset(&a[(size_t)i * k], 128, k);
-        for (int r = first; r + 16 <= r1; r += 16) {
+        for (int r = first; r < last;) {
             const int8_t* packed = w.amx + (size_t)(r / 16) * (k / 64) * 1024;
-            if (m > 16) amx_block<2>(packed, a.data(), k, c);
-            else amx_block<1>(packed, a.data(), k, c);
+            const int blocks = r + 32 <= last ? 2 : 1;
+            if (blocks == 2) amx_blocks<2>(packed, a.data(), k, m, ahead, c);
+            else amx_blocks<1>(packed, a.data(), k, m, ahead, c);
             // (c - 128 row_sum) * scale * sx, 16 rows a vector (the same float steps as the AVX-512 path's)
-            const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(w.row_sum + r)), 7);
-            const __m512 scale = _mm512_loadu_ps(w.scale + r);
-            for (int i = 0; i < m; i++) {
-                const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512((const void*)c[i / 16][i % 16]), offset));
-                _mm512_storeu_ps(out + (size_t)(t0 + i) * stride + r, _mm512_mul_ps(_mm512_mul_ps(v, scale), _mm512_set1_ps(sx[t0 + i])));
+            for (int b = 0; b < blocks; b++, r += 16) {
+                const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(w.row_sum + r)), 7);
+                const __m512 scale = _mm512_loadu_ps(w.scale + r);
+                for (int i = 0; i < m; i++) {
+                    const __m512 v = _mm512_cvtepi32_ps(
+                        _mm512_sub_epi32(_mm512_loadu_si512((const void*)c[b][i / 16][i % 16]), offset));
+                    _mm512_storeu_ps(out + (size_t)(t0 + i) * stride + r,
+                                     _mm512_mul_ps(_mm512_mul_ps(v, scale), _mm512_set1_ps(sx[t0 + i])));
+                }
             }
         }
     }
     // rows before `first` and after the last whole block: the caller's AVX-512 loop
-    return r1 - (r1 - first) % 16;
+    return last;
 }
 }  // namespace
 #endif
