@@ -10,7 +10,8 @@
 #   2) PART=bench bash scripts/gpu_e2e.sh   bench.e2e with llama-bench beside it (doorbell hand-off),
 #      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B (HOST_AB=0: not), and
 #      decode at the thread counts of THREAD_SWEEP (e.g. "15 16"), and with each setting of AB_ENV
-#      (e.g. "KT_PDL=0 KT_MOE_TASKS=8", one run each).
+#      (e.g. "KT_PDL=0 KT_MOE_TASKS=8", one run each); SAMPLED=1: sampled decode (temperature 0.7,
+#      top_p 0.9) one step ahead, then step by step (KT_DECODE_AHEAD=0).
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
 # tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
 # while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file (its kernels),
@@ -91,6 +92,13 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
     env "$ab" python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 --decode 64 \
         --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
   done
+  if [ "${SAMPLED:-0}" = 1 ]; then  # decode sampled tokens (temperature 0.7, top_p 0.9), ahead and step by step
+    for ahead in 1 0; do
+      echo "# sampled, KT_DECODE_AHEAD=$ahead" | tee -a "$OUT/e2e.txt"
+      KT_DECODE_AHEAD=$ahead python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" \
+          --repeats 1 --decode 64 --prompts 512 --temperature 0.7 --top_p 0.9 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
+    done
+  fi
   if [ "${HOST_AB:-1}" != 0 ]; then
     echo "# KT_CUDA_HANDOFF=host" | tee -a "$OUT/e2e.txt"
     KT_CUDA_HANDOFF=host python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 \

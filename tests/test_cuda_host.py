@@ -302,6 +302,55 @@ def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch, handoff,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
+    """Sampled tokens decoded one step ahead (each step's draw made on the GPU and fed to the
+    next step there) are the step-by-step tokens for the same seed, in decode_tokens and in
+    sampled generation; logits with nothing to draw from fail the step and drop it."""
+    from ktransformers.engine.sampling import Sampler, SamplingParams
+    family = "qwen3_moe"
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(13)).tolist()
+    params = SamplingParams(temperature=1.5, top_p=0.95, seed=7)  # (hot: a tiny random model's draws vary)
+    runs = {}
+    for ahead in ("0", "1"):
+        monkeypatch.setenv("KT_DECODE_AHEAD", ahead)
+        engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
+        assert engine._decodes_ahead() == (ahead == "1")
+        seq = engine.new_sequence()
+        sampler = Sampler(params)
+        first = int(sampler(engine.prefill(seq, prompt))[0])
+        it = engine.decode_tokens(seq, first, 40, sampler)
+        got = [next(it) for _ in range(20)]
+        it.close()
+        length, cached = seq.length, list(engine.cached_tokens(seq))
+        more = list(engine.decode_tokens(seq, got[-1], 5, Sampler(params)))
+        gen = engine.generate(prompt, params, 12)
+        list(gen)
+        runs[ahead] = (got, length, cached, more, gen.tokens, gen.finish_reason)
+        if ahead == "1":
+            bad = Sampler(params)
+            real_pick = bad.pick
+            monkeypatch.setattr(bad, "pick", lambda logits, prev=None: (real_pick(logits)[0],
+                                                                       torch.zeros(1, dtype=torch.bool, device=logits.device)))
+            before = seq.length
+            with pytest.raises(ValueError, match="nothing to sample"):
+                list(engine.decode_tokens(seq, more[-1], 5, bad))
+            assert seq.length == before and len(engine.cached_tokens(seq)) == before
+        engine.release(seq)
+        engine.context._staging.check_errors()
+    assert runs["0"] == runs["1"]
+    got, length, cached = runs["1"][:3]
+    assert length == len(prompt) + 20 and cached == prompt + [first] + got[:19]
+    assert len(set(got)) > 3  # it samples (a greedy decode of a tiny model repeats itself)
+    with pytest.raises(ValueError, match="repetition penalty"):
+        next(engine.decode_tokens(engine.new_sequence(), first, 3, Sampler(SamplingParams(repetition_penalty=1.2))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
     """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
     (next layer prefetched) and give what the CPU experts give. The staging chunk is made small

@@ -390,3 +390,27 @@ def test_greedy_tokens_equal_decode_and_argmax(tmp_path):
     engine.release(ref_seq)
     room = 32 - seq.length
     assert len(list(engine.greedy_tokens(seq, want[5], 100))) == room and seq.length == 32  # to the cache's end
+
+
+def test_sampled_decode_tokens_equal_decode_and_draw(tmp_path):
+    """Engine.decode_tokens with a sampler (what sampled generation without a repetition penalty
+    uses) gives decode() and the sampler's draw token by token, for the same seed."""
+    from ktransformers.engine.sampling import Sampler, SamplingParams
+    ours, _ = load(tmp_path, "qwen3_moe")
+    engine = Engine(ours, cache_lens=64, page_size=4)
+    prompt = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    params = SamplingParams(temperature=1.5, top_k=50, seed=3)
+    runs = []
+    for stepwise in (True, False):
+        seq, sampler = engine.new_sequence(), Sampler(params)
+        token = int(sampler(engine.prefill(seq, prompt))[0])
+        if stepwise:
+            got = []
+            for _ in range(8):
+                token = int(sampler(engine.decode(seq, token))[0])
+                got.append(token)
+        else:
+            got = list(engine.decode_tokens(seq, token, 8, sampler))
+        runs.append((got, engine.cached_tokens(seq)))
+        engine.release(seq)
+    assert runs[0] == runs[1] and len(set(runs[0][0])) > 2

@@ -5,7 +5,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from ktransformers.engine.sampling import Sampler, SamplingParams
+from ktransformers.engine.sampling import Sampler, SamplingParams, filter_top_k, filter_top_p
 from ktransformers.engine.streaming import StopMatcher, StreamDecoder
 
 
@@ -226,13 +226,52 @@ def test_stop_validation():
         StopMatcher("</s>")
 
 
+def multinomial_draws(params: SamplingParams, logits: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, B]: the filtered distribution of each row drawn n times by torch.multinomial."""
+    shifted = logits.float() - logits.float().amax(-1, keepdim=True)
+    probs = filter_top_p(filter_top_k(shifted / params.temperature, params.top_k), params.top_p).softmax(-1)
+    return torch.stack([torch.multinomial(probs, 1, generator=gen).squeeze(-1) for _ in range(n)])
+
+
+@pytest.mark.parametrize("B, V, params", [(1, 7, SamplingParams(seed=3)),
+                                          (3, 500, SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)),
+                                          (2, 1000, SamplingParams(temperature=1.3, top_p=0.5, seed=5))])
+def test_draw_is_multinomial(B, V, params):
+    """A draw is torch.multinomial's own (p / q, q ~ Exp(1), argmax) without its host-side check:
+    the same tokens from a generator of the same seed."""
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(V)) * 3
+    got = draws(params, logits, 30)
+    assert torch.equal(got, multinomial_draws(params, logits, 30, torch.Generator().manual_seed(params.seed)))
+
+
+def test_pick_flags_rows_with_nothing_to_sample():
+    """pick reads nothing back: a row of -inf or NaN comes back flagged (its token meaningless)
+    where the call raises."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    logits[1] = float("-inf")
+    logits[2, 5] = float("nan")
+    tokens, valid = Sampler(SamplingParams(seed=0)).pick(logits)
+    assert valid.tolist() == [True, False, False] and tokens.shape == (3,) and 0 <= int(tokens[0]) < 20
+    assert Sampler(SamplingParams(do_sample=False)).pick(logits)[1] is None  # greedy: an argmax, no flag
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sampling_gpu_logits_with_the_cpu_generator():
-    """A GPU engine's logits sampled by the default (CPU) generator: the same tokens, for a seed,
-    as the same logits sampled on the CPU (torch.multinomial refuses a CPU generator on CUDA)."""
-    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 3
+def test_sampling_gpu_logits_drawn_on_the_gpu():
+    """A GPU engine's logits are drawn on the GPU, by a generator there with the sampler's seed
+    (the same tokens as torch.multinomial with it), and `pick` does not wait for the GPU."""
+    logits = (torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 3).cuda()
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
-    on_cpu = Sampler(params)(logits)
-    on_gpu = Sampler(params)(logits.cuda())
-    assert torch.equal(on_cpu, on_gpu.cpu())
+    got = draws(params, logits, 20)
+    assert got.device == logits.device
+    gen = torch.Generator(device=logits.device).manual_seed(11)
+    assert torch.equal(got, multinomial_draws(params, logits, 20, gen))
+    sampler = Sampler(params)
+    sampler.pick(logits)  # (the GPU generator made outside the check below)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any op that waits for the GPU raises
+    try:
+        tokens, valid = sampler.pick(logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(valid.all()) and tokens.shape == (3,)

@@ -7,8 +7,8 @@ roofline of the same run and llama.cpp (experts on the CPU, `-ot exps=CPU`) on t
 Ours: the shipped GPU rule file for the architecture (or --optimize_config_path), bf16 on the GPU,
 CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
 --chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over
---decode greedy steps after a 512-token prompt, as greedy generation runs them
-(Engine.greedy_tokens: each step issued before the previous one's token is read back;
+--decode greedy steps (sampled ones with --temperature) after a 512-token prompt, as generation
+runs them (Engine.decode_tokens: each step issued before the previous one's token is read back;
 KT_DECODE_AHEAD=0, one step at a time).
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
 bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
@@ -118,7 +118,11 @@ def measure_ours(args, config) -> dict:
         before = doorbell_counts(bell)
         engine.step_times.reset()
         t0 = time.perf_counter()
-        made = sum(1 for _ in engine.greedy_tokens(seq, steps[1], args.decode - 1))  # as greedy generation decodes
+        sampler = None
+        if args.temperature:  # (as sampled generation without a repetition penalty decodes)
+            from ..engine.sampling import Sampler, SamplingParams
+            sampler = Sampler(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0))
+        made = sum(1 for _ in engine.decode_tokens(seq, steps[1], args.decode - 1, sampler))  # as generation decodes
         sync()
         decode.append(made / (time.perf_counter() - t0))
         times = engine.step_times
@@ -171,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefill_gpu_threshold", type=int, help="override the rule file's (0: CPU experts only)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode sampled tokens at this temperature (0: greedy)")
+    p.add_argument("--top_p", type=float, default=1.0, help="with --temperature: the nucleus kept")
     p.add_argument("--llama-bench", help="path of llama.cpp's llama-bench (CUDA build) to run beside ours")
     p.add_argument("--extrapolate", type=int, metavar="LAYERS",
                    help="also give decode tok/s for the same model with LAYERS layers (e.g. 61 for DeepSeek-V3), "
@@ -223,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                                                   if r.get("layers_us") and r["decode"] else None),
                               "extrapolated": extra if r["engine"] == "ktransformers" else None}))
         return
+    if args.temperature:
+        head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"
     print(head)
     cols = "".join(f" {'prefill@' + str(P):>13}" for P in args.prompts)
     print(f"{'engine':<14}{cols} {'decode tok/s':>13} {'of roofline':>12}")

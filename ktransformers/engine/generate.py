@@ -49,7 +49,7 @@ class StepTimes:
     """Where a step's wall time goes on the host: `issue_s`, from the step's start until its work
     is enqueued (the cache's bookkeeping, the graph's inputs, the replay or the eager forward's
     launches: Python, during which a GPU done with the step before sits idle until the first
-    launch, unless the step was issued ahead while that one ran: Engine.greedy_tokens), and
+    launch, unless the step was issued ahead while that one ran: Engine.decode_tokens), and
     `wait_s`, from then (from the start of the wait, for a step issued ahead) until the GPU is
     done and its CPU experts' errors are checked (about nothing on a CPU cache, which computes
     while issuing). Sums since `reset()`."""
@@ -129,8 +129,8 @@ class Generation:
         stopper = StopMatcher(self.stop) if self.stop else None
         seq = self.seq or engine.cache.new_sequence()
         history = list(self.prompt_ids)
-        # greedy tokens without a repetition penalty come from Engine.greedy_tokens (one step ahead)
-        ahead_ok = self.params.greedy and self.params.repetition_penalty == 1
+        # tokens without a repetition penalty come from Engine.decode_tokens (one step ahead)
+        ahead_ok = self.params.repetition_penalty == 1
         ahead = None
 
         t0 = t_eval = time.perf_counter()
@@ -162,7 +162,8 @@ class Generation:
                     break
                 if ahead_ok:
                     if ahead is None:
-                        ahead = engine.greedy_tokens(seq, token, self.max_new_tokens - len(self.tokens))
+                        ahead = engine.decode_tokens(seq, token, self.max_new_tokens - len(self.tokens),
+                                                     None if self.params.greedy else sampler)
                     token = next(ahead, None)
                     if token is None:  # (it stops early only where the cache cannot grow)
                         self.finish_reason = "cache_full"
@@ -213,9 +214,9 @@ def module_device(module: torch.nn.Module, default: torch.device) -> torch.devic
 
 @dataclass
 class _Ahead:
-    """A greedy decode step issued ahead (Engine.greedy_tokens): where its token went in the cache,
-    its argmax on the GPU and in pinned memory once `event` is reached, its CPU experts' host
-    calls, its input token where known on the host, and the host's time issuing it."""
+    """A decode step issued ahead (Engine.decode_tokens): where its token went in the cache, its
+    pick on the GPU (the next step's input) and in pinned memory once `event` is reached, its CPU
+    experts' host calls, its input token where known on the host, and the host's time issuing it."""
     seq: Sequence
     start: int
     out: torch.Tensor
@@ -262,7 +263,7 @@ class Engine:
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
         self._ahead_slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # see _issue_ahead
         self._ahead_next = 0
-        self._ahead_active = False  # a greedy_tokens iterator has steps in flight
+        self._ahead_active = False  # a decode_tokens iterator has steps in flight
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         self._chain_layerwise_prefill()
@@ -446,32 +447,40 @@ class Engine:
         self._set_phase("generate")
         return self.step([seq], [[token]])
 
-    # -- greedy decode, one step ahead ------------------------------------------------------
+    # -- decode, one step ahead ---------------------------------------------------------------
     def greedy_tokens(self, seq: Sequence, token: int, limit: int) -> Iterator[int]:
-        """The greedy continuation of `seq` after `token` (not yet fed), at most `limit` tokens,
-        one an iteration; it ends early when the cache cannot grow. With CUDA graphs (one GPU)
-        each step is issued before the previous one's token is read back: its input is the argmax
-        the GPU wrote, so neither the GPU nor the CPU experts wait for Python between steps
-        (KT_DECODE_AHEAD=0: not). Closing the iterator early waits for the step issued ahead and
-        drops its cache entry. Otherwise each step is decode() and the logits' argmax (the
-        tokens are the same: greedy sampling takes that argmax)."""
+        """The greedy continuation of `seq` after `token`: decode_tokens with argmax picks."""
+        return self.decode_tokens(seq, token, limit)
+
+    def decode_tokens(self, seq: Sequence, token: int, limit: int, sampler: Sampler | None = None) -> Iterator[int]:
+        """The continuation of `seq` after `token` (not yet fed), at most `limit` tokens, one an
+        iteration, each the logits' argmax or, with `sampler` (no repetition penalty: it needs
+        the history on the host), its draw; it ends early when the cache cannot grow. With CUDA
+        graphs (one GPU) each step is issued before the previous one's token is read back: its
+        input is the token the GPU picked, so neither the GPU nor the CPU experts wait for Python
+        between steps (KT_DECODE_AHEAD=0: not). Closing the iterator early waits for the step
+        issued ahead and drops its cache entry. Otherwise each step is decode() and the pick (the
+        same tokens: the sampler draws on the logits' device either way)."""
+        if sampler is not None and sampler.params.repetition_penalty != 1:
+            raise ValueError("decode_tokens: a repetition penalty needs each step's history (use decode())")
         self._set_phase("generate")
         if not self._decodes_ahead() or self._ahead_active:  # (one iterator ahead at a time on an engine)
             for _ in range(limit):
                 if not self.cache.can_grow(seq, 1):
                     return
-                token = int(self.decode(seq, token)[0].argmax())
+                logits = self.decode(seq, token)
+                token = int(logits[0].argmax() if sampler is None else sampler(logits)[0])
                 yield token
             return
         self._ahead_active = True
-        pending: list[_Ahead] = []  # steps issued, oldest first: each one's input is the one before's argmax
+        pending: list[_Ahead] = []  # steps issued, oldest first: each one's input is the one before's pick
         issued = 0
         failing = None  # the exception leaving the loop, if any (a close() is a GeneratorExit)
         try:
             while True:
                 while issued < limit and len(pending) < 2 and self.cache.can_grow(seq, 1):
                     pending.append(self._issue_ahead(seq, pending[-1].out if pending else token,
-                                                     None if pending else token))
+                                                     None if pending else token, sampler))
                     issued += 1
                 if not pending:
                     return
@@ -493,31 +502,39 @@ class Engine:
                 and os.environ.get("KT_DECODE_AHEAD", "1").strip() != "0")
 
     @torch.inference_mode()
-    def _issue_ahead(self, seq: Sequence, token, fed: int | None) -> _Ahead:
+    def _issue_ahead(self, seq: Sequence, token, fed: int | None, sampler: Sampler | None) -> _Ahead:
         """Enqueue one graph decode step of `seq` on `token` (an int, or the previous step's GPU
-        argmax) and the copy of its argmax to the host; `fed`: the input's value where known."""
+        pick), its pick (argmax, or the sampler's draw: -1 where the logits held nothing to
+        draw from) and the pick's copy to the host; `fed`: the input's value where known."""
         began = time.perf_counter()
-        if not self._ahead_slots:  # pinned words and events for the argmaxes of steps in flight (at most 2, 4 kept)
+        if not self._ahead_slots:  # pinned words and events for the picks of steps in flight (at most 2, 4 kept)
             self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True),
                                   torch.cuda.Event(blocking=self._crowded())) for _ in range(4)]
         host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
         event.synchronize()  # (the slot's last step was read back already; at once for a fresh event)
         batch = self.cache.prepare([seq], [1])
         try:
-            out, calls = self.graphs.run_ahead(batch, token)
+            logits, calls = self.graphs.run_ahead(batch, token)
             self._ahead_next += 1
-            with torch.cuda.device(out.device):  # (the model's GPU, which need not be the current one)
+            with torch.cuda.device(logits.device):  # (the model's GPU, which need not be the current one)
+                if sampler is None:
+                    out = feed = logits.argmax(dim=-1)
+                else:  # (read before the next replay rewrites the graph's logits: the same stream)
+                    picked, valid = sampler.pick(logits)
+                    out = picked if valid is None else torch.where(valid, picked, -1)
+                    feed = picked  # (in range even when flagged: the next step's embedding reads it)
                 host.copy_(out, non_blocking=True)
                 event.record()
         except BaseException:
             self.cache.truncate(seq, batch.starts[0])
             raise
-        return _Ahead(seq, batch.starts[0], out, host, event, calls, fed, time.perf_counter() - began)
+        return _Ahead(seq, batch.starts[0], feed, host, event, calls, fed, time.perf_counter() - began)
 
     @torch.inference_mode()
     def _finish_ahead(self, step: _Ahead, last: bool) -> int:
-        """Wait for a step issued ahead; its argmax token. `last`: no other step is in flight. A
-        CPU-experts error seen now fails this step (the one in flight too runs the same calls)."""
+        """Wait for a step issued ahead; its picked token. `last`: no other step is in flight. A
+        CPU-experts error seen now fails this step (the one in flight too runs the same calls), as
+        do logits with nothing to draw from."""
         t0 = time.perf_counter()
         step.event.synchronize()
         if last:
@@ -525,9 +542,12 @@ class Engine:
         staging = self.context._staging
         if staging is not None:
             staging.check_calls(step.calls)
+        token = int(step.host[0])
+        if token < 0:  # the sampler's flag (this step and the next are dropped by the caller's finally)
+            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
         self.step_times.add(step.issue_s, time.perf_counter() - t0)
         self._tokens.setdefault(step.seq.seq_id, []).append(step.fed)
-        return int(step.host[0])
+        return token
 
     def _drop_ahead(self, seq: Sequence, pending: list[_Ahead], report: bool) -> None:
         """Steps issued ahead that will not be read: wait for them and forget their cache entries.

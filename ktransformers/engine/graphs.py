@@ -88,7 +88,7 @@ class DecodeGraphs:
         self._host = [torch.zeros(self._bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._host_views = [{k: v.numpy() for k, v in self._views(h, max_batch).items()} for h in self._host]
         # which host buffer the next step fills; a buffer is written again only once the copy
-        # that read it is done (its event: Engine.greedy_tokens leaves steps in flight)
+        # that read it is done (its event: Engine.decode_tokens leaves steps in flight)
         self._flip = 0
         self._copied = [{d: torch.cuda.Event() for d in self.static} for _ in range(2)]  # per host buffer:
         # an event a device after the copy that read it (recorded again each fill)
@@ -200,15 +200,14 @@ class DecodeGraphs:
 
     def run_ahead(self, batch: ForwardBatch, token) -> tuple[torch.Tensor, list]:
         """A one-sequence decode step whose input is `token`, an int or a GPU tensor [1] (the
-        previous step's argmax, which the host has not read): replayed without waiting. Returns
-        the argmax of its logits [1] (int64, on the GPU, computed on the stream) and the step's
-        CPU-expert host calls (for HostStaging.check_calls once the step is done; not added to
-        `used`, which another step in flight would empty)."""
+        previous step's pick, which the host has not read): replayed without waiting. Returns the
+        graph's logits [1, V] (valid until its next replay: read them on the same stream before
+        that) and the step's CPU-expert host calls (for HostStaging.check_calls once the step is
+        done; not added to `used`, which another step in flight would empty)."""
         if len(self.segments) != 1:
             raise ValueError("decoding ahead needs the whole step on one GPU")
         on_gpu = isinstance(token, torch.Tensor)
-        logits, calls = self._replay(batch, [0 if on_gpu else int(token)], token if on_gpu else None)
-        return logits.argmax(dim=-1), calls
+        return self._replay(batch, [0 if on_gpu else int(token)], token if on_gpu else None)
 
     def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
         """Logits [B, V] of a decode step whose cache room `batch` has reserved."""

@@ -87,9 +87,11 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks next tokens for a batch under fixed SamplingParams, with a private torch.Generator on
-    `device` so a fixed seed reproduces the same tokens and other code's RNG use cannot disturb it.
-    Logits may live on another device (a GPU's): the draw is made on `device`."""
+    """Picks next tokens for a batch under fixed SamplingParams, with private torch.Generators so
+    a fixed seed reproduces the same tokens and other code's RNG use cannot disturb it. The draw
+    is made where the logits are (a GPU's logits by a generator on that GPU, seeded alike), with
+    no wait for the device: `pick` returns the tokens as a tensor on it, which a decode step
+    issued ahead can take as its input (Engine.sampled_tokens)."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -98,10 +100,24 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(params.seed)
+        self._generators = {self.generator.device: self.generator}
 
     def __call__(self, logits: torch.Tensor, prev_tokens: list[list[int]] | None = None) -> torch.Tensor:
         """Next token per row: logits [B, V], prev_tokens[b] = row b's tokens so far (prompt and
-        generated, for the repetition penalty) -> [B] int64. The caller's logits are not modified."""
+        generated, for the repetition penalty) -> [B] int64 on the logits' device. The caller's
+        logits are not modified."""
+        tokens, valid = self.pick(logits, prev_tokens)
+        if valid is not None and not bool(valid.all()):
+            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
+        return tokens
+
+    def pick(self, logits: torch.Tensor, prev_tokens: list[list[int]] | None = None):
+        """(tokens [B] int64, valid [B] bool or None for greedy) on the logits' device, computed
+        there without reading anything back: the caller checks `valid` (False: the row was all
+        -inf or NaN, its token meaningless) when it reads the tokens. A draw is torch.multinomial's
+        own for one sample, without its host-side check: argmax(p / q) with q ~ Exp(1) from the
+        generator on the logits' device (the same tokens as torch.multinomial(p, 1) given that
+        generator)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         p = self.params
@@ -111,13 +127,22 @@ class Sampler:
                 raise ValueError(f"prev_tokens has {len(prev_tokens)} rows, logits has {logits.shape[0]}")
             apply_repetition_penalty(logits, prev_tokens, p.repetition_penalty)
         if p.greedy:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), None
         row_max = logits.amax(dim=-1, keepdim=True)  # [B, 1]
-        if not bool((row_max > float("-inf")).all()):
-            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
-        # Shift by the max first so a tiny temperature cannot overflow to inf.
-        logits = filter_top_p(filter_top_k((logits - row_max) / p.temperature, p.top_k), p.top_p)
-        probs = logits.softmax(dim=-1)
-        if probs.device != self.generator.device:  # (a GPU's logits: drawn where the generator is, so a seed
-            probs = probs.to(self.generator.device)  # gives the same tokens on any device; multinomial needs it)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        valid = (row_max > float("-inf")).squeeze(-1)  # (NaN compares False too)
+        # Shift by the max first so a tiny temperature cannot overflow to inf (an invalid row: 0s).
+        shifted = torch.where(valid[:, None], logits - row_max, 0.0)
+        probs = filter_top_p(filter_top_k(shifted / p.temperature, p.top_k), p.top_p).softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(1, generator=self._generator(probs.device))
+        return (probs / q).argmax(dim=-1), valid
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The generator drawing on `device`: the first one's seed, made on first use."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self.generator.initial_seed())
+        return gen
