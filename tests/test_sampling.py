@@ -1,5 +1,5 @@
-"""Sampler against argmax and empirical distributions; StreamDecoder against a real byte-level BPE
-tokenizer's full decode; StopMatcher on stop strings split across pieces."""
+"""Sampler against argmax, torch.multinomial and empirical distributions; StreamDecoder against
+a real byte-level BPE tokenizer's full decode; StopMatcher on stop strings split across pieces."""
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -257,15 +257,24 @@ def test_pick_flags_rows_with_nothing_to_sample():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sampling_gpu_logits_drawn_on_the_gpu():
+def test_sampling_gpu_logits_drawn_on_the_gpu(monkeypatch):
     """A GPU engine's logits are drawn on the GPU, by a generator there with the sampler's seed
-    (the same tokens as torch.multinomial with it), and `pick` does not wait for the GPU."""
+    (the same tokens as torch.multinomial with it), by a captured CUDA graph that gives the eager
+    draw's tokens, and `pick` does not wait for the GPU."""
     logits = (torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 3).cuda()
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
     got = draws(params, logits, 20)
     assert got.device == logits.device
     gen = torch.Generator(device=logits.device).manual_seed(11)
     assert torch.equal(got, multinomial_draws(params, logits, 20, gen))
+    from ktransformers.engine import sampling
+    assert any(k[0] == logits.device and g is not None for k, g in sampling._DRAW_GRAPHS.items())  # (captured)
+    for dtype in (torch.float32, torch.bfloat16):  # the captured draw is the eager one
+        runs = []
+        for graph in ("0", "1"):
+            monkeypatch.setenv("KT_SAMPLER_GRAPH", graph)
+            runs.append(draws(params, logits.to(dtype), 10))
+        assert torch.equal(runs[0], runs[1]), dtype
     sampler = Sampler(params)
     sampler.pick(logits)  # (the GPU generator made outside the check below)
     torch.cuda.synchronize()

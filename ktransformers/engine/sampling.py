@@ -5,6 +5,8 @@ Shapes: B rows (sequences), V vocabulary. logits [B, V] any float dtype -> token
 """
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -121,20 +123,19 @@ class Sampler:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         p = self.params
-        logits = logits.to(torch.float32, copy=True)
         if p.repetition_penalty != 1 and prev_tokens is not None:
+            logits = logits.to(torch.float32, copy=True)  # (penalized in place)
             if len(prev_tokens) != logits.shape[0]:
                 raise ValueError(f"prev_tokens has {len(prev_tokens)} rows, logits has {logits.shape[0]}")
             apply_repetition_penalty(logits, prev_tokens, p.repetition_penalty)
         if p.greedy:
             return logits.argmax(dim=-1), None
-        row_max = logits.amax(dim=-1, keepdim=True)  # [B, 1]
-        valid = (row_max > float("-inf")).squeeze(-1)  # (NaN compares False too)
-        # Shift by the max first so a tiny temperature cannot overflow to inf (an invalid row: 0s).
-        shifted = torch.where(valid[:, None], logits - row_max, 0.0)
-        probs = filter_top_p(filter_top_k(shifted / p.temperature, p.top_k), p.top_p).softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(1, generator=self._generator(probs.device))
-        return (probs / q).argmax(dim=-1), valid
+        gen = self._generator(logits.device)
+        graph = _draw_graph(logits, p) if p.repetition_penalty == 1 or prev_tokens is None else None
+        if graph is not None:
+            return graph(logits, gen)
+        q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1, generator=gen)
+        return _draw(logits, q, p)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The generator drawing on `device`: the first one's seed, made on first use."""
@@ -146,3 +147,64 @@ class Sampler:
             gen = self._generators[device] = torch.Generator(device=device)
             gen.manual_seed(self.generator.initial_seed())
         return gen
+
+
+def _draw(logits: torch.Tensor, q: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, valid) of logits [B, V] (any float dtype) sampled under `p` with the exponential
+    noise q [B, V] float32: argmax(probs / q) over the filtered, tempered softmax."""
+    logits = logits.to(torch.float32)
+    row_max = logits.amax(dim=-1, keepdim=True)  # [B, 1]
+    valid = (row_max > float("-inf")).squeeze(-1)  # (NaN compares False too)
+    # Shift by the max first so a tiny temperature cannot overflow to inf (an invalid row: 0s).
+    shifted = torch.where(valid[:, None], logits - row_max, 0.0)
+    probs = filter_top_p(filter_top_k(shifted / p.temperature, p.top_k), p.top_p).softmax(dim=-1)
+    return (probs / q).argmax(dim=-1), valid
+
+
+class _DrawGraph:
+    """_draw of one logits shape, dtype and set of params on one GPU, captured as a CUDA graph:
+    a draw is then three launches (the logits into the graph's input, the noise from the caller's
+    generator, the replay) where it was ~20 (the top-p sort among them), each costing the host
+    5-50 us while the CPU experts keep its cores busy. The same kernels run, so the tokens are
+    the eager ones."""
+
+    def __init__(self, like: torch.Tensor, p: SamplingParams) -> None:
+        device = like.device
+        self.logits = torch.zeros(like.shape, dtype=like.dtype, device=device)
+        self.q = torch.ones(like.shape, dtype=torch.float32, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # (a warm-up before capture: kernels loaded, sort's scratch sized)
+            _draw(self.logits, self.q, p)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.graph(self.graph):
+            self.tokens, self.valid = _draw(self.logits, self.q, p)
+
+    def __call__(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        self.logits.copy_(logits)
+        self.q.exponential_(1, generator=gen)
+        self.graph.replay()
+        return self.tokens.clone(), self.valid.clone()  # (the graph's outputs are rewritten by its next replay)
+
+
+_DRAW_GRAPHS: dict = {}  # (device, shape, dtype, temperature, top_k, top_p) -> _DrawGraph, or None: capture failed
+_DRAW_GRAPHS_KEPT = 16
+
+
+def _draw_graph(logits: torch.Tensor, p: SamplingParams) -> _DrawGraph | None:
+    """The captured draw for these logits and params on a CUDA device, made on first use (None on
+    the CPU, inside another capture, with KT_SAMPLER_GRAPH=0, or where capture failed: eager)."""
+    if (logits.device.type != "cuda" or os.environ.get("KT_SAMPLER_GRAPH", "1").strip() == "0"
+            or torch.cuda.is_current_stream_capturing()):
+        return None
+    key = (logits.device, tuple(logits.shape), logits.dtype, p.temperature, p.top_k, p.top_p)
+    if key not in _DRAW_GRAPHS:
+        if len(_DRAW_GRAPHS) >= _DRAW_GRAPHS_KEPT:
+            del _DRAW_GRAPHS[next(iter(_DRAW_GRAPHS))]  # the oldest
+        try:
+            _DRAW_GRAPHS[key] = _DrawGraph(logits, p)
+        except RuntimeError as e:  # (a torch without capturable sort/topk: eager draws, said once)
+            warnings.warn(f"sampling: the draw could not be captured as a CUDA graph ({e}); drawing eagerly")
+            _DRAW_GRAPHS[key] = None
+    return _DRAW_GRAPHS[key]
