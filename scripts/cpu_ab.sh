@@ -4,7 +4,7 @@
 # host's memory moods fall on both. Carry [".whl", ".peer"]; put the base files in .peer/base-csrc/
 # (e.g. `git show HEAD:csrc/int8.cpp > .peer/base-csrc/int8.cpp`).
 #   device run: ROUNDS=2 MOE_ARGS="--tokens 512 --int8" bash scripts/cpu_ab.sh
-#   env: THREADS (16), ROUNDS (2), MOE_ARGS (bench.moe's flags besides --threads; default T=512 with
+#   env: THREADS (16), ROUNDS (2), ORDER (a round's runs, "base new"), MOE_ARGS (bench.moe's flags besides --threads; default T=512 with
 #        the int8 copies, Qwen3 Q4_K_M, no peer), PEER_ARGS (one more run of the new build with these
 #        flags after the rounds, e.g. "--peer-amx --peer-threads 14"; empty: none), TESTS (pytest
 #        arguments run on the new build first, e.g. "tests/test_cpu_kernels.py -k int8"; empty: none)
@@ -26,7 +26,7 @@ if [ -n "${TESTS:-}" ]; then
   PYTHONPATH=$SITE:$PWD python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest_ab.txt" | tail -8
 fi
 for round in $(seq "${ROUNDS:-2}"); do
-  for side in base new; do
+  for side in ${ORDER:-base new}; do
     root=$PWD; [ "$side" = base ] && root=/tmp/base
     echo "# round $round: $side" | tee -a "$OUT/ab.txt"
     (cd "$root" && PYTHONPATH=$SITE:$root python3 -m ktransformers.bench.moe --threads "$THREADS" $MOE_ARGS \
