@@ -189,19 +189,20 @@ class _DrawGraph:
 
 
 _DRAW_GRAPHS: dict = {}  # (device, shape, dtype, temperature, top_k, top_p) -> _DrawGraph, or None: capture failed
-_DRAW_GRAPHS_KEPT = 16
+_DRAW_GRAPHS_KEPT = 16  # captures a process makes; other keys draw eagerly
 
 
 def _draw_graph(logits: torch.Tensor, p: SamplingParams) -> _DrawGraph | None:
     """The captured draw for these logits and params on a CUDA device, made on first use (None on
-    the CPU, inside another capture, with KT_SAMPLER_GRAPH=0, or where capture failed: eager)."""
+    the CPU, inside another capture, with KT_SAMPLER_GRAPH=0, where capture failed or past the
+    first _DRAW_GRAPHS_KEPT keys: eager)."""
     if (logits.device.type != "cuda" or os.environ.get("KT_SAMPLER_GRAPH", "1").strip() == "0"
             or torch.cuda.is_current_stream_capturing()):
         return None
     key = (logits.device, tuple(logits.shape), logits.dtype, p.temperature, p.top_k, p.top_p)
     if key not in _DRAW_GRAPHS:
-        if len(_DRAW_GRAPHS) >= _DRAW_GRAPHS_KEPT:
-            del _DRAW_GRAPHS[next(iter(_DRAW_GRAPHS))]  # the oldest
+        if len(_DRAW_GRAPHS) >= _DRAW_GRAPHS_KEPT:  # (each capture syncs and collects: a bounded number a
+            return None  # process, never one a call where params keep changing)
         try:
             _DRAW_GRAPHS[key] = _DrawGraph(logits, p)
         except RuntimeError as e:  # (a torch without capturable sort/topk: eager draws, said once)
