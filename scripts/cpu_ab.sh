@@ -18,10 +18,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 SITE=/tmp/site:$PWD/.whl/site
 ls .peer/base-csrc/* > /dev/null || { echo "no base files in .peer/base-csrc"; exit 1; }
 rm -rf /tmp/base && mkdir -p /tmp/base && cp -r setup.py pyproject.toml csrc ktransformers /tmp/base/ && cp .peer/base-csrc/* /tmp/base/csrc/
+rm -f /tmp/base/ktransformers/kernels/_cpu_*.so  # (the tree's own build, copied with it)
 (cd /tmp/base && python3 setup.py -q build_ext --inplace > "$OUT/build_base.txt" 2>&1) &
+BASE_BUILD=$!
 python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-wait || true
-ls /tmp/base/ktransformers/kernels/_cpu_*.so > /dev/null || { tail -30 "$OUT/build_base.txt"; exit 1; }
+wait "$BASE_BUILD" || { tail -30 "$OUT/build_base.txt"; exit 1; }
 if [ -n "${TESTS:-}" ]; then
   PYTHONPATH=$SITE:$PWD python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest_ab.txt" | tail -8
 fi

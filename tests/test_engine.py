@@ -412,5 +412,12 @@ def test_sampled_decode_tokens_equal_decode_and_draw(tmp_path):
         else:
             got = list(engine.decode_tokens(seq, token, 8, sampler))
         runs.append((got, engine.cached_tokens(seq)))
+        if not stepwise:  # a draw with nothing to draw from: ValueError, its step dropped
+            bad = Sampler(params)
+            bad.pick = lambda logits, prev=None: (logits.argmax(-1), torch.zeros(1, dtype=torch.bool))
+            before = (seq.length, list(engine.cached_tokens(seq)))
+            with pytest.raises(ValueError, match="nothing to sample"):
+                list(engine.decode_tokens(seq, got[-1], 3, bad))
+            assert (seq.length, list(engine.cached_tokens(seq))) == before
         engine.release(seq)
     assert runs[0] == runs[1] and len(set(runs[0][0])) > 2

@@ -247,11 +247,14 @@ def test_draw_is_multinomial(B, V, params):
 def test_pick_flags_rows_with_nothing_to_sample():
     """pick reads nothing back: a row of -inf or NaN comes back flagged (its token meaningless)
     where the call raises."""
-    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(4))
     logits[1] = float("-inf")
     logits[2, 5] = float("nan")
+    logits[3, 7] = float("inf")
     tokens, valid = Sampler(SamplingParams(seed=0)).pick(logits)
-    assert valid.tolist() == [True, False, False] and tokens.shape == (3,) and 0 <= int(tokens[0]) < 20
+    assert valid.tolist() == [True, False, False, False] and tokens.shape == (4,) and 0 <= int(tokens[0]) < 20
+    with pytest.raises(ValueError, match="nothing to sample"):
+        Sampler(SamplingParams(seed=0))(logits[3:])
     assert Sampler(SamplingParams(do_sample=False)).pick(logits)[1] is None  # greedy: an argmax, no flag
 
 
@@ -261,13 +264,14 @@ def test_sampling_gpu_logits_drawn_on_the_gpu(monkeypatch):
     """A GPU engine's logits are drawn on the GPU, by a generator there with the sampler's seed
     (the same tokens as torch.multinomial with it), by a captured CUDA graph that gives the eager
     draw's tokens, and `pick` does not wait for the GPU."""
+    from ktransformers.engine import sampling
+    monkeypatch.setattr(sampling, "_DRAW_GRAPHS", {})  # (this test's captures, not earlier tests')
     logits = (torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 3).cuda()
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
     got = draws(params, logits, 20)
     assert got.device == logits.device
     gen = torch.Generator(device=logits.device).manual_seed(11)
     assert torch.equal(got, multinomial_draws(params, logits, 20, gen))
-    from ktransformers.engine import sampling
     assert any(k[0] == logits.device and g is not None for k, g in sampling._DRAW_GRAPHS.items())  # (captured)
     for dtype in (torch.float32, torch.bfloat16):  # the captured draw is the eager one
         runs = []

@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
                               "issue_us": r.get("issue_us"),
                               "rest_of_step_us": (1e6 / r["decode"] - r["layers_us"]
                                                   if r.get("layers_us") and r["decode"] else None),
-                              "extrapolated": extra if r["engine"] == "ktransformers" else None}))
+                              "extrapolated": extra if r["engine"] == "ktransformers" else None,
+                              "temperature": args.temperature if r["engine"] == "ktransformers" else 0.0,
+                              "top_p": args.top_p if r["engine"] == "ktransformers" and args.temperature else 1.0}))
         return
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"

@@ -459,8 +459,10 @@ class Engine:
         graphs (one GPU) each step is issued before the previous one's token is read back: its
         input is the token the GPU picked, so neither the GPU nor the CPU experts wait for Python
         between steps (KT_DECODE_AHEAD=0: not). Closing the iterator early waits for the step
-        issued ahead and drops its cache entry. Otherwise each step is decode() and the pick (the
-        same tokens: the sampler draws on the logits' device either way)."""
+        issued ahead and drops its cache entry (its draw was made: a sampler used again after an
+        early close is a draw further on than step by step). Otherwise each step is decode() and
+        the pick (the same tokens: the sampler draws on the logits' device either way). Logits
+        with nothing to draw from raise ValueError, the step that gave them dropped."""
         if sampler is not None and sampler.params.repetition_penalty != 1:
             raise ValueError("decode_tokens: a repetition penalty needs each step's history (use decode())")
         self._set_phase("generate")
@@ -469,7 +471,12 @@ class Engine:
                 if not self.cache.can_grow(seq, 1):
                     return
                 logits = self.decode(seq, token)
-                token = int(logits[0].argmax() if sampler is None else sampler(logits)[0])
+                try:
+                    token = int(logits[0].argmax() if sampler is None else sampler(logits)[0])
+                except ValueError:  # nothing to draw from: the step is dropped, as ahead
+                    self.cache.truncate(seq, seq.length - 1)
+                    self._tokens[seq.seq_id].pop()
+                    raise
                 yield token
             return
         self._ahead_active = True

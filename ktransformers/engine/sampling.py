@@ -93,7 +93,7 @@ class Sampler:
     a fixed seed reproduces the same tokens and other code's RNG use cannot disturb it. The draw
     is made where the logits are (a GPU's logits by a generator on that GPU, seeded alike), with
     no wait for the device: `pick` returns the tokens as a tensor on it, which a decode step
-    issued ahead can take as its input (Engine.sampled_tokens)."""
+    issued ahead can take as its input (Engine.decode_tokens)."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -154,7 +154,7 @@ def _draw(logits: torch.Tensor, q: torch.Tensor, p: SamplingParams) -> tuple[tor
     noise q [B, V] float32: argmax(probs / q) over the filtered, tempered softmax."""
     logits = logits.to(torch.float32)
     row_max = logits.amax(dim=-1, keepdim=True)  # [B, 1]
-    valid = (row_max > float("-inf")).squeeze(-1)  # (NaN compares False too)
+    valid = torch.isfinite(row_max).squeeze(-1)  # (all -inf, a NaN or a +inf: nothing to draw from)
     # Shift by the max first so a tiny temperature cannot overflow to inf (an invalid row: 0s).
     shifted = torch.where(valid[:, None], logits - row_max, 0.0)
     probs = filter_top_p(filter_top_k(shifted / p.temperature, p.top_k), p.top_p).softmax(dim=-1)
@@ -170,26 +170,33 @@ class _DrawGraph:
 
     def __init__(self, like: torch.Tensor, p: SamplingParams) -> None:
         device = like.device
-        self.logits = torch.zeros(like.shape, dtype=like.dtype, device=device)
-        self.q = torch.ones(like.shape, dtype=torch.float32, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # (a warm-up before capture: kernels loaded, sort's scratch sized)
-            _draw(self.logits, self.q, p)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(self.graph):
-            self.tokens, self.valid = _draw(self.logits, self.q, p)
+        # (normal tensors even when made under inference mode: later draws outside it update them)
+        with torch.inference_mode(False), torch.cuda.device(device):
+            self.logits = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            self.q = torch.ones(like.shape, dtype=torch.float32, device=device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # (a warm-up before capture: kernels loaded, sort's scratch sized)
+                _draw(self.logits, self.q, p)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # captured on a stream of the logits' GPU (torch's default capture stream is the GPU
+            # current when it was first made: a capture there would record nothing of this one)
+            with torch.cuda.graph(self.graph, stream=side):
+                self.tokens, self.valid = _draw(self.logits, self.q, p)
 
     def __call__(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        self.logits.copy_(logits)
-        self.q.exponential_(1, generator=gen)
-        self.graph.replay()
-        return self.tokens.clone(), self.valid.clone()  # (the graph's outputs are rewritten by its next replay)
+        with torch.cuda.device(self.logits.device):  # (replay() launches on the current GPU's stream)
+            self.logits.copy_(logits)
+            self.q.exponential_(1, generator=gen)
+            self.graph.replay()
+            return self.tokens.clone(), self.valid.clone()  # (the graph's outputs are rewritten by its next replay)
 
 
 _DRAW_GRAPHS: dict = {}  # (device, shape, dtype, temperature, top_k, top_p) -> _DrawGraph, or None: capture failed
 _DRAW_GRAPHS_KEPT = 16  # captures a process makes; other keys draw eagerly
+# (the graphs' static buffers are shared by every Sampler of the process: draws on one device are
+# made from one thread, in stream order, as the engine and the server make them)
 
 
 def _draw_graph(logits: torch.Tensor, p: SamplingParams) -> _DrawGraph | None:
