@@ -424,7 +424,9 @@ def test_avx2_build_has_no_avx512_instructions():
 def test_int8_prefill_path(runtime, fmt, H, I):
     """Experts with enough tokens use the int8 copies (per-row weight and activation scales);
     the others, the GGML blocks. With min tokens 1 every expert takes the int8 path. (320 rows
-    split over tasks leave chunks of 4k+3 rows: the GEMM's 2- and 1-row tails run.)"""
+    split over tasks leave chunks of 4k+3 rows: the GEMM's 2- and 1-row tails run. On AMX the
+    48- to 96-row chunks take two and one 16-row blocks a step, and experts of 45 and 60 tokens
+    two 32-token groups, the last of one or two 16-token tiles.)"""
     if not runtime.ext.int8_gemm:
         pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
     from ktransformers.kernels.cpu import Int8Rows, round_activations_rows
@@ -439,9 +441,11 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     assert kernel.int8_min_tokens == 1
     if runtime.isa == "amx":  # the AMX tiles take the whole 16-row blocks, AVX-512 the edges
         assert runtime.ext.amx_available() and kernel._int8[0].amx is not None
-    for T in (1, 5, 70):
+    for T in (1, 5, 70, 45, 60):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
+        if T in (45, 60):  # every token to experts 0 and 1: 45 or 60 tokens an expert, in groups of up to
+            ids = torch.stack([torch.randperm(2, generator=gen) for _ in range(T)])  # 32 (AMX: 32 + 13, 32 + 28)
         y = kernel.forward(x, ids, w)
         gate_up8 = torch.cat([int8[0].dequantized(), int8[1].dequantized()], dim=1)
         same = moe_reference(x, ids, w, gate_up8, int8[2].dequantized(), round_activations_rows, round_activations_rows)
