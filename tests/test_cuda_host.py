@@ -257,6 +257,16 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
             assert torch.equal(results["host", "0", graphs], results[(*other, graphs)]), (other, graphs)
 
 
+def _gpu_qwen3(tmp_path, layers: int = 2):
+    """A tiny random Qwen3-MoE (transformers' model, Q4_K_M in a GGUF) loaded by its GPU rule
+    file: (the transformers model, ours)."""
+    hf = tiny_model("qwen3_moe", layers=layers)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    return hf, model
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("handoff,pack", [("doorbell", "1"), ("doorbell", "0"), ("host", "0")])
@@ -268,11 +278,7 @@ def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch, handoff,
     from ktransformers.engine.sampling import SamplingParams
     monkeypatch.setenv("KT_CUDA_HANDOFF", handoff)
     monkeypatch.setenv("KT_CUDA_PACK", pack)
-    family = "qwen3_moe"
-    hf = tiny_model(family, layers=2)
-    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
-    model = build_skeleton(hf.config, torch.bfloat16)
-    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    hf, model = _gpu_qwen3(tmp_path)
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(12)).tolist()
     runs = {}
     for ahead in ("0", "1"):
@@ -307,11 +313,7 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
     next step there) are the step-by-step tokens for the same seed, in decode_tokens and in
     sampled generation; logits with nothing to draw from fail the step and drop it."""
     from ktransformers.engine.sampling import Sampler, SamplingParams
-    family = "qwen3_moe"
-    hf = tiny_model(family, layers=2)
-    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
-    model = build_skeleton(hf.config, torch.bfloat16)
-    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    hf, model = _gpu_qwen3(tmp_path)
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(13)).tolist()
     params = SamplingParams(temperature=1.5, top_p=0.95, seed=7)  # (hot: a tiny random model's draws vary)
     runs = {}
@@ -357,11 +359,7 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
     and a size no GGML block divides, so every tensor crosses several chunks at odd offsets."""
     from ktransformers.operators.experts import LayerwisePrefill
     monkeypatch.setattr(LayerwisePrefill, "CHUNK", 1000)
-    family = "qwen3_moe"
-    hf = tiny_model(family, layers=3)
-    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
-    model = build_skeleton(hf.config, torch.bfloat16)
-    optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    hf, model = _gpu_qwen3(tmp_path, layers=3)
     engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
     layers = [m for m in model.modules() if getattr(m, "layerwise", None) is not None]
     assert len(layers) == 3 and layers[0].layerwise.next is layers[1].layerwise
