@@ -22,7 +22,7 @@ import torch
 
 from ..cache import CacheFullError, PagedCache, Sequence, make_cache
 from ..operators.base import RunContext, set_phase
-from .sampling import Sampler, SamplingParams
+from .sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from .streaming import StopMatcher, StreamDecoder
 
 
@@ -551,7 +551,7 @@ class Engine:
             staging.check_calls(step.calls)
         token = int(step.host[0])
         if token < 0:  # the sampler's flag (this step and the next are dropped by the caller's finally)
-            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
+            raise ValueError(NOTHING_TO_DRAW)
         self.step_times.add(step.issue_s, time.perf_counter() - t0)
         self._tokens.setdefault(step.seq.seq_id, []).append(step.fed)
         return token

@@ -13,6 +13,10 @@ from typing import Any
 import torch
 
 
+# The error of a draw whose row of logits was flagged (`Sampler.pick`'s valid False)
+NOTHING_TO_DRAW = "logits: a row is all -inf or holds NaN or +inf; nothing to sample from"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. top_k=0 and top_p=1 switch those filters off; temperature 0 or
@@ -110,16 +114,16 @@ class Sampler:
         logits are not modified."""
         tokens, valid = self.pick(logits, prev_tokens)
         if valid is not None and not bool(valid.all()):
-            raise ValueError("logits: a row is all -inf or holds NaN; nothing to sample from")
+            raise ValueError(NOTHING_TO_DRAW)
         return tokens
 
     def pick(self, logits: torch.Tensor, prev_tokens: list[list[int]] | None = None):
         """(tokens [B] int64, valid [B] bool or None for greedy) on the logits' device, computed
-        there without reading anything back: the caller checks `valid` (False: the row was all
-        -inf or NaN, its token meaningless) when it reads the tokens. A draw is torch.multinomial's
-        own for one sample, without its host-side check: argmax(p / q) with q ~ Exp(1) from the
-        generator on the logits' device (the same tokens as torch.multinomial(p, 1) given that
-        generator)."""
+        there without reading anything back: the caller checks `valid` when it reads the tokens
+        (False: the row was all -inf or held NaN or +inf, its token meaningless; the error is
+        NOTHING_TO_DRAW). A draw is torch.multinomial's own for one sample, without its host-side
+        check: argmax(p / q) with q ~ Exp(1) from the generator on the logits' device (the same
+        tokens as torch.multinomial(p, 1) given that generator)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         p = self.params
@@ -131,7 +135,7 @@ class Sampler:
         if p.greedy:
             return logits.argmax(dim=-1), None
         gen = self._generator(logits.device)
-        graph = _draw_graph(logits, p) if p.repetition_penalty == 1 or prev_tokens is None else None
+        graph = _draw_graph(logits, p)
         if graph is not None:
             return graph(logits, gen)
         q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1, generator=gen)
