@@ -257,6 +257,38 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
             assert torch.equal(results["host", "0", graphs], results[(*other, graphs)]), (other, graphs)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", ["", "num_gpu_experts: 3"])
+def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
+    """Decode with pcie_experts: 1 (the GPU computes one of each token's two experts from the CPU
+    kernel's tiles, read over the bus, the CPU the other) gives the all-CPU logits, eagerly and
+    from CUDA graphs, beside hot experts too; prefill chunks keep every expert on the CPU."""
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(13)).tolist()
+    results = {}
+    for share in ("0", "1"):
+        monkeypatch.setenv("KT_PCIE_EXPERTS", share)
+        model = build_skeleton(hf.config, torch.bfloat16)
+        optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda", extra), tmp_path / "m.gguf", hf.config)
+        ops = [m.ops["generate"] for m in model.modules() if hasattr(m, "ops")]
+        assert ops and all((op.pcie is not None) == (share == "1") for op in ops)
+        for graphs in (False, True):
+            engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
+            seq = engine.new_sequence()
+            out = [engine.prefill(seq, ids[:9])[0]] + [engine.decode(seq, t)[0] for t in ids[9:]]
+            results[share, graphs] = torch.stack(out).float().cpu()
+        for op in ops:
+            op.unload()
+    for graphs in (False, True):
+        a, b = results["0", graphs], results["1", graphs]
+        assert torch.equal(a[0], b[0])  # (the prefill: all on the CPU)
+        err = ((a - b).norm() / a.norm()).item()
+        assert err < 2e-2, f"pcie share vs CPU, graphs={graphs}: {err:.2e}"
+        assert not torch.equal(a, b)  # (the share did run: other roundings)
+
+
 def _gpu_qwen3(tmp_path, layers: int = 2):
     """A tiny random Qwen3-MoE (transformers' model, Q4_K_M in a GGUF) loaded by its GPU rule
     file: (the transformers model, ours)."""

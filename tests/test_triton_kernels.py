@@ -130,6 +130,13 @@ def test_pack_moe_inputs(dev, T, H, K, xdt, idt, wdt):
         assert torch.equal(a.cpu(), b.cpu())
     with pytest.raises(ValueError, match="outputs must be"):
         pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), got[0], got[1].int(), got[2])
+    # cpu_k: the columns from there on go to the CPU as -1 (pairs it skips), the rest unchanged
+    cpu_k = K - 2
+    pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), *got, cpu_k=cpu_k)
+    assert torch.equal(got[1][:, :cpu_k].cpu(), ids[:, :cpu_k].long()) and (got[1][:, cpu_k:] == -1).all()
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[2].cpu(), want[2].cpu())
+    with pytest.raises(ValueError, match="cpu_k must lie"):
+        pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), *got, cpu_k=K + 1)
 
 
 @pytest.mark.parametrize("T,H,src,dst", [(1, 2048, torch.bfloat16, torch.bfloat16), (3, 7168, torch.float32, torch.bfloat16),
@@ -143,6 +150,11 @@ def test_copy_rows(dev, T, H, src, dst):
     assert torch.equal(out.cpu(), x.to(dst))
     with pytest.raises(ValueError, match="one \\[T, H\\] shape"):
         copy_rows(x.to(dev), out[:, :-1])
+    add = torch.randn(T, H, generator=gen(T * H)) * 10  # the GPU's share of the experts
+    copy_rows(x.to(dev), out, add=add.to(dev))
+    assert torch.equal(out.cpu(), (x.float() + add).to(dst))  # one rounding, of the float32 sum
+    with pytest.raises(ValueError, match="add must be"):
+        copy_rows(x.to(dev), out, add=add.to(dev, torch.bfloat16))
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])

@@ -183,8 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extrapolate", type=int, metavar="LAYERS",
                    help="also give decode tok/s for the same model with LAYERS layers (e.g. 61 for DeepSeek-V3), "
                         "at the fraction of the roofline measured here")
+    p.add_argument("--pcie_experts", type=int,
+                   help="of each decode token's experts, the GPU computes this many from the CPU's copy over PCIe "
+                        "(sets KT_PCIE_EXPERTS; the header then adds the roofline with the bus's bandwidth too)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.pcie_experts is not None:
+        os.environ["KT_PCIE_EXPERTS"] = str(args.pcie_experts)
     if not torch.cuda.is_available():
         raise SystemExit("bench.e2e needs a CUDA device")
     if not Path(args.gguf_path).exists():
@@ -206,6 +211,14 @@ def main(argv: list[str] | None = None) -> None:
     def roofline(ram: float, gpu: float) -> float:
         return 1 / (ram / (cpu_bw * 1e9) + gpu / (gpu_bw * 1e9))
     roof, roof_all_cpu = roofline(cpu_bytes, gpu_bytes), roofline(*all_cpu)
+    bus_bw = roof_bus = None
+    if int(os.environ.get("KT_PCIE_EXPERTS", "0") or 0) > 0:
+        # The GPU reads a share of the experts over the bus while the cores read the rest: the
+        # expert bytes' floor is then at the two rates together (an upper bound of what they
+        # reach together: they share the host's memory)
+        from ..kernels.triton.pcie_experts import bus_read_gbps
+        bus_bw = bus_read_gbps(torch.device("cuda"))
+        roof_bus = 1 / (cpu_bytes / ((cpu_bw + bus_bw) * 1e9) + gpu_bytes / (gpu_bw * 1e9))
     extra = None
     if args.extrapolate:
         roof_n = roofline(*extrapolated_bytes(files, config, args.extrapolate, hot))
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
                               "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
+                              "pcie_experts": int(os.environ.get("KT_PCIE_EXPERTS", "0") or 0),
+                              "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
                               "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),
@@ -233,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
                               "temperature": args.temperature if r["engine"] == "ktransformers" else 0.0,
                               "top_p": args.top_p if r["engine"] == "ktransformers" and args.temperature else 1.0}))
         return
+    if roof_bus:
+        head += (f"; pcie_experts={os.environ['KT_PCIE_EXPERTS']}: the GPU reads its share over the bus "
+                 f"({bus_bw:.0f} GB/s alone), roofline with the bus {roof_bus:.1f} tok/s")
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"
     print(head)
@@ -242,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         pre = "".join(f" {r['prefill'].get(P, float('nan')):>13.1f}" for P in args.prompts)
         dec = r["decode"] or float("nan")
         ratio = dec / (roof if r["engine"] == "ktransformers" else roof_all_cpu)
-        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {ratio:>12.2f}")
+        bus = f" ({dec / roof_bus:.2f} with the bus)" if roof_bus and r["engine"] == "ktransformers" else ""
+        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {ratio:>12.2f}{bus}")
     step_ms = 1e3 / ours["decode"]
     print(f"decode step {step_ms:.2f} ms = {step_ms / config.num_hidden_layers:.3f} ms per layer")
     if "cpu_call_us" in ours:

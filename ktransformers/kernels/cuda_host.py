@@ -314,9 +314,14 @@ class HostStaging:
 
 
 def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                     out_dtype: torch.dtype):
+                     out_dtype: torch.dtype, share=None):
     """Enqueue the CPU MoE `kernel` on the current CUDA stream for GPU tensors x [T, H], ids/weights
-    [T, K]; returns a function that enqueues the wait and the copy back, giving y [T, H] on x's device."""
+    [T, K]; returns a function that enqueues the wait and the copy back, giving y [T, H] on x's device.
+
+    `share`: (col0, launch) where the GPU computes the pairs of columns col0.. itself: the CPU
+    kernel gets them as -1 (skipped), `launch()` is enqueued right after the CPU is rung (it
+    runs while the CPU threads compute) and returns float32 [T, H], added to the CPU's y in the
+    copy back. Only where the inputs are packed by the kernel (else ignored: all on the CPU)."""
     T = x.shape[0]
     if x.dim() != 2 or x.shape[1] != kernel.hidden or tuple(ids.shape) != (T, kernel.top_k) or \
             ids.shape != weights.shape or ids.dtype.is_floating_point:
@@ -328,8 +333,10 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     packs = staging.packs(x.device)
     if packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
         from .triton.handoff import pack_moe_inputs
-        pack_moe_inputs(x, ids, weights, xp, idp, wp)  # one launch, stores straight into pinned memory
+        # one launch, stores straight into pinned memory
+        pack_moe_inputs(x, ids, weights, xp, idp, wp, cpu_k=None if share is None else share[0])
     else:
+        share = None
         xp.copy_(x.to(dtype), non_blocking=True)
         idp.copy_(ids.to(torch.int64), non_blocking=True)
         wp.copy_(weights.to(torch.float32), non_blocking=True)
@@ -343,6 +350,7 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
         staging.wake()
     else:
         launch_host_func(ext.moe_host_submit, call.address, stream)
+    extra = share[1]() if share is not None else None
 
     def wait() -> torch.Tensor:
         if bell:
@@ -354,7 +362,8 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
             if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                 from .triton.handoff import copy_rows
                 y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
-                copy_rows(yp, y)  # one kernel reading the pinned buffer
+                copy_rows(yp, y, add=extra)  # one kernel reading the pinned buffer
                 return y
-            return yp.to(x.device, non_blocking=True).to(out_dtype)
+            y = yp.to(x.device, non_blocking=True)
+            return (y if extra is None else y.float() + extra).to(out_dtype)
     return wait

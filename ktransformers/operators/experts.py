@@ -6,6 +6,8 @@ Ops (EXPERT_OPS) own the expert weights in their format: KExpertsTorch is the de
 """
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +65,7 @@ class ExpertSpec:
     top_k: int
     dtype: torch.dtype
     int8_prefill: bool = False  # KExpertsCPU: keep int8 copies for the prefill GEMM (more RAM, faster prefill)
+    pcie_experts: int = 0  # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -102,6 +105,7 @@ class KExpertsCPU:
             raise ValueError(f"{spec.key}: KExpertsCPU runs on the CPU, not {device}")
         self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
         self.kernel = None
+        self.pcie = None  # pcie_experts' share (_pcie_share), once loaded
 
     def _projection(self, weights, proj: str, shape: tuple[int, ...]):
         from ..kernels.cpu import ACTIVATION_BLOCK, ExpertWeights
@@ -125,8 +129,35 @@ class KExpertsCPU:
             int8 = tuple(Int8Rows.from_blocks(p, s) for p, s in zip((gate, up, down), shapes))
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, tiles=context.cpu_tiles)
+        self.pcie = self._pcie_share() if self.spec.pcie_experts else None
+
+    def _pcie_share(self):
+        """(first GPU column, ggml types, tile tensors, their registration) for pcie_experts, or
+        None (with a warning saying why) where the share cannot run."""
+        n, K = self.spec.pcie_experts, self.spec.top_k
+        if not 0 < n < K:
+            raise ValueError(f"{self.key}: pcie_experts must lie in [0, {K - 1}] (top-k {K}), got {n}")
+        why = None
+        if not torch.cuda.is_available():
+            why = "no CUDA device"
+        else:
+            from ..kernels.triton.pcie_experts import supports
+            w = self.kernel._weights
+            why = supports(tuple(p.ggml_type for p in w), tuple(p.tiled for p in w), self.spec.hidden,
+                           self.spec.intermediate)
+            if why is None and not all(isinstance(p.data, torch.Tensor) for p in w):
+                why = "the tiles are not torch tensors"
+        if why is not None:
+            warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
+            return None
+        from ..kernels.triton.pcie_experts import HostRegistration
+        tiles = tuple(p.data for p in self.kernel._weights)
+        return K - n, tuple(p.ggml_type for p in self.kernel._weights), tiles, HostRegistration(tiles)
 
     def unload(self) -> None:
+        if getattr(self, "pcie", None) is not None:
+            self.pcie[3].close()  # (before the tiles can be freed)
+        self.pcie = None
         self.kernel = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -142,7 +173,8 @@ class KExpertsCPU:
             raise RuntimeError(f"{self.key}: experts op used before load()")
         if x.device.type == "cuda":  # in order with the GPU stream (and inside CUDA graphs)
             from ..kernels.cuda_host import submit_on_stream
-            return submit_on_stream(self.kernel, self.context.host_staging(), x, ids, weights, self.dtype)
+            return submit_on_stream(self.kernel, self.context.host_staging(), x, ids, weights, self.dtype,
+                                    share=self._share(x, ids, weights))
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         y = self.kernel.submit(x, ids, weights)
@@ -152,6 +184,16 @@ class KExpertsCPU:
             runtime.sync()
             return y.to(self.dtype)
         return wait
+
+    def _share(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """submit_on_stream's `share` for a decode step with pcie_experts, else None."""
+        from ..kernels.triton.pcie_experts import MAX_TOKENS, pcie_experts
+        if self.pcie is None or x.shape[0] > MAX_TOKENS or x.dim() != 2 or \
+                any(t.stride(-1) != 1 for t in (x, ids, weights)):
+            return None
+        col0, types, tiles, _ = self.pcie
+        E, I = self.spec.experts, self.spec.intermediate
+        return col0, lambda: pcie_experts(x, ids, weights, col0, *tiles, types, E, I)
 
 
 @EXPERT_OPS.register("KExpertsGPU")
@@ -337,6 +379,10 @@ class ExpertsOptions(Placement):
     # prefill chunks of at least this many tokens stream the layer's stored experts to the GPU and
     # compute there (LayerwisePrefill; 0: never); --prefill_gpu_threshold overrides it
     prefill_gpu_threshold: int = 0
+    # KExpertsCPU decoding from a GPU: of each token's top-k experts, the GPU computes this many
+    # from the CPU's own tiles, read in place over PCIe while the CPU threads compute the rest
+    # (kernels/triton/pcie_experts.py; 0: all on the CPU). KT_PCIE_EXPERTS overrides it.
+    pcie_experts: int = 0
 
 
 def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list[int]:
@@ -369,8 +415,9 @@ class KTransformersExperts(BaseInjectedModule):
         E, two_i, H = orig_module.gate_up_proj.shape
         self.n_experts = E
         top_k = getattr(config, "num_experts_per_tok", None) or E
-        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, self.options.int8_prefill)
         o = self.options
+        pcie = int(os.environ.get("KT_PCIE_EXPERTS", o.pcie_experts))  # (the environment: for A/B runs)
+        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(

@@ -33,22 +33,25 @@ def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, s_x, s_i, s_w,
+def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, cpu_k, s_x, s_i, s_w,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     gdc_enter(GDC)
     _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
-    tl.store(io_ptr + t * K + k, tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64), mask=mk)
+    ids = tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64)
+    tl.store(io_ptr + t * K + k, tl.where(k < cpu_k, ids, -1), mask=mk)  # -1: the CPU skips the pair
     tl.store(wo_ptr + t * K + k, tl.load(w_ptr + t * s_w + k, mask=mk).to(tl.float32), mask=mk)
 
 
 def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_out: torch.Tensor,
-                    ids_out: torch.Tensor, w_out: torch.Tensor) -> None:
+                    ids_out: torch.Tensor, w_out: torch.Tensor, cpu_k: int | None = None) -> None:
     """x [T, H] (bf16/fp16/fp32) -> x_out (float32 or bf16), ids [T, K] (any integer) -> ids_out
     int64, weights [T, K] (any float) -> w_out float32; the outputs contiguous, in device memory or
-    pinned host memory. Rows of the inputs may be strided (last dimension contiguous)."""
+    pinned host memory. Rows of the inputs may be strided (last dimension contiguous). `cpu_k`:
+    ids of the columns from there on are stored as -1 (pairs the CPU kernel skips: computed on
+    the GPU)."""
     T, H = x.shape
     K = ids.shape[1]
     if (tuple(ids.shape) != (T, K) or tuple(weights.shape) != (T, K) or tuple(x_out.shape) != (T, H)
@@ -65,32 +68,46 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x
         raise ValueError("pack_moe_inputs: inputs need a contiguous last dimension and outputs must be contiguous")
     if T == 0:
         return
-    _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, H, K, x.stride(0), ids.stride(0), weights.stride(0),
+    cpu_k = K if cpu_k is None else cpu_k
+    if not 0 <= cpu_k <= K:
+        raise ValueError(f"pack_moe_inputs: cpu_k must lie in [0, {K}], got {cpu_k}")
+    _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, H, K, cpu_k, x.stride(0), ids.stride(0), weights.stride(0),
                        BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(K), num_warps=4,
                        **pdl(x.device))
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr):
+def _copy_rows_kernel(src_ptr, add_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    # volatile: the CPU rewrites these pinned words between launches; never a cached copy
-    _copy_row(src_ptr + t * s_src, dst_ptr + t * s_dst, H, BLOCK_H, True)
+    h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        m = h0 + h < H
+        # volatile: the CPU rewrites these pinned words between launches; never a cached copy
+        v = tl.load(src_ptr + t * s_src + h0 + h, mask=m, volatile=True).to(tl.float32)
+        if ADD:
+            v += tl.load(add_ptr + t * H + h0 + h, mask=m)
+        dst = dst_ptr + t * s_dst + h0 + h
+        tl.store(dst, round_to(v, dst_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=m)
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst [T, H] = src [T, H] converted to dst's dtype (float32/bf16/fp16), in one launch: the
-    CPU experts' output read from pinned host memory by a kernel (one round trip over the bus a
-    row) where a copy-engine transfer and a cast would be two graph nodes."""
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = None) -> None:
+    """dst [T, H] = src [T, H] (+ add, float32 [T, H] contiguous) converted to dst's dtype
+    (float32/bf16/fp16, rounded once), in one launch: the CPU experts' output read from pinned
+    host memory by a kernel (one round trip over the bus a row) where a copy-engine transfer and
+    a cast would be two graph nodes; `add` the GPU's share of the experts."""
     if src.dim() != 2 or dst.shape != src.shape or src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError(f"copy_rows: src and dst of one [T, H] shape with contiguous rows, got {tuple(src.shape)} "
                          f"{src.stride()} -> {tuple(dst.shape)} {dst.stride()}")
     if not (src.dtype.is_floating_point and dst.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         raise ValueError(f"copy_rows: float rows into float32/bfloat16/float16, got {src.dtype} -> {dst.dtype}")
+    if add is not None and (add.shape != src.shape or add.dtype != torch.float32 or not add.is_contiguous()):
+        raise ValueError(f"copy_rows: add must be a contiguous float32 {tuple(src.shape)}, got "
+                         f"{tuple(add.shape)} {add.dtype}")
     T, H = src.shape
     if T == 0 or H == 0:
         return
-    _copy_rows_kernel[(T,)](src, dst, H, src.stride(0), dst.stride(0), BLOCK_H=min(8192, triton.next_power_of_2(H)),
-                            num_warps=8)
+    _copy_rows_kernel[(T,)](src, dst if add is None else add, dst, H, src.stride(0), dst.stride(0),
+                            BLOCK_H=min(8192, triton.next_power_of_2(H)), ADD=add is not None, num_warps=8)
 
 
 def pack_moe_inputs_reference(x, ids, weights, x_out, ids_out, w_out) -> None:

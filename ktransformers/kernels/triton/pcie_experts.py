@@ -1,0 +1,259 @@
+"""A share of a decode token's routed experts computed by the GPU from the CPU's own copy of
+their weights, read in place over PCIe while the CPU threads compute the rest.
+
+Decoding on the CPU experts is bound by how fast the host's memory is read. The GPU can read
+host memory too, over the bus, and on the H200 host it does so at ~50 GB/s while the 16 cores
+read ~100-130 GB/s (scripts/pcie_probe.py). The two share one memory system: with the GPU
+reading, the cores' rate falls to ~0.8 of theirs alone, but together they read ~1.3x what the
+cores read alone. So, of a token's top-k experts, the last `share` are computed here from the
+CPU kernel's 16-row tiles (csrc/blocks.h: `tile_q4_k16`, `tile_q6_k16`; their buffers page-locked
+with cudaHostRegister), and the CPU kernel skips them (their ids packed as -1). No byte is copied
+and no second copy of the weights is kept.
+
+Two launches: gate and up of every (token, expert) pair as float32 rows, then down of
+silu(gate) * up times each pair's routing weight, summed over the token's pairs in one program
+(no atomics: the same bits every run). Sums are float32 against float32 activations (the CPU
+kernel quantizes its activations to int8 blocks), so the share agrees with the CPU's experts to
+their rounding, not to the bit. The bytes cross the bus once; the arithmetic is far below it,
+so the kernels need only enough loads in flight (one program per 16 rows of each matrix).
+
+The torch reference is `moe_reference` on the dequantized weights (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...weights.ggml_quants import GGMLType
+from .dequant import _f16_at
+
+# ggml type -> bytes of one 16-row tile of 256 values (16 blocks)
+TILE_BYTES = {int(GGMLType.Q4_K): 16 * 144, int(GGMLType.Q6_K): 16 * 210}
+TILE_ROWS, TILE_COLS = 16, 256
+MAX_TOKENS = 8  # decode steps; more tokens leave all their experts to the CPU
+
+
+@triton.jit
+def _act(x_ptr, u_ptr, idx, ACT: tl.constexpr):
+    """float32 activations at idx: x itself, or silu(x) * u (ACT: the down projection's input)."""
+    v = tl.load(x_ptr + idx).to(tl.float32)
+    if ACT:
+        v = v * tl.sigmoid(v) * tl.load(u_ptr + idx)
+    return v
+
+
+@triton.jit
+def _tile_dot(tile, x_ptr, u_ptr, TYPE: tl.constexpr, ACT: tl.constexpr):
+    """float32 [16]: the 16 rows of one tile (256 values from the column x_ptr points at) dotted
+    with the activations there. Byte offsets as csrc/blocks.h lays the tiles out."""
+    r = tl.arange(0, 16)
+    a = tl.arange(0, 32)[:, None]  # qs row 4j + q (Q6_K: its ql row of block j, nibble step q)
+    c = tl.arange(0, 64)[None, :]  # lane byte 4r + i
+    j = a // 4
+    q = a % 4
+    xi = 32 * j + 4 * q + c % 4  # the value a low nibble holds; +16 for the high one
+    xlo = _act(x_ptr, u_ptr, xi, ACT)
+    xhi = _act(x_ptr, u_ptr, xi + 16, ACT)
+    if TYPE == 12:  # Q4_K: d[16] f16 | dmin[16] f16 | sc[3][16] u32 | qs[32][64]
+        qs = tl.load(tile + 256 + a * 64 + c).to(tl.int32)
+        part = tl.reshape((qs & 15).to(tl.float32) * xlo + (qs >> 4).to(tl.float32) * xhi, (8, 4, 16, 4))
+        dots = tl.sum(tl.sum(part, axis=3), axis=1)  # [8 sub-blocks, 16 rows]
+        jb = tl.arange(0, 8)[:, None]
+        jl = jb % 4
+        # byte t of row r's 12 packed scale bytes: sc[t // 4][r], byte t % 4
+        lo = tl.load(tile + 64 + 4 * r[None, :] + jl).to(tl.int32)  # bytes 0-3
+        mid = tl.load(tile + 128 + 4 * r[None, :] + jl).to(tl.int32)  # bytes 4-7
+        hi = tl.load(tile + 192 + 4 * r[None, :] + jl).to(tl.int32)  # bytes 8-11
+        first = jb < 4
+        sc = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4)).to(tl.float32)
+        mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4)).to(tl.float32)
+        xs = tl.sum(_act(x_ptr, u_ptr, tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :], ACT), axis=1)
+        d = _f16_at(tile + 2 * r, r < 16)
+        dmin = _f16_at(tile + 32 + 2 * r, r < 16)
+        return d * tl.sum(sc * dots, axis=0) - dmin * tl.sum(mn * xs[:, None], axis=0)
+    else:  # Q6_K: part[4] {sc[2][16][2] i8 | half[2] {qh[2][64] | ql[4][64]}} | d[16] f16
+        p = j // 2
+        s = j % 2
+        half = tile + 832 * p + 64 + 384 * s
+        ql = tl.load(half + 128 + 64 * q + c).to(tl.int32)
+        qh = tl.load(half + 64 * (q // 2) + c).to(tl.int32)
+        shift = 4 * (q % 2)
+        vlo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
+        vhi = ((ql >> 4) | (((qh >> (shift + 2)) & 3) << 4)) - 32
+        dlo = tl.sum(tl.sum(tl.reshape(vlo.to(tl.float32) * xlo, (8, 4, 16, 4)), axis=3), axis=1)
+        dhi = tl.sum(tl.sum(tl.reshape(vhi.to(tl.float32) * xhi, (8, 4, 16, 4)), axis=3), axis=1)
+        jb = tl.arange(0, 8)[:, None]
+        sc_at = tile + 832 * (jb // 2) + 32 * (jb % 2) + 2 * r[None, :]
+        sc0 = tl.load(sc_at).to(tl.int8, bitcast=True).to(tl.float32)
+        sc1 = tl.load(sc_at + 1).to(tl.int8, bitcast=True).to(tl.float32)
+        d = _f16_at(tile + 3328 + 2 * r, r < 16)
+        return d * tl.sum(sc0 * dlo + sc1 * dhi, axis=0)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, gate_ptr, up_ptr, h_ptr, E, I, H, col0, share, stride_x, stride_ids,
+                    GATE: tl.constexpr, UP: tl.constexpr, GATE_TILE: tl.constexpr, UP_TILE: tl.constexpr):
+    """program (pair, 16-row group of I, gate|up): h[pair, which, rows] = W rows . x[token]."""
+    pair = tl.program_id(0)
+    grp = tl.program_id(1).to(tl.int64)
+    t = pair // share
+    e = tl.load(ids_ptr + t * stride_ids + col0 + pair % share).to(tl.int64)
+    ok = (e >= 0) & (e < E)
+    e = tl.where(ok, e, 0)  # (-1 and bad ids read expert 0's bytes: never past the buffers)
+    nb = H // 256
+    x = x_ptr + t * stride_x
+    rows = grp * 16 + tl.arange(0, 16)
+    acc = tl.zeros((16,), dtype=tl.float32)
+    if tl.program_id(2) == 0:
+        base = gate_ptr + (e * (I // 16) + grp) * nb * GATE_TILE
+        for b in range(0, nb):
+            acc += _tile_dot(base + b * GATE_TILE, x + b * 256, x, GATE, False)
+    else:
+        base = up_ptr + (e * (I // 16) + grp) * nb * UP_TILE
+        for b in range(0, nb):
+            acc += _tile_dot(base + b * UP_TILE, x + b * 256, x, UP, False)
+    acc = tl.where(ok | (e == -1), acc, float("nan"))  # an id outside [-1, E): the output says so
+    tl.store(h_ptr + (pair * 2 + tl.program_id(2)) * I + rows, acc)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, E, I, H, col0, share, stride_ids, stride_w,
+                 DOWN: tl.constexpr, DOWN_TILE: tl.constexpr):
+    """program (token, 16-row group of H): y[token, rows] = sum over the token's pairs of
+    weight * down rows . (silu(gate) * up), in pair order."""
+    t = tl.program_id(0)
+    grp = tl.program_id(1).to(tl.int64)
+    nb = I // 256
+    rows = grp * 16 + tl.arange(0, 16)
+    y = tl.zeros((16,), dtype=tl.float32)
+    for k in range(0, share):
+        pair = t * share + k
+        e = tl.load(ids_ptr + t * stride_ids + col0 + k).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        skip = e == -1  # a pair computed elsewhere (hot experts on the GPU): adds nothing
+        e = tl.where(ok, e, 0)
+        wt = tl.load(w_ptr + t * stride_w + col0 + k).to(tl.float32)
+        base = down_ptr + (e * (H // 16) + grp) * nb * DOWN_TILE
+        g = h_ptr + pair * 2 * I
+        acc = tl.zeros((16,), dtype=tl.float32)
+        for b in range(0, nb):
+            acc += _tile_dot(base + b * DOWN_TILE, g + b * 256, g + I + b * 256, DOWN, True)
+        y += tl.where(ok, wt * acc, tl.where(skip, 0.0, float("nan")))
+    tl.store(y_ptr + t * H + rows, y)
+
+
+def supports(types: tuple[int, int, int], tiled: tuple[bool, bool, bool], hidden: int, intermediate: int) -> str | None:
+    """None when the share can run on these (gate, up, down) weights, else why not."""
+    if not all(tiled):
+        return "the CPU experts' weights are not in 16-row tiles"
+    if any(t not in TILE_BYTES for t in types):
+        names = ", ".join(GGMLType(t).name for t in types)
+        return f"its kernels read Q4_K and Q6_K tiles, the experts are {names}"
+    if hidden % TILE_COLS or intermediate % TILE_COLS:
+        return f"hidden {hidden} and intermediate {intermediate} must be multiples of {TILE_COLS}"
+    return None
+
+
+def pcie_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, col0: int,
+                 gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[int, int, int],
+                 experts: int, intermediate: int) -> torch.Tensor:
+    """float32 [T, H]: sum over k >= col0 of weights[t, k] * expert ids[t, k] (x[t]) (id -1: a pair
+    left out; an id outside [-1, E): the token's row is NaN), the experts'
+    (gate, up, down) read from tile buffers (uint8, `types` their ggml types) that the GPU can
+    address (page-locked host memory or device memory). x [T, H] float rows, ids/weights [T, K]
+    on x's device."""
+    T, H = x.shape
+    K = ids.shape[1]
+    share = K - col0
+    I = intermediate
+    if not 0 < share <= K or T > MAX_TOKENS or tuple(ids.shape) != (T, K) or tuple(weights.shape) != (T, K):
+        raise ValueError(f"pcie_experts: x [T<={MAX_TOKENS}, H], ids/weights [T, K] and 0 <= col0 < K, got "
+                         f"{tuple(x.shape)}, {tuple(ids.shape)}, {tuple(weights.shape)}, col0 {col0}")
+    if x.stride(1) != 1 or ids.stride(1) != 1 or weights.stride(1) != 1:
+        raise ValueError("pcie_experts: x, ids and weights need contiguous rows")
+    want = (experts * I * H // TILE_COLS * TILE_BYTES[types[0]] // TILE_ROWS,
+            experts * I * H // TILE_COLS * TILE_BYTES[types[1]] // TILE_ROWS,
+            experts * H * I // TILE_COLS * TILE_BYTES[types[2]] // TILE_ROWS)
+    for name, buf, n in zip(("gate", "up", "down"), (gate, up, down), want):
+        if buf.dtype != torch.uint8 or buf.numel() != n:
+            raise ValueError(f"pcie_experts: {name} must be {n} bytes of tiles, got {buf.numel()} {buf.dtype}")
+    h = torch.empty(T * share, 2, I, device=x.device, dtype=torch.float32)
+    y = torch.empty(T, H, device=x.device, dtype=torch.float32)
+    _gate_up_kernel[(T * share, I // TILE_ROWS, 2)](x, ids, gate, up, h, experts, I, H, col0, share, x.stride(0),
+                                                    ids.stride(0), GATE=types[0], UP=types[1],
+                                                    GATE_TILE=TILE_BYTES[types[0]], UP_TILE=TILE_BYTES[types[1]],
+                                                    num_warps=4)
+    _down_kernel[(T, H // TILE_ROWS)](h, ids, weights, down, y, experts, I, H, col0, share, ids.stride(0),
+                                      weights.stride(0), DOWN=types[2], DOWN_TILE=TILE_BYTES[types[2]], num_warps=4)
+    return y
+
+
+class HostRegistration:
+    """CPU tensors page-locked and mapped for every GPU (cudaHostRegister, portable) until
+    close(): the CPU experts' tile buffers, which the share's kernels then read in place. The
+    tensors are kept alive as long as they are registered."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable
+
+    def __init__(self, tensors):
+        self.tensors = []
+        cudart = torch.cuda.cudart()
+        try:
+            for t in tensors:
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError("HostRegistration: contiguous CPU tensors only")
+                err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), self.PORTABLE)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: {err}")
+                self.tensors.append(t)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart() if self.tensors else None
+        while self.tensors:
+            cudart.cudaHostUnregister(self.tensors.pop().data_ptr())
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+            pass
+
+
+@triton.jit
+def _read_kernel(src, out, n_words, per_program, BLOCK: tl.constexpr):
+    """Every word of src read once (program p: its run of per_program words), their sum stored."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for off in range(pid * per_program, pid * per_program + per_program, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        acc += tl.load(src + idx, mask=idx < n_words, other=0)
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+def read_words(buf: torch.Tensor, out: torch.Tensor, programs: int = 1056, block: int = 1024) -> None:
+    """One launch reading int32 `buf` (device or page-locked host memory) in place; `out`: an
+    int32 device tensor of at least `programs` words."""
+    n = buf.numel()
+    per = triton.cdiv(triton.cdiv(n, programs), block) * block
+    _read_kernel[(programs,)](buf, out, n, per, BLOCK=block, num_warps=4)
+
+
+def bus_read_gbps(device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best-of-N rate (GB/s) of a kernel on `device` reading page-locked host memory in place:
+    the bus's part of the decode roofline when pcie_experts is on (bench.e2e)."""
+    host = torch.ones(nbytes // 4, dtype=torch.int32, pin_memory=True)
+    out = torch.empty(1056, dtype=torch.int32, device=device)
+    best = 0.0
+    with torch.cuda.device(device):
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            read_words(host, out)
+            end.record()
+            end.synchronize()
+            best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return best

@@ -1,0 +1,104 @@
+"""The GPU's share of a decode token's experts, read from the CPU kernel's tiles
+(kernels/triton/pcie_experts.py), against the torch MoE formula on the dequantized weights: in
+Triton's interpreter on the CPU, and on CUDA from device memory and from page-locked host memory."""
+import pytest
+import torch
+from tiny import kernel_device
+
+from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, tile_weights
+from ktransformers.operators.experts import moe_reference
+from ktransformers.weights import ggml_quants as gq
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return CPURuntime(2)
+
+
+def experts(runtime, types, E, H, I, seed):
+    """(tiles of gate, up, down as uint8 tensors, their ggml types, gate_up [E, 2I, H], down [E, H, I])."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((E, I, H), (E, I, H), (E, H, I))
+    tiles, dense = [], []
+    for name, shape in zip(types, shapes):
+        t = gq.ggml_type(name)
+        raw = gq.random_blocks(t, shape[0] * shape[1] * shape[2] // 256, g).reshape(-1)
+        w = tile_weights(runtime, ExpertWeights(raw, int(t)), shape[0] * shape[1], shape[2])
+        assert w.tiled, name
+        tiles.append(w.data)
+        dense.append(gq.dequantize(raw, t, shape))
+    return tiles, tuple(int(gq.ggml_type(n)) for n in types), torch.cat(dense[:2], dim=1), dense[2]
+
+
+def routing(T, K, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return ids, torch.rand(T, K, generator=g)
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q6_K", "Q4_K")])
+@pytest.mark.parametrize("T,K,share,E,H,I", [(1, 4, 1, 5, 512, 256), (1, 8, 3, 9, 256, 512), (3, 4, 2, 6, 512, 256)])
+def test_share_matches_reference(runtime, types, T, K, share, E, H, I):
+    from ktransformers.kernels.triton.pcie_experts import pcie_experts
+    dev = kernel_device()
+    tiles, tids, gate_up, down = experts(runtime, types, E, H, I, seed=T * 100 + K + len(types[0]))
+    ids, w = routing(T, K, E, seed=E + H)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(H + I)).to(torch.bfloat16)
+    col0 = K - share
+    want = moe_reference(x.float(), ids[:, col0:], w[:, col0:], gate_up, down)
+    got = pcie_experts(x.to(dev), ids.to(dev), w.to(dev), col0, *(t.to(dev) for t in tiles), tids, E, I)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    assert rel_err(got.cpu(), want) < 1e-5
+    # the other columns are left out: not the whole top-k's sum
+    assert rel_err(got.cpu(), moe_reference(x.float(), ids, w, gate_up, down)) > 1e-2
+
+
+def test_share_flags_ids_out_of_range(runtime):
+    from ktransformers.kernels.triton.pcie_experts import pcie_experts
+    dev = kernel_device()
+    E, H, I = 4, 256, 256
+    tiles, tids, _, _ = experts(runtime, ("Q4_K", "Q4_K", "Q6_K"), E, H, I, seed=7)
+    x = torch.randn(2, H).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, E], [3, -1], [1, -2]])
+    y = pcie_experts(x.to(dev).repeat(2, 1), ids.to(dev), torch.rand(4, 2).to(dev), 1,
+                     *(t.to(dev) for t in tiles), tids, E, I).cpu()
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # token 1's share names expert E
+    assert torch.equal(y[2], torch.zeros(H)) and torch.isnan(y[3]).all()  # -1 is left out, -2 flagged
+
+
+def test_share_checks_its_arguments(runtime):
+    from ktransformers.kernels.triton.pcie_experts import pcie_experts, supports
+    E, H, I = 4, 256, 256
+    tiles, tids, _, _ = experts(runtime, ("Q4_K", "Q4_K", "Q6_K"), E, H, I, seed=8)
+    x, (ids, w) = torch.randn(1, H), routing(1, 2, E, 3)
+    with pytest.raises(ValueError, match="down must be"):
+        pcie_experts(x, ids, w, 1, tiles[0], tiles[1], tiles[2][:-1], tids, E, I)
+    with pytest.raises(ValueError, match="col0"):
+        pcie_experts(x, ids, w, 2, *tiles, tids, E, I)
+    assert supports(tids, (True,) * 3, H, I) is None
+    assert "16-row tiles" in supports(tids, (True, False, True), H, I)
+    assert "Q8_0" in supports((int(gq.GGMLType.Q8_0),) + tids[1:], (True,) * 3, H, I)
+    assert "multiples of 256" in supports(tids, (True,) * 3, H, 768 + 16)
+
+
+@pytest.mark.gpu
+def test_share_reads_page_locked_host_memory(runtime):
+    """The tiles stay in (registered) host memory; the kernels read them over the bus."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ktransformers.kernels.triton.pcie_experts import HostRegistration, pcie_experts
+    E, H, I, K = 8, 512, 256, 4
+    tiles, tids, gate_up, down = experts(runtime, ("Q4_K", "Q4_K", "Q6_K"), E, H, I, seed=11)
+    pinned = HostRegistration(tiles)
+    ids, w = routing(1, K, E, 12)
+    x = torch.randn(1, H).to(torch.bfloat16)
+    got = pcie_experts(x.cuda(), ids.cuda(), w.cuda(), 2, *tiles, tids, E, I)
+    assert rel_err(got.cpu(), moe_reference(x.float(), ids[:, 2:], w[:, 2:], gate_up, down)) < 1e-5
+    pinned.close()
+    pinned.close()  # (twice: a no-op)
