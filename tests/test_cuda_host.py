@@ -14,6 +14,7 @@ from ktransformers.engine.generate import Engine
 from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, MoEKernel
 from ktransformers.kernels.cuda_host import HostStaging, call_host_func
 from ktransformers.loader import build_skeleton
+from ktransformers.operators.experts import KExpertsCPU
 from ktransformers.weights.ggml_quants import GGMLType, random_blocks
 from ktransformers.weights.gguf_write import write_gguf
 
@@ -272,7 +273,7 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
         monkeypatch.setenv("KT_PCIE_EXPERTS", share)
         model = build_skeleton(hf.config, torch.bfloat16)
         optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda", extra), tmp_path / "m.gguf", hf.config)
-        ops = [m.ops["generate"] for m in model.modules() if hasattr(m, "ops")]
+        ops = [op for m in model.modules() if isinstance(op := getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
         assert ops and all((op.pcie is not None) == (share == "1") for op in ops)
         for graphs in (False, True):
             engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)

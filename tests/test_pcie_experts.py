@@ -102,3 +102,35 @@ def test_share_reads_page_locked_host_memory(runtime):
     assert rel_err(got.cpu(), moe_reference(x.float(), ids[:, 2:], w[:, 2:], gate_up, down)) < 1e-5
     pinned.close()
     pinned.close()  # (twice: a no-op)
+
+
+def test_option_is_checked_and_off_without_cuda(tmp_path, monkeypatch):
+    """pcie_experts: a bad value names the layer; on a machine without CUDA it is off with a
+    warning, and the model is the all-CPU one."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only case")
+    from test_models import q4_k_m
+    from tiny import RULES, tiny_model
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import RULES_DIR, build_skeleton
+    from ktransformers.operators.experts import KExpertsCPU
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model("qwen3_moe", layers=1)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+
+    def load():
+        model = build_skeleton(hf.config, torch.float32)
+        optimize_and_load_gguf(model, RULES_DIR / RULES["qwen3_moe"], tmp_path / "m.gguf", hf.config)
+        return model
+    monkeypatch.setenv("KT_PCIE_EXPERTS", "two")
+    with pytest.raises(ValueError, match="mlp.experts: pcie_experts .* integer or 'auto', got 'two'"):
+        load()
+    monkeypatch.setenv("KT_PCIE_EXPERTS", "2")  # the tiny model routes 2 a token
+    with pytest.raises(ValueError, match=r"pcie_experts must lie in \[0, 1\] \(top-k 2\), got 2"):
+        load()
+    monkeypatch.setenv("KT_PCIE_EXPERTS", "1")
+    with pytest.warns(UserWarning, match="pcie_experts=1 is off: no CUDA device"):
+        model = load()
+    ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
+    assert ops and all(op.pcie is None for op in ops)

@@ -79,6 +79,17 @@ def hot_experts_per_layer(model) -> dict[int, int]:
             if isinstance(m, KTransformersExperts) and m.options.num_gpu_experts}
 
 
+def pcie_shares(model) -> dict[int, int]:
+    """{layer: experts of each decode token the GPU computes over the bus} (pcie_experts in use)."""
+    from ..operators.experts import KExpertsCPU, KTransformersExperts
+    shares = {}
+    for m in model.modules():
+        op = m.ops.get("generate") if isinstance(m, KTransformersExperts) else None
+        if isinstance(op, KExpertsCPU) and op.pcie is not None:
+            shares[int(m.key.split(".")[2])] = op.spec.top_k - op.pcie[0]
+    return shares
+
+
 def measure_ours(args, config) -> dict:
     from ..engine.generate import Engine
     from ..loader import freeze_heap, load_model
@@ -212,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         return 1 / (ram / (cpu_bw * 1e9) + gpu / (gpu_bw * 1e9))
     roof, roof_all_cpu = roofline(cpu_bytes, gpu_bytes), roofline(*all_cpu)
     bus_bw = roof_bus = None
-    if int(os.environ.get("KT_PCIE_EXPERTS", "0") or 0) > 0:
+    shares = pcie_shares(model)
+    if shares:
         # The GPU reads a share of the experts over the bus while the cores read the rest: the
         # expert bytes' floor is then at the two rates together (an upper bound of what they
         # reach together: they share the host's memory)
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
                               "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
-                              "pcie_experts": int(os.environ.get("KT_PCIE_EXPERTS", "0") or 0),
+                              "pcie_experts": shares,
                               "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
@@ -249,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                               "top_p": args.top_p if r["engine"] == "ktransformers" and args.temperature else 1.0}))
         return
     if roof_bus:
-        head += (f"; pcie_experts={os.environ['KT_PCIE_EXPERTS']}: the GPU reads its share over the bus "
+        head += (f"; pcie_experts {min(shares.values())}-{max(shares.values())} of {config.num_experts_per_tok}: "
+                 f"the GPU reads its share over the bus "
                  f"({bus_bw:.0f} GB/s alone), roofline with the bus {roof_bus:.1f} tok/s")
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"

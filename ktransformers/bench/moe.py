@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel, weight_buffer
+from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
 from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
@@ -68,14 +68,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
 
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches."""
-    buf = weight_buffer(runtime.ext, int(gib * 2**30)).numpy()  # pages as the weights get them
-    buf.fill(7)  # written once, so every page is real
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runtime._rt.stream_checksum(buf.ctypes.data, buf.nbytes)
-        best = max(best, buf.nbytes / (time.perf_counter() - start) / 1e9)
-    return best
+    return runtime.stream_gbps(gib, repeats)
 
 
 def make_calls(n: int, T: int, experts: int, top_k: int, hidden: int, gen) -> list[tuple]:

@@ -140,6 +140,19 @@ class CPURuntime:
         finally:
             self._keep.clear()
 
+    def stream_gbps(self, gib: float = 2.0, repeats: int = 5) -> float:
+        """Best-of-N rate (GB/s) at which the pool's threads read a buffer much larger than the
+        caches, its pages made as the weights' are (the CPU's memory-bandwidth probe)."""
+        import time
+        buf = weight_buffer(self.ext, int(gib * 2**30)).numpy()
+        buf.fill(7)  # written once, so every page is real
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._rt.stream_checksum(buf.ctypes.data, buf.nbytes)
+            best = max(best, buf.nbytes / (time.perf_counter() - start) / 1e9)
+        return best
+
     def copy(self, dst: torch.Tensor, src) -> None:
         """dst[:] = src's bytes, copied by every pool thread (src: a contiguous CPU tensor or
         numpy array, e.g. a view of the mapped GGUF; dst: a contiguous CPU tensor of as many bytes)."""

@@ -101,6 +101,7 @@ class RunContext:
         # the mapped file (load_model decides by what fits: optimize.memory.tiles_fit)
         self.cpu_tiles = cpu_tiles
         self._cpu = None
+        self.pcie_rates = None  # (bus, CPU) read rates in GB/s for pcie_experts "auto", measured once
         self._staging = None
         self._pinned_slots = None
         self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)

@@ -65,7 +65,8 @@ class ExpertSpec:
     top_k: int
     dtype: torch.dtype
     int8_prefill: bool = False  # KExpertsCPU: keep int8 copies for the prefill GEMM (more RAM, faster prefill)
-    pcie_experts: int = 0  # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many
+    # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many ("auto": by rates)
+    pcie_experts: int | str = 0
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -89,6 +90,20 @@ class KExpertsTorch:
         if self.gate_up is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
         return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
+
+
+def auto_pcie_experts(context, top_k: int) -> int:
+    """pcie_experts "auto": the share of a token's top-k in proportion to the rates at which the
+    bus and the CPU's threads read host memory, rounded down: floor(top_k * bus / (bus + cpu)).
+    (On the H200 host, 50 and 110-145 GB/s: 2 of 8; on a machine whose cores read much faster
+    than its bus, 0: off.) The two rates are measured once per run context (~1 s)."""
+    rates = context.pcie_rates
+    if rates is None:
+        from ..kernels.triton.pcie_experts import bus_read_gbps
+        rates = bus_read_gbps(torch.device("cuda")), context.cpu_runtime().stream_gbps(1.0, 3)
+        context.pcie_rates = rates
+    bus, cpu = rates
+    return min(top_k - 1, int(top_k * bus / (bus + cpu)))
 
 
 @EXPERT_OPS.register("KExpertsCPU")
@@ -135,7 +150,11 @@ class KExpertsCPU:
         """(first GPU column, ggml types, tile tensors, their registration) for pcie_experts, or
         None (with a warning saying why) where the share cannot run."""
         n, K = self.spec.pcie_experts, self.spec.top_k
-        if not 0 < n < K:
+        if n == "auto":
+            n = auto_pcie_experts(self.context, K) if torch.cuda.is_available() else 0
+            if n == 0:
+                return None
+        if not isinstance(n, int) or not 0 < n < K:
             raise ValueError(f"{self.key}: pcie_experts must lie in [0, {K - 1}] (top-k {K}), got {n}")
         why = None
         if not torch.cuda.is_available():
@@ -381,8 +400,9 @@ class ExpertsOptions(Placement):
     prefill_gpu_threshold: int = 0
     # KExpertsCPU decoding from a GPU: of each token's top-k experts, the GPU computes this many
     # from the CPU's own tiles, read in place over PCIe while the CPU threads compute the rest
-    # (kernels/triton/pcie_experts.py; 0: all on the CPU). KT_PCIE_EXPERTS overrides it.
-    pcie_experts: int = 0
+    # (kernels/triton/pcie_experts.py; 0: all on the CPU; "auto": auto_pcie_experts).
+    # KT_PCIE_EXPERTS overrides it.
+    pcie_experts: int | str = 0
 
 
 def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list[int]:
@@ -416,7 +436,15 @@ class KTransformersExperts(BaseInjectedModule):
         self.n_experts = E
         top_k = getattr(config, "num_experts_per_tok", None) or E
         o = self.options
-        pcie = int(os.environ.get("KT_PCIE_EXPERTS", o.pcie_experts))  # (the environment: for A/B runs)
+        pcie = os.environ.get("KT_PCIE_EXPERTS", o.pcie_experts)  # (the environment: for A/B runs)
+        if isinstance(pcie, str):
+            pcie = pcie.strip()
+        if isinstance(pcie, str) and pcie != "auto":
+            try:
+                pcie = int(pcie)
+            except ValueError:
+                raise ValueError(f"{key}: pcie_experts (or KT_PCIE_EXPERTS) must be an integer or 'auto', "
+                                 f"got {pcie!r}") from None
         spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
