@@ -264,7 +264,7 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
     """Decode with pcie_experts: 1 (the GPU computes one of each token's two experts from the CPU
     kernel's tiles, read over the bus, the CPU the other) gives the all-CPU logits, eagerly and
-    from CUDA graphs, beside hot experts too; prefill chunks keep every expert on the CPU."""
+    from CUDA graphs, beside hot experts too (and in prefill chunks of up to 8 tokens)."""
     hf = tiny_model("qwen3_moe", layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
     ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(13)).tolist()
@@ -284,7 +284,6 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
             op.unload()
     for graphs in (False, True):
         a, b = results["0", graphs], results["1", graphs]
-        assert torch.equal(a[0], b[0])  # (the prefill: all on the CPU)
         err = ((a - b).norm() / a.norm()).item()
         assert err < 2e-2, f"pcie share vs CPU, graphs={graphs}: {err:.2e}"
         assert not torch.equal(a, b)  # (the share did run: other roundings)

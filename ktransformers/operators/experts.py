@@ -166,12 +166,18 @@ class KExpertsCPU:
                            self.spec.intermediate)
             if why is None and not all(isinstance(p.data, torch.Tensor) for p in w):
                 why = "the tiles are not torch tensors"
+        registration = None
+        if why is None:
+            from ..kernels.triton.pcie_experts import HostRegistration
+            tiles = tuple(p.data for p in self.kernel._weights)
+            try:
+                registration = HostRegistration(tiles)
+            except RuntimeError as e:  # e.g. the locked-memory limit (ulimit -l) of an unprivileged user
+                why = str(e)
         if why is not None:
             warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
             return None
-        from ..kernels.triton.pcie_experts import HostRegistration
-        tiles = tuple(p.data for p in self.kernel._weights)
-        return K - n, tuple(p.ggml_type for p in self.kernel._weights), tiles, HostRegistration(tiles)
+        return K - n, tuple(p.ggml_type for p in self.kernel._weights), tiles, registration
 
     def unload(self) -> None:
         if getattr(self, "pcie", None) is not None:
