@@ -264,7 +264,8 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
     """Decode with pcie_experts: 1 (the GPU computes one of each token's two experts from the CPU
     kernel's tiles, read over the bus, the CPU the other) gives the all-CPU logits, eagerly and
-    from CUDA graphs, beside hot experts too (and in prefill chunks of up to 8 tokens)."""
+    from CUDA graphs (and in prefill chunks of up to 8 tokens); beside hot experts the share is
+    off (warned) and the logits are the all-CPU ones to the bit."""
     hf = tiny_model("qwen3_moe", layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
     ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(13)).tolist()
@@ -274,7 +275,7 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
         model = build_skeleton(hf.config, torch.bfloat16)
         optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda", extra), tmp_path / "m.gguf", hf.config)
         ops = [op for m in model.modules() if isinstance(op := getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
-        assert ops and all((op.pcie is not None) == (share == "1") for op in ops)
+        assert ops and all((op.pcie is not None) == (share == "1" and not extra) for op in ops)
         for graphs in (False, True):
             engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
             seq = engine.new_sequence()
@@ -284,6 +285,9 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
             op.unload()
     for graphs in (False, True):
         a, b = results["0", graphs], results["1", graphs]
+        if extra:
+            assert torch.equal(a, b)
+            continue
         err = ((a - b).norm() / a.norm()).item()
         assert err < 2e-2, f"pcie share vs CPU, graphs={graphs}: {err:.2e}"
         assert not torch.equal(a, b)  # (the share did run: other roundings)

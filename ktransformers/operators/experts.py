@@ -451,6 +451,11 @@ class KTransformersExperts(BaseInjectedModule):
             except ValueError:
                 raise ValueError(f"{key}: pcie_experts (or KT_PCIE_EXPERTS) must be an integer or 'auto', "
                                  f"got {pcie!r}") from None
+        if pcie not in (0, "0") and o.num_gpu_experts:
+            # (the two together were not measured, and their one GPU test did not pass: off)
+            warnings.warn(f"{key}: pcie_experts is off beside num_gpu_experts; all non-hot experts stay on the CPU",
+                          stacklevel=2)
+            pcie = 0
         spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
