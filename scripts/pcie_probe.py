@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import threading
@@ -22,6 +23,35 @@ from ktransformers.kernels.triton.pcie_experts import read_words
 
 def gpu_read(buf: torch.Tensor, programs: int, block: int, out: torch.Tensor) -> None:
     read_words(buf, out, programs, block)
+
+
+@contextlib.contextmanager
+def gpu_reading(host: torch.Tensor, out: torch.Tensor, launches: int = 4):
+    """Inside the block the GPU reads pinned `host` in place without pause (its own stream and
+    thread), from its first timed round on; yields the list of its rates in GB/s, one a round
+    of `launches` reads."""
+    stop, rates = threading.Event(), []
+
+    def loop():
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while not stop.is_set():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(launches):
+                    gpu_read(host, 1056, 1024, out)
+                b.record()
+                b.synchronize()
+                rates.append(launches * host.numel() * 4 / (a.elapsed_time(b) / 1e3) / 1e9)
+
+    th = threading.Thread(target=loop)
+    th.start()
+    while not rates and th.is_alive():
+        time.sleep(0.01)
+    try:
+        yield rates
+    finally:
+        stop.set()
+        th.join()
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -83,28 +113,8 @@ def main() -> None:
     for rnd in range(3):
         alone = cpu_probe()
         gpu_alone = gib / timed(lambda: gpu_read(host, 1056, 1024, out)) / 1e9
-        # GPU reading in place while the CPU streams
-        stop = threading.Event()
-        gpu_rates = []
-
-        def gpu_loop():
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                while not stop.is_set():
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(4):
-                        gpu_read(host, 1056, 1024, out)
-                    b.record()
-                    b.synchronize()
-                    gpu_rates.append(4 * gib / (a.elapsed_time(b) / 1e3) / 1e9)
-
-        th = threading.Thread(target=gpu_loop)
-        th.start()
-        time.sleep(0.3)
-        together = cpu_probe()
-        stop.set()
-        th.join()
+        with gpu_reading(host, out) as gpu_rates:  # the GPU reading in place while the CPU streams
+            together = cpu_probe()
         print(f"round {rnd}: CPU stream alone {statistics.median(alone):.1f} GB/s (best {max(alone):.1f}), "
               f"GPU in place alone {gpu_alone:.1f}; together: CPU {statistics.median(together):.1f} "
               f"(best {max(together):.1f}), GPU {statistics.median(gpu_rates[1:] or gpu_rates):.1f} GB/s")

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from pcie_probe import gpu_read  # noqa: E402
+from pcie_probe import gpu_reading  # noqa: E402
 
 from ktransformers.bench.moe import SHAPES, build_layers, make_calls, stream_gbps  # noqa: E402
 from ktransformers.kernels.cpu import CPURuntime, MoEKernel  # noqa: E402
@@ -51,24 +50,8 @@ def main() -> None:
     for rnd in range(3):
         stream = stream_gbps(rt, 2.0)
         alone = {k: time_k(k) for k in (8, 7, 6)}
-        stop, rates = threading.Event(), []
-
-        def loop():
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                while not stop.is_set():
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    gpu_read(host, 1056, 1024, out)
-                    b.record()
-                    b.synchronize()
-                    rates.append(host.numel() * 4 / (a.elapsed_time(b) / 1e3) / 1e9)
-
-        th = threading.Thread(target=loop)
-        th.start()
-        busy = {k: time_k(k) for k in (8, 7, 6)}
-        stop.set()
-        th.join()
+        with gpu_reading(host, out, launches=1) as rates:
+            busy = {k: time_k(k) for k in (8, 7, 6)}
         print(f"round {rnd}: stream {stream:.1f} GB/s; GPU reading {statistics.median(rates):.1f} GB/s meanwhile")
         for k in (8, 7, 6):
             print(f"  {k} experts: alone {alone[k] * 1e6:7.1f} us ({k * per_expert / alone[k] / 1e9:5.1f} GB/s), "
