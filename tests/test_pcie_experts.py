@@ -26,7 +26,8 @@ def experts(runtime, types, E, H, I, seed):
         t = gq.ggml_type(name)
         raw = gq.random_blocks(t, shape[0] * shape[1] * shape[2] // 256, g).reshape(-1)
         w = tile_weights(runtime, ExpertWeights(raw, int(t)), shape[0] * shape[1], shape[2])
-        assert w.tiled, name
+        if not w.tiled:
+            pytest.skip(f"this build ({runtime.isa}) has no 16-row tiles of {name}: the share reads only tiles")
         tiles.append(w.data)
         dense.append(gq.dequantize(raw, t, shape))
     return tiles, tuple(int(gq.ggml_type(n)) for n in types), torch.cat(dense[:2], dim=1), dense[2]

@@ -350,7 +350,7 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
         staging.wake()
     else:
         launch_host_func(ext.moe_host_submit, call.address, stream)
-    extra = share[1]() if share is not None else None
+    extra = None
 
     def wait() -> torch.Tensor:
         if bell:
@@ -366,4 +366,10 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
                 return y
             y = yp.to(x.device, non_blocking=True)
             return (y if extra is None else y.float() + extra).to(out_dtype)
+    if share is not None:
+        try:
+            extra = share[1]()  # the GPU's share, while the CPU threads compute theirs
+        except BaseException:
+            wait()  # the rung call is waited for (its done word consumed), then the error raised
+            raise
     return wait

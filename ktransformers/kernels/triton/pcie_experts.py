@@ -98,22 +98,23 @@ def _gate_up_kernel(x_ptr, ids_ptr, gate_ptr, up_ptr, h_ptr, E, I, H, col0, shar
     pair = tl.program_id(0)
     grp = tl.program_id(1).to(tl.int64)
     t = pair // share
-    e = tl.load(ids_ptr + t * stride_ids + col0 + pair % share).to(tl.int64)
-    ok = (e >= 0) & (e < E)
-    e = tl.where(ok, e, 0)  # (-1 and bad ids read expert 0's bytes: never past the buffers)
+    named = tl.load(ids_ptr + t * stride_ids + col0 + pair % share).to(tl.int64)
+    ok = (named >= 0) & (named < E)
+    e = tl.where(ok, named, 0)
     nb = H // 256
     x = x_ptr + t * stride_x
     rows = grp * 16 + tl.arange(0, 16)
     acc = tl.zeros((16,), dtype=tl.float32)
-    if tl.program_id(2) == 0:
-        base = gate_ptr + (e * (I // 16) + grp) * nb * GATE_TILE
-        for b in range(0, nb):
-            acc += _tile_dot(base + b * GATE_TILE, x + b * 256, x, GATE, False)
-    else:
-        base = up_ptr + (e * (I // 16) + grp) * nb * UP_TILE
-        for b in range(0, nb):
-            acc += _tile_dot(base + b * UP_TILE, x + b * 256, x, UP, False)
-    acc = tl.where(ok | (e == -1), acc, float("nan"))  # an id outside [-1, E): the output says so
+    if ok:  # (-1: a pair left out, nothing read; another bad id: nothing read, the output NaN)
+        if tl.program_id(2) == 0:
+            base = gate_ptr + (e * (I // 16) + grp) * nb * GATE_TILE
+            for b in range(0, nb):
+                acc += _tile_dot(base + b * GATE_TILE, x + b * 256, x, GATE, False)
+        else:
+            base = up_ptr + (e * (I // 16) + grp) * nb * UP_TILE
+            for b in range(0, nb):
+                acc += _tile_dot(base + b * UP_TILE, x + b * 256, x, UP, False)
+    acc = tl.where(ok | (named == -1), acc, float("nan"))
     tl.store(h_ptr + (pair * 2 + tl.program_id(2)) * I + rows, acc)
 
 
@@ -129,17 +130,18 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, E, I, H, col0, share, s
     y = tl.zeros((16,), dtype=tl.float32)
     for k in range(0, share):
         pair = t * share + k
-        e = tl.load(ids_ptr + t * stride_ids + col0 + k).to(tl.int64)
-        ok = (e >= 0) & (e < E)
-        skip = e == -1  # a pair computed elsewhere (hot experts on the GPU): adds nothing
-        e = tl.where(ok, e, 0)
+        named = tl.load(ids_ptr + t * stride_ids + col0 + k).to(tl.int64)
+        ok = (named >= 0) & (named < E)
+        e = tl.where(ok, named, 0)
         wt = tl.load(w_ptr + t * stride_w + col0 + k).to(tl.float32)
-        base = down_ptr + (e * (H // 16) + grp) * nb * DOWN_TILE
-        g = h_ptr + pair * 2 * I
         acc = tl.zeros((16,), dtype=tl.float32)
-        for b in range(0, nb):
-            acc += _tile_dot(base + b * DOWN_TILE, g + b * 256, g + I + b * 256, DOWN, True)
-        y += tl.where(ok, wt * acc, tl.where(skip, 0.0, float("nan")))
+        if ok:
+            base = down_ptr + (e * (H // 16) + grp) * nb * DOWN_TILE
+            g = h_ptr + pair * 2 * I
+            for b in range(0, nb):
+                acc += _tile_dot(base + b * DOWN_TILE, g + b * 256, g + I + b * 256, DOWN, True)
+        # -1: a pair computed elsewhere (hot experts on the GPU) adds nothing; another bad id: NaN
+        y += tl.where(ok, wt * acc, tl.where(named == -1, 0.0, float("nan")))
     tl.store(y_ptr + t * H + rows, y)
 
 
@@ -189,6 +191,21 @@ def pcie_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, col0
     return y
 
 
+def _clear_last_cuda_error() -> None:
+    """cudaGetLastError() of the CUDA runtime this process loaded: a failed cudaHostRegister
+    leaves its error as the runtime's last, which torch's next kernel-launch check would raise
+    as its own. (Found by the runtime library's path in this process's mappings; nothing to do
+    where there is none.)"""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
+
+
 class HostRegistration:
     """CPU tensors page-locked and mapped for every GPU (cudaHostRegister, portable) until
     close(): the CPU experts' tile buffers, which the share's kernels then read in place. The
@@ -205,13 +222,19 @@ class HostRegistration:
                     raise ValueError("HostRegistration: contiguous CPU tensors only")
                 err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), self.PORTABLE)
                 if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: {err}")
+                    _clear_last_cuda_error()
+                    raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed "
+                                       f"(cudaError {int(err)}: {cudart.cudaGetErrorString(err)})")
                 self.tensors.append(t)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
+        """Unregister (after the GPU's work so far: a share kernel may still read the tiles; CUDA
+        graphs that read them must be dropped first)."""
+        if self.tensors:
+            torch.cuda.synchronize()
         cudart = torch.cuda.cudart() if self.tensors else None
         while self.tensors:
             cudart.cudaHostUnregister(self.tensors.pop().data_ptr())
