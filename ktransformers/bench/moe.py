@@ -5,7 +5,8 @@
 
 For each shape, format and token count T: median microseconds per call, the bytes of expert
 weights the call must read (the experts its random routing touches), the effective GB/s and
-TFLOP/s, the streaming read bandwidth of this machine measured in the same run, and the ratio
+TFLOP/s, the streaming read bandwidth of this machine measured in the same run (right before and
+after each row's calls, the higher of the two), and the ratio
 of the two (1.0 = at the bandwidth floor). "median us" is a call from Python (the wrapper's checks
 and the pybind11 crossing included, as kt-kernel's figure is); "kernel us" and "k.ratio" time the
 same calls inside the kernel, which is what a decode step fed from a GPU stream pays (the
@@ -137,16 +138,15 @@ def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5,
 
 def run(args) -> list[dict]:
     runtime = CPURuntime(args.threads)
-    stream = stream_gbps(runtime, args.stream_gib)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for shape_name in args.shapes:
         for fmt in args.formats:
-            rows += run_format(args, runtime, stream, SHAPES[shape_name], shape_name, fmt, gen)
+            rows += run_format(args, runtime, SHAPES[shape_name], shape_name, fmt, gen)
     return rows
 
 
-def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: str, gen) -> list[dict]:
+def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> list[dict]:
     """Ours for every T first, then kt-kernel on the same calls: its threads spin while it
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
@@ -158,7 +158,12 @@ def run_format(args, runtime, stream: float, shape: dict, shape_name: str, fmt: 
     for T in args.tokens:
         iters = args.iters if T <= 32 else max(3, args.iters // 4)
         calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
+        # the probe right before and right after the row's calls, the higher of the two: this
+        # machine's stream at the time of the row (the dev VM moves between ~45 and ~80 GB/s
+        # by the minute, so one probe at the start could miss a row's time by 1.7x either way)
+        before = stream_gbps(runtime, args.stream_gib, 3)
         seconds, inside, nbytes = time_layer(layers, calls)
+        stream = max(before, stream_gbps(runtime, args.stream_gib, 3))
         flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
         rows.append(dict(shape=shape_name + note, format=fmt + ("+int8" if layers[0].kernel.int8_min_tokens else ""), tokens=T, threads=runtime.threads, isa=runtime.isa,
                          median_us=seconds * 1e6, kernel_us=inside * 1e6, weight_bytes=nbytes,
