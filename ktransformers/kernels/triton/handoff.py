@@ -23,12 +23,15 @@ from .pdl import gdc_enter, pdl
 
 
 @triton.jit
-def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr):
-    """H values src -> dst, converted to dst's dtype (rounded to nearest even)."""
+def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr, add, ADD: tl.constexpr):
+    """H values src (+ add's float32 values, ADD) -> dst, converted to dst's dtype (rounded to
+    nearest even, once)."""
     h = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
         m = h0 + h < H
         v = tl.load(src + h0 + h, mask=m, volatile=VOLATILE).to(tl.float32)
+        if ADD:
+            v += tl.load(add + h0 + h, mask=m)
         tl.store(dst + h0 + h, round_to(v, dst.dtype.element_ty).to(dst.dtype.element_ty), mask=m)
 
 
@@ -37,7 +40,7 @@ def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, cpu_k, s_x
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     gdc_enter(GDC)
-    _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False)
+    _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False, x_ptr, False)  # (x_ptr: no add, never read)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
     ids = tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64)
@@ -79,15 +82,8 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x
 @triton.jit
 def _copy_rows_kernel(src_ptr, add_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        m = h0 + h < H
-        # volatile: the CPU rewrites these pinned words between launches; never a cached copy
-        v = tl.load(src_ptr + t * s_src + h0 + h, mask=m, volatile=True).to(tl.float32)
-        if ADD:
-            v += tl.load(add_ptr + t * H + h0 + h, mask=m)
-        dst = dst_ptr + t * s_dst + h0 + h
-        tl.store(dst, round_to(v, dst_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=m)
+    # volatile: the CPU rewrites these pinned words between launches; never a cached copy
+    _copy_row(src_ptr + t * s_src, dst_ptr + t * s_dst, H, BLOCK_H, True, add_ptr + t * H, ADD)
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = None) -> None:
