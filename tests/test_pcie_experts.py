@@ -89,10 +89,9 @@ def test_share_checks_its_arguments(runtime):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_share_reads_page_locked_host_memory(runtime):
     """The tiles stay in (registered) host memory; the kernels read them over the bus."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from ktransformers.kernels.triton.pcie_experts import HostRegistration, pcie_experts
     E, H, I, K = 8, 512, 256, 4
     tiles, tids, gate_up, down = experts(runtime, ("Q4_K", "Q4_K", "Q6_K"), E, H, I, seed=11)
@@ -105,17 +104,13 @@ def test_share_reads_page_locked_host_memory(runtime):
     pinned.close()  # (twice: a no-op)
 
 
-def test_option_is_checked_and_off_without_cuda(tmp_path, monkeypatch):
-    """pcie_experts: a bad value names the layer; on a machine without CUDA it is off with a
-    warning, and the model is the all-CPU one."""
-    if torch.cuda.is_available():
-        pytest.skip("the CPU-only case")
+def _load_tiny_qwen3_cpu(tmp_path):
+    """A function loading a 1-layer tiny Qwen3-MoE (Q4_K_M GGUF) through the shipped CPU rules."""
     from test_models import q4_k_m
     from tiny import RULES, tiny_model
 
     from ktransformers import optimize_and_load_gguf
     from ktransformers.loader import RULES_DIR, build_skeleton
-    from ktransformers.operators.experts import KExpertsCPU
     from ktransformers.weights.gguf_write import write_gguf
     hf = tiny_model("qwen3_moe", layers=1)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
@@ -124,12 +119,25 @@ def test_option_is_checked_and_off_without_cuda(tmp_path, monkeypatch):
         model = build_skeleton(hf.config, torch.float32)
         optimize_and_load_gguf(model, RULES_DIR / RULES["qwen3_moe"], tmp_path / "m.gguf", hf.config)
         return model
+    return load
+
+
+def test_option_values_are_checked(tmp_path, monkeypatch):
+    """pcie_experts: a bad value names the layer (with CUDA or without)."""
+    load = _load_tiny_qwen3_cpu(tmp_path)
     monkeypatch.setenv("KT_PCIE_EXPERTS", "two")
     with pytest.raises(ValueError, match="mlp.experts: pcie_experts .* integer or 'auto', got 'two'"):
         load()
     monkeypatch.setenv("KT_PCIE_EXPERTS", "2")  # the tiny model routes 2 a token
     with pytest.raises(ValueError, match=r"pcie_experts must lie in \[0, 1\] \(top-k 2\), got 2"):
         load()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")
+def test_option_is_off_without_cuda(tmp_path, monkeypatch):
+    """pcie_experts on a machine without CUDA: off with a warning, the model the all-CPU one."""
+    from ktransformers.operators.experts import KExpertsCPU
+    load = _load_tiny_qwen3_cpu(tmp_path)
     monkeypatch.setenv("KT_PCIE_EXPERTS", "1")
     with pytest.warns(UserWarning, match="pcie_experts=1 is off: no CUDA device"):
         model = load()

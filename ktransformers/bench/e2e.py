@@ -86,7 +86,7 @@ def pcie_shares(model) -> dict[int, int]:
     for m in model.modules():
         op = m.ops.get("generate") if isinstance(m, KTransformersExperts) else None
         if isinstance(op, KExpertsCPU) and op.pcie is not None:
-            shares[int(m.key.split(".")[2])] = op.spec.top_k - op.pcie[0]
+            shares[int(m.key.split(".")[2])] = op.spec.top_k - op.pcie.col0
     return shares
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -106,6 +107,15 @@ def auto_pcie_experts(context, top_k: int) -> int:
     return min(top_k - 1, int(top_k * bus / (bus + cpu)))
 
 
+class PcieShare(NamedTuple):
+    """KExpertsCPU's pcie_experts in use: the GPU computes the pairs of top-k columns col0.. from
+    the kernel's tiles (their ggml types), page-locked by `registration` while loaded."""
+    col0: int
+    types: tuple[int, int, int]
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    registration: object  # kernels.triton.pcie_experts.HostRegistration
+
+
 @EXPERT_OPS.register("KExpertsCPU")
 class KExpertsCPU:
     """The C++ CPU experts on the stored GGML blocks: views of the GGUF's stacked expert tensors
@@ -120,7 +130,7 @@ class KExpertsCPU:
             raise ValueError(f"{spec.key}: KExpertsCPU runs on the CPU, not {device}")
         self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
         self.kernel = None
-        self.pcie = None  # pcie_experts' share (_pcie_share), once loaded
+        self.pcie: PcieShare | None = None  # pcie_experts' share, once loaded
 
     def _projection(self, weights, proj: str, shape: tuple[int, ...]):
         from ..kernels.cpu import ACTIVATION_BLOCK, ExpertWeights
@@ -146,9 +156,8 @@ class KExpertsCPU:
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, tiles=context.cpu_tiles)
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
 
-    def _pcie_share(self):
-        """(first GPU column, ggml types, tile tensors, their registration) for pcie_experts, or
-        None (with a warning saying why) where the share cannot run."""
+    def _pcie_share(self) -> PcieShare | None:
+        """The share pcie_experts asks for, or None (with a warning saying why) where it cannot run."""
         n, K = self.spec.pcie_experts, self.spec.top_k
         if n == "auto":
             n = auto_pcie_experts(self.context, K) if torch.cuda.is_available() else 0
@@ -156,32 +165,28 @@ class KExpertsCPU:
                 return None
         if not isinstance(n, int) or not 0 < n < K:
             raise ValueError(f"{self.key}: pcie_experts must lie in [0, {K - 1}] (top-k {K}), got {n}")
-        why = None
+        w = self.kernel._weights
         if not torch.cuda.is_available():
             why = "no CUDA device"
         else:
             from ..kernels.triton.pcie_experts import supports
-            w = self.kernel._weights
             why = supports(tuple(p.ggml_type for p in w), tuple(p.tiled for p in w), self.spec.hidden,
                            self.spec.intermediate)
             if why is None and not all(isinstance(p.data, torch.Tensor) for p in w):
                 why = "the tiles are not torch tensors"
-        registration = None
         if why is None:
             from ..kernels.triton.pcie_experts import HostRegistration
-            tiles = tuple(p.data for p in self.kernel._weights)
+            tiles = tuple(p.data for p in w)
             try:
-                registration = HostRegistration(tiles)
+                return PcieShare(K - n, tuple(p.ggml_type for p in w), tiles, HostRegistration(tiles))
             except RuntimeError as e:  # e.g. the locked-memory limit (ulimit -l) of an unprivileged user
                 why = str(e)
-        if why is not None:
-            warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
-            return None
-        return K - n, tuple(p.ggml_type for p in self.kernel._weights), tiles, registration
+        warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
+        return None
 
     def unload(self) -> None:
-        if getattr(self, "pcie", None) is not None:
-            self.pcie[3].close()  # (before the tiles can be freed)
+        if self.pcie is not None:
+            self.pcie.registration.close()  # (before the tiles can be freed)
         self.pcie = None
         self.kernel = None
 
@@ -216,9 +221,8 @@ class KExpertsCPU:
         if self.pcie is None or x.shape[0] > MAX_TOKENS or x.dim() != 2 or \
                 any(t.stride(-1) != 1 for t in (x, ids, weights)):
             return None
-        col0, types, tiles, _ = self.pcie
-        E, I = self.spec.experts, self.spec.intermediate
-        return col0, lambda: pcie_experts(x, ids, weights, col0, *tiles, types, E, I)
+        share, E, I = self.pcie, self.spec.experts, self.spec.intermediate
+        return share.col0, lambda: pcie_experts(x, ids, weights, share.col0, *share.tiles, share.types, E, I)
 
 
 @EXPERT_OPS.register("KExpertsGPU")
@@ -451,7 +455,7 @@ class KTransformersExperts(BaseInjectedModule):
             except ValueError:
                 raise ValueError(f"{key}: pcie_experts (or KT_PCIE_EXPERTS) must be an integer or 'auto', "
                                  f"got {pcie!r}") from None
-        if pcie not in (0, "0") and o.num_gpu_experts:
+        if pcie != 0 and o.num_gpu_experts:
             # (the two together were not measured, and their one GPU test did not pass: off)
             warnings.warn(f"{key}: pcie_experts is off beside num_gpu_experts; all non-hot experts stay on the CPU",
                           stacklevel=2)
