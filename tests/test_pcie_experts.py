@@ -143,3 +143,44 @@ def test_option_is_off_without_cuda(tmp_path, monkeypatch):
         model = load()
     ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
     assert ops and all(op.pcie is None for op in ops)
+
+
+def test_auto_share_size_model():
+    """pcie_experts "auto"'s choice (pcie_share_size): the n with the least modeled step time
+    over every n, at random rates and sizes; 0 for experts the CPU takes about the GPU's fixed
+    cost over; 2 of 8 for a Qwen3-30B-A3B layer (3.06 MB experts) at the H200 host's rates; a
+    faster bus never takes fewer experts."""
+    from ktransformers.operators.experts import (PCIE_SHARE_CPU_SLOWDOWN, PCIE_SHARE_OVERHEAD_S,
+                                                 pcie_share_size)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        K = int(torch.randint(1, 17, (1,), generator=g))
+        B = int(torch.randint(1 << 10, 64 << 20, (1,), generator=g))
+        bus, cpu = (float(v) for v in torch.rand(2, generator=g) * 200 + 5)
+        n = pcie_share_size(K, B, bus, cpu)
+        assert 0 <= n < K
+
+        def step(m):
+            gpu = PCIE_SHARE_OVERHEAD_S + m * B / (bus * 1e9) if m else 0.0
+            return max(gpu, (K - m) * B / (cpu * (PCIE_SHARE_CPU_SLOWDOWN if m else 1.0) * 1e9))
+        assert all(step(n) <= step(m) for m in range(K)), (K, B, bus, cpu, n)
+        assert pcie_share_size(K, B, bus * 2, cpu) >= n
+        if K * B / (cpu * 1e9) <= PCIE_SHARE_OVERHEAD_S:
+            assert n == 0
+    assert pcie_share_size(8, 3_060_000, 51.0, 130.0) == 2
+    assert pcie_share_size(3, 118_000, 51.0, 20.0) == 0  # (a tiny test model's experts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")
+def test_auto_is_quietly_off_without_cuda(tmp_path, monkeypatch):
+    """pcie_experts: auto (the GPU rule files' default) on a machine without CUDA: off, no warning."""
+    import warnings
+
+    from ktransformers.operators.experts import KExpertsCPU
+    load = _load_tiny_qwen3_cpu(tmp_path)
+    monkeypatch.setenv("KT_PCIE_EXPERTS", "auto")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*pcie_experts")
+        model = load()
+    ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
+    assert ops and all(op.pcie is None for op in ops)

@@ -194,13 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extrapolate", type=int, metavar="LAYERS",
                    help="also give decode tok/s for the same model with LAYERS layers (e.g. 61 for DeepSeek-V3), "
                         "at the fraction of the roofline measured here")
-    p.add_argument("--pcie_experts", type=int,
-                   help="of each decode token's experts, the GPU computes this many from the CPU's copy over PCIe "
-                        "(sets KT_PCIE_EXPERTS; the header then adds the roofline with the bus's bandwidth too)")
+    p.add_argument("--pcie_experts", metavar="N|auto",
+                   help="of each decode token's experts, the GPU computes N (or the rule files' 'auto' share) from "
+                        "the CPU's copy over PCIe (sets KT_PCIE_EXPERTS; 0: off; the header then adds the roofline "
+                        "with the bus's bandwidth too)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.pcie_experts is not None:
-        os.environ["KT_PCIE_EXPERTS"] = str(args.pcie_experts)
+        os.environ["KT_PCIE_EXPERTS"] = args.pcie_experts
     if not torch.cuda.is_available():
         raise SystemExit("bench.e2e needs a CUDA device")
     if not Path(args.gguf_path).exists():

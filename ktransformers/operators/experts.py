@@ -93,18 +93,44 @@ class KExpertsTorch:
         return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
 
 
-def auto_pcie_experts(context, top_k: int) -> int:
-    """pcie_experts "auto": the share of a token's top-k in proportion to the rates at which the
-    bus and the CPU's threads read host memory, rounded down: floor(top_k * bus / (bus + cpu)).
-    (On the H200 host, 50 and 110-145 GB/s: 2 of 8; on a machine whose cores read much faster
-    than its bus, 0: off.) The two rates are measured once per run context (~1 s)."""
+# The GPU's fixed cost of a share, seconds: its two launches and the bus's first bytes (on the
+# H200 host two Qwen3 experts, 6.1 MB, took ~157 us where 6.1 MB at the bus's 51 GB/s is ~120 us).
+PCIE_SHARE_OVERHEAD_S = 35e-6
+# The CPU's read rate while the bus reads the same memory, as a fraction of its rate alone (the
+# H200 host's stream probe: 128-134 GB/s alone, 92-102 beside the bus; its kernel ~98 and ~82)
+PCIE_SHARE_CPU_SLOWDOWN = 0.8
+# "auto" measures no rates and takes no share for experts smaller than this (tiny models): their
+# top-k on the CPU take about the GPU's fixed cost or less
+PCIE_SHARE_MIN_EXPERT_BYTES = 1 << 20
+
+
+def pcie_share_size(top_k: int, expert_bytes: int, bus_gbps: float, cpu_gbps: float,
+                    overhead_s: float = PCIE_SHARE_OVERHEAD_S) -> int:
+    """The share n of a token's top_k experts (each expert_bytes of weights) that makes the slower
+    of the two sides quickest: the GPU's overhead_s + n experts over the bus, against the CPU's
+    top_k - n experts at its read rate (slowed by PCIE_SHARE_CPU_SLOWDOWN beside the bus); ties:
+    the smaller n. 0 where all top_k experts on the CPU take less than the GPU's fixed cost alone."""
+    def step(n: int) -> float:
+        if not n:
+            return top_k * expert_bytes / (cpu_gbps * 1e9)
+        return max(overhead_s + n * expert_bytes / (bus_gbps * 1e9),
+                   (top_k - n) * expert_bytes / (cpu_gbps * PCIE_SHARE_CPU_SLOWDOWN * 1e9))
+    return min(range(top_k), key=lambda n: (step(n), n))
+
+
+def auto_pcie_experts(context, top_k: int, expert_bytes: int) -> int:
+    """pcie_experts "auto": pcie_share_size at the rates with which the bus and the CPU's threads
+    read host memory, measured once per run context (~1 s; on the H200 host 51 and 110-145 GB/s:
+    2 of a Qwen3-30B-A3B layer's 8 experts, 3 MB each)."""
+    if expert_bytes < PCIE_SHARE_MIN_EXPERT_BYTES:
+        return 0
     rates = context.pcie_rates
     if rates is None:
         from ..kernels.triton.pcie_experts import bus_read_gbps
         rates = bus_read_gbps(torch.device("cuda")), context.cpu_runtime().stream_gbps(1.0, 3)
         context.pcie_rates = rates
     bus, cpu = rates
-    return min(top_k - 1, int(top_k * bus / (bus + cpu)))
+    return pcie_share_size(top_k, expert_bytes, bus, cpu)
 
 
 class PcieShare(NamedTuple):
@@ -157,23 +183,18 @@ class KExpertsCPU:
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
 
     def _pcie_share(self) -> PcieShare | None:
-        """The share pcie_experts asks for, or None (with a warning saying why) where it cannot run."""
+        """The share pcie_experts asks for, or None (with a warning saying why) where it cannot run;
+        "auto" is quietly 0 where the share cannot run or would not pay."""
         n, K = self.spec.pcie_experts, self.spec.top_k
-        if n == "auto":
-            n = auto_pcie_experts(self.context, K) if torch.cuda.is_available() else 0
+        w = self.kernel._weights
+        why = self._pcie_unsupported(w)
+        auto = n == "auto"
+        if auto:
+            n = 0 if why else auto_pcie_experts(self.context, K, sum(p.data.numel() for p in w) // self.spec.experts)
             if n == 0:
                 return None
         if not isinstance(n, int) or not 0 < n < K:
             raise ValueError(f"{self.key}: pcie_experts must lie in [0, {K - 1}] (top-k {K}), got {n}")
-        w = self.kernel._weights
-        if not torch.cuda.is_available():
-            why = "no CUDA device"
-        else:
-            from ..kernels.triton.pcie_experts import supports
-            why = supports(tuple(p.ggml_type for p in w), tuple(p.tiled for p in w), self.spec.hidden,
-                           self.spec.intermediate)
-            if why is None and not all(isinstance(p.data, torch.Tensor) for p in w):
-                why = "the tiles are not torch tensors"
         if why is None:
             from ..kernels.triton.pcie_experts import HostRegistration
             tiles = tuple(p.data for p in w)
@@ -181,8 +202,22 @@ class KExpertsCPU:
                 return PcieShare(K - n, tuple(p.ggml_type for p in w), tiles, HostRegistration(tiles))
             except RuntimeError as e:  # e.g. the locked-memory limit (ulimit -l) of an unprivileged user
                 why = str(e)
-        warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
+        if auto:  # (one warning for all layers: the same message)
+            warnings.warn(f"pcie_experts auto is off: {why}; all experts stay on the CPU", stacklevel=2)
+        else:
+            warnings.warn(f"{self.key}: pcie_experts={n} is off: {why}; all experts stay on the CPU", stacklevel=2)
         return None
+
+    def _pcie_unsupported(self, w) -> str | None:
+        """Why the share cannot run on these (gate, up, down) weights here, or None."""
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        from ..kernels.triton.pcie_experts import supports
+        why = supports(tuple(p.ggml_type for p in w), tuple(p.tiled for p in w), self.spec.hidden,
+                       self.spec.intermediate)
+        if why is None and not all(isinstance(p.data, torch.Tensor) for p in w):
+            why = "the tiles are not torch tensors"
+        return why
 
     def unload(self) -> None:
         if self.pcie is not None:
@@ -457,8 +492,9 @@ class KTransformersExperts(BaseInjectedModule):
                                  f"got {pcie!r}") from None
         if pcie != 0 and o.num_gpu_experts:
             # (the two together were not measured, and their one GPU test did not pass: off)
-            warnings.warn(f"{key}: pcie_experts is off beside num_gpu_experts; all non-hot experts stay on the CPU",
-                          stacklevel=2)
+            if pcie != "auto":
+                warnings.warn(f"{key}: pcie_experts is off beside num_gpu_experts; all non-hot experts stay on "
+                              "the CPU", stacklevel=2)
             pcie = 0
         spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
