@@ -150,25 +150,27 @@ def test_auto_share_size_model():
     over every n, at random rates and sizes; 0 for experts the CPU takes about the GPU's fixed
     cost over; 2 of 8 for a Qwen3-30B-A3B layer (3.06 MB experts) at the H200 host's rates; a
     faster bus never takes fewer experts."""
-    from ktransformers.operators.experts import (PCIE_SHARE_CPU_SLOWDOWN, PCIE_SHARE_OVERHEAD_S,
-                                                 pcie_share_size)
+    from ktransformers.operators import experts as ex
     g = torch.Generator().manual_seed(5)
     for _ in range(200):
         K = int(torch.randint(1, 17, (1,), generator=g))
         B = int(torch.randint(1 << 10, 64 << 20, (1,), generator=g))
         bus, cpu = (float(v) for v in torch.rand(2, generator=g) * 200 + 5)
-        n = pcie_share_size(K, B, bus, cpu)
+        n = ex.pcie_share_size(K, B, bus, cpu)
         assert 0 <= n < K
 
         def step(m):
-            gpu = PCIE_SHARE_OVERHEAD_S + m * B / (bus * 1e9) if m else 0.0
-            return max(gpu, (K - m) * B / (cpu * (PCIE_SHARE_CPU_SLOWDOWN if m else 1.0) * 1e9))
+            c = cpu * ex.PCIE_SHARE_CPU_KERNEL * 1e9
+            if not m:
+                return K * B / c
+            return max(ex.PCIE_SHARE_OVERHEAD_S + m * B / (bus * ex.PCIE_SHARE_BUS_BESIDE * 1e9),
+                       (K - m) * B / (c * ex.PCIE_SHARE_CPU_BESIDE))
         assert all(step(n) <= step(m) for m in range(K)), (K, B, bus, cpu, n)
-        assert pcie_share_size(K, B, bus * 2, cpu) >= n
-        if K * B / (cpu * 1e9) <= PCIE_SHARE_OVERHEAD_S:
+        assert ex.pcie_share_size(K, B, bus * 2, cpu) >= n
+        if K * B / (cpu * ex.PCIE_SHARE_CPU_KERNEL * 1e9) <= ex.PCIE_SHARE_OVERHEAD_S:
             assert n == 0
-    assert pcie_share_size(8, 3_060_000, 51.0, 130.0) == 2
-    assert pcie_share_size(3, 118_000, 51.0, 20.0) == 0  # (a tiny test model's experts)
+    assert all(ex.pcie_share_size(8, 3_060_000, 51.0, cpu) == 2 for cpu in (100, 109, 130, 145))
+    assert ex.pcie_share_size(3, 118_000, 51.0, 20.0) == 0  # (a tiny test model's experts)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")

@@ -96,9 +96,13 @@ class KExpertsTorch:
 # The GPU's fixed cost of a share, seconds: its two launches and the bus's first bytes (on the
 # H200 host two Qwen3 experts, 6.1 MB, took ~157 us where 6.1 MB at the bus's 51 GB/s is ~120 us).
 PCIE_SHARE_OVERHEAD_S = 35e-6
-# The CPU's read rate while the bus reads the same memory, as a fraction of its rate alone (the
-# H200 host's stream probe: 128-134 GB/s alone, 92-102 beside the bus; its kernel ~98 and ~82)
-PCIE_SHARE_CPU_SLOWDOWN = 0.8
+# The rates the model takes, as fractions of the measured ones (the H200 host, docs/gpu.md): the
+# CPU kernel streams ~0.8 of the pool's stream probe (~98 of 128-134 GB/s at T=1), ~0.85 of that
+# while the bus reads the same memory (~82), and the bus reads at ~0.75 of its rate alone beside
+# the cores (a 9.2 MB share took ~290 us where its 51 GB/s and the fixed cost give ~215)
+PCIE_SHARE_CPU_KERNEL = 0.8
+PCIE_SHARE_CPU_BESIDE = 0.85
+PCIE_SHARE_BUS_BESIDE = 0.75
 # "auto" measures no rates and takes no share for experts smaller than this (tiny models): their
 # top-k on the CPU take about the GPU's fixed cost or less
 PCIE_SHARE_MIN_EXPERT_BYTES = 1 << 20
@@ -108,13 +112,16 @@ def pcie_share_size(top_k: int, expert_bytes: int, bus_gbps: float, cpu_gbps: fl
                     overhead_s: float = PCIE_SHARE_OVERHEAD_S) -> int:
     """The share n of a token's top_k experts (each expert_bytes of weights) that makes the slower
     of the two sides quickest: the GPU's overhead_s + n experts over the bus, against the CPU's
-    top_k - n experts at its read rate (slowed by PCIE_SHARE_CPU_SLOWDOWN beside the bus); ties:
-    the smaller n. 0 where all top_k experts on the CPU take less than the GPU's fixed cost alone."""
+    top_k - n experts at its kernel's rate (the PCIE_SHARE_* fractions of the measured rates:
+    both slower while they read the same memory); ties: the smaller n. 0 where the share does
+    not pay, e.g. where all top_k experts on the CPU take less than the GPU's fixed cost."""
+    cpu = cpu_gbps * PCIE_SHARE_CPU_KERNEL * 1e9
+
     def step(n: int) -> float:
         if not n:
-            return top_k * expert_bytes / (cpu_gbps * 1e9)
-        return max(overhead_s + n * expert_bytes / (bus_gbps * 1e9),
-                   (top_k - n) * expert_bytes / (cpu_gbps * PCIE_SHARE_CPU_SLOWDOWN * 1e9))
+            return top_k * expert_bytes / cpu
+        return max(overhead_s + n * expert_bytes / (bus_gbps * PCIE_SHARE_BUS_BESIDE * 1e9),
+                   (top_k - n) * expert_bytes / (cpu * PCIE_SHARE_CPU_BESIDE))
     return min(range(top_k), key=lambda n: (step(n), n))
 
 
