@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
         head += (f"; pcie_experts {min(shares.values())}-{max(shares.values())} of {config.num_experts_per_tok}: "
                  f"the GPU reads its share over the bus "
                  f"({bus_bw:.0f} GB/s alone), roofline with the bus {roof_bus:.1f} tok/s")
+        rates = model.kt_context.pcie_rates
+        if rates:  # (what "auto" chose from, measured at load)
+            head += f" (auto chose at bus {rates[0]:.0f}, CPU {rates[1]:.0f} GB/s)"
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"
     print(head)

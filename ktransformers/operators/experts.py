@@ -93,9 +93,9 @@ class KExpertsTorch:
         return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
 
 
-# The GPU's fixed cost of a share, seconds: its two launches and the bus's first bytes (on the
-# H200 host two Qwen3 experts, 6.1 MB, took ~157 us where 6.1 MB at the bus's 51 GB/s is ~120 us).
-PCIE_SHARE_OVERHEAD_S = 35e-6
+# The GPU's fixed cost of a share, seconds: its two launches and the bus's first bytes (with the
+# rates below, fitted to the H200 host's decode runs: 2 of 8 Qwen3 experts faster than none, 3 slower)
+PCIE_SHARE_OVERHEAD_S = 25e-6
 # The rates the model takes, as fractions of the measured ones (the H200 host, docs/gpu.md): the
 # CPU kernel streams ~0.8 of the pool's stream probe (~98 of 128-134 GB/s at T=1), ~0.85 of that
 # while the bus reads the same memory (~82), and the bus reads at ~0.65 of its rate alone beside
