@@ -146,31 +146,66 @@ def test_option_is_off_without_cuda(tmp_path, monkeypatch):
 
 
 def test_auto_share_size_model():
-    """pcie_experts "auto"'s choice (pcie_share_size): the n with the least modeled step time
-    over every n, at random rates and sizes; 0 for experts the CPU takes about the GPU's fixed
-    cost over; 2 of 8 for a Qwen3-30B-A3B layer (3.06 MB experts) at the H200 host's rates; a
-    faster bus never takes fewer experts."""
+    """pcie_experts "auto"'s choice (pcie_share_size) at random rates and sizes: within [0, K);
+    a faster bus never takes fewer experts, a faster CPU never more; 0 where the CPU's whole
+    top-k takes less than the GPU's fixed cost; and the sizes measured on the H200 host: 2 of 8
+    Qwen3-30B-A3B experts (3.06 MB) at CPU probes of 90-130 GB/s beside a 51 GB/s bus (a share
+    of 3 there was slower than none, 2 faster), none of Mixtral's two 106 MB experts."""
     from ktransformers.operators import experts as ex
     g = torch.Generator().manual_seed(5)
-    for _ in range(200):
+    for _ in range(300):
         K = int(torch.randint(1, 17, (1,), generator=g))
         B = int(torch.randint(1 << 10, 64 << 20, (1,), generator=g))
         bus, cpu = (float(v) for v in torch.rand(2, generator=g) * 200 + 5)
         n = ex.pcie_share_size(K, B, bus, cpu)
         assert 0 <= n < K
-
-        def step(m):
-            c = cpu * ex.PCIE_SHARE_CPU_KERNEL * 1e9
-            if not m:
-                return K * B / c
-            return max(ex.PCIE_SHARE_OVERHEAD_S + m * B / (bus * ex.PCIE_SHARE_BUS_BESIDE * 1e9),
-                       (K - m) * B / (c * ex.PCIE_SHARE_CPU_BESIDE))
-        assert all(step(n) <= step(m) for m in range(K)), (K, B, bus, cpu, n)
-        assert ex.pcie_share_size(K, B, bus * 2, cpu) >= n
+        assert ex.pcie_share_size(K, B, bus * 1.5, cpu) >= n, (K, B, bus, cpu)
+        assert ex.pcie_share_size(K, B, bus, cpu * 1.5) <= n, (K, B, bus, cpu)
         if K * B / (cpu * ex.PCIE_SHARE_CPU_KERNEL * 1e9) <= ex.PCIE_SHARE_OVERHEAD_S:
             assert n == 0
-    assert all(ex.pcie_share_size(8, 3_060_000, 51.0, cpu) == 2 for cpu in (100, 109, 130, 145))
+    assert [ex.pcie_share_size(8, 3_060_000, 51.0, cpu) for cpu in (90, 109, 130)] == [2, 2, 2]
+    assert ex.pcie_share_size(2, 106_000_000, 51.0, 120.0) == 0
     assert ex.pcie_share_size(3, 118_000, 51.0, 20.0) == 0  # (a tiny test model's experts)
+
+
+class _Context:
+    """The part of a RunContext that auto_pcie_experts reads."""
+
+    def __init__(self, rates=None, runtime=None):
+        self.pcie_rates, self._runtime = rates, runtime
+
+    def cpu_runtime(self):
+        return self._runtime
+
+
+def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
+    """auto_pcie_experts: experts under PCIE_SHARE_MIN_EXPERT_BYTES are 0 with nothing measured;
+    the rates are measured once per context and the choice is pcie_share_size's; a failed
+    measurement warns and leaves the share off (0) instead of failing the load."""
+    from ktransformers.kernels.triton import pcie_experts as pe
+    from ktransformers.operators import experts as ex
+
+    class Runtime:
+        calls = 0
+
+        def stream_gbps(self, seconds, rounds):
+            Runtime.calls += 1
+            return 109.0
+    buses = []
+    monkeypatch.setattr(pe, "bus_read_gbps", lambda device: buses.append(device) or 51.0)
+    ctx = _Context(runtime=Runtime())
+    assert ex.auto_pcie_experts(ctx, 8, ex.PCIE_SHARE_MIN_EXPERT_BYTES - 1) == 0 and ctx.pcie_rates is None
+    got = [ex.auto_pcie_experts(ctx, 8, 3_060_000) for _ in range(3)]
+    assert got == [ex.pcie_share_size(8, 3_060_000, 51.0, 109.0)] * 3 and got[0] > 0
+    assert len(buses) == 1 and Runtime.calls == 1 and ctx.pcie_rates == (51.0, 109.0)
+
+    def broken(device):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+    monkeypatch.setattr(pe, "bus_read_gbps", broken)
+    ctx = _Context(runtime=Runtime())
+    with pytest.warns(UserWarning, match="pcie_experts auto is off: measuring .* RuntimeError: cudaHostAlloc"):
+        assert ex.auto_pcie_experts(ctx, 8, 3_060_000) == 0
+    assert ex.auto_pcie_experts(ctx, 8, 3_060_000) == 0  # (measured once: no second warning needed)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")

@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                               "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
                               "pcie_experts": shares,
                               "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
+                              "pcie_auto_rates": model.kt_context.pcie_rates,
                               "layers": config.num_hidden_layers, "threads": args.threads,
                               "step_ms": 1e3 / r["decode"] if r["decode"] else None,
                               "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),

@@ -112,16 +112,21 @@ def pcie_share_size(top_k: int, expert_bytes: int, bus_gbps: float, cpu_gbps: fl
                     overhead_s: float = PCIE_SHARE_OVERHEAD_S) -> int:
     """The share n of a token's top_k experts (each expert_bytes of weights) that makes the slower
     of the two sides quickest: the GPU's overhead_s + n experts over the bus, against the CPU's
-    top_k - n experts at its kernel's rate (the PCIE_SHARE_* fractions of the measured rates:
-    both slower while they read the same memory); ties: the smaller n. 0 where the share does
+    top_k - n experts at its kernel's rate, slower while the bus reads the same memory (the
+    PCIE_SHARE_* fractions of the measured rates); ties: the smaller n. 0 where the share does
     not pay, e.g. where all top_k experts on the CPU take less than the GPU's fixed cost."""
     cpu = cpu_gbps * PCIE_SHARE_CPU_KERNEL * 1e9
+    bus = bus_gbps * PCIE_SHARE_BUS_BESIDE * 1e9
 
     def step(n: int) -> float:
-        if not n:
-            return top_k * expert_bytes / cpu
-        return max(overhead_s + n * expert_bytes / (bus_gbps * PCIE_SHARE_BUS_BESIDE * 1e9),
-                   (top_k - n) * expert_bytes / (cpu * PCIE_SHARE_CPU_BESIDE))
+        reading = n * expert_bytes / bus  # the bus's reads, beside which the cores are slower
+        cpu_bytes = (top_k - n) * expert_bytes
+        beside = reading * cpu * PCIE_SHARE_CPU_BESIDE  # what the cores read meanwhile
+        if cpu_bytes <= beside:
+            cpu_s = cpu_bytes / (cpu * PCIE_SHARE_CPU_BESIDE)
+        else:
+            cpu_s = reading + (cpu_bytes - beside) / cpu
+        return max(overhead_s + reading if n else 0.0, cpu_s)
     return min(range(top_k), key=lambda n: (step(n), n))
 
 
@@ -134,10 +139,15 @@ def auto_pcie_experts(context, top_k: int, expert_bytes: int) -> int:
     rates = context.pcie_rates
     if rates is None:
         from ..kernels.triton.pcie_experts import bus_read_gbps
-        rates = bus_read_gbps(torch.device("cuda")), context.cpu_runtime().stream_gbps(1.0, 3)
+        try:
+            rates = bus_read_gbps(torch.device("cuda")), context.cpu_runtime().stream_gbps(1.0, 3)
+        except Exception as e:  # (pinned memory refused, no Triton for this GPU, out of memory...)
+            warnings.warn(f"pcie_experts auto is off: measuring the bus's and the CPU's read rates failed: "
+                          f"{type(e).__name__}: {e}", stacklevel=2)
+            rates = (0.0, 1.0)
         context.pcie_rates = rates
     bus, cpu = rates
-    return pcie_share_size(top_k, expert_bytes, bus, cpu)
+    return pcie_share_size(top_k, expert_bytes, bus, cpu) if bus > 0 else 0
 
 
 class PcieShare(NamedTuple):
