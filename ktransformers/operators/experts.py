@@ -499,9 +499,7 @@ class KTransformersExperts(BaseInjectedModule):
         top_k = getattr(config, "num_experts_per_tok", None) or E
         o = self.options
         pcie = os.environ.get("KT_PCIE_EXPERTS", o.pcie_experts)  # (the environment: for A/B runs)
-        if isinstance(pcie, str):
-            pcie = pcie.strip()
-        if isinstance(pcie, str) and pcie != "auto":
+        if isinstance(pcie, str) and (pcie := pcie.strip()) != "auto":
             try:
                 pcie = int(pcie)
             except ValueError:
