@@ -2,8 +2,11 @@
 - `kernels` (default): which CUDA kernels a hybrid decode step launches and how long each takes
   (torch.profiler over eager steps), after the step time with and without CUDA graphs;
 - `host`: where the host's time goes in a CUDA-graph decode step (what `bench.e2e` calls issuing
-  the step), phase by phase, then torch.profiler's CPU-side ops and a cProfile of the steps.
-    python scripts/gpu_profile.py /tmp/q3-4.gguf [threads] [kernels|host]"""
+  the step), phase by phase, then torch.profiler's CPU-side ops and a cProfile of the steps;
+- `timeline`: CUDA-graph steps under torch.profiler, each kernel charged with what it adds to the
+  stream's timeline (its end minus the latest end before it: with PDL a kernel starts before the
+  one ahead ends, so its own duration double-counts), summed by name.
+    python scripts/gpu_profile.py /tmp/q3-4.gguf [threads] [kernels|host|timeline]"""
 import cProfile
 import pstats
 import statistics
@@ -107,10 +110,40 @@ def host(model) -> None:
         print(f"{e.count / 10:>10.1f} {e.self_cpu_time_total / 10:>16.1f}  {e.key[:100]}")
 
 
+def timeline(model) -> None:
+    layers = model.config.num_hidden_layers
+    engine, seq = warm_engine(model, True)
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for t in range(steps):
+            engine.decode(seq, 300 + t)
+        torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA"), key=lambda k: k[0])
+    if not kernels:
+        print("timeline: the profiler recorded no kernels inside the graphs")
+        return
+    added, own, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    latest = kernels[0][0]
+    for start, end, name in kernels:
+        added[name] += max(0.0, end - max(latest, start))
+        own[name] += end - start
+        count[name] += 1
+        latest = max(latest, end)
+    span = kernels[-1][1] - kernels[0][0]
+    print(f"timeline: {len(kernels) / steps:.0f} kernels a step ({len(kernels) / steps / layers:.1f} a layer), "
+          f"{span / steps:.0f} us from first start to last end a step (steps issued back to back)")
+    print(f"{'count/step':>10} {'added us/step':>13} {'added us each':>13} {'own us each':>11}  name")
+    for name in sorted(added, key=lambda n: -added[n])[:30]:
+        print(f"{count[name] / steps:>10.1f} {added[name] / steps:>13.1f} {added[name] / count[name]:>13.2f} "
+              f"{own[name] / count[name]:>11.2f}  {name[:100]}")
+
+
 if __name__ == "__main__":
     path, threads = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 14
     mode = sys.argv[3] if len(sys.argv) > 3 else "kernels"
-    if mode not in ("kernels", "host"):
-        sys.exit(f"mode must be kernels or host, got {mode!r}")
+    modes = {"kernels": kernels, "host": host, "timeline": timeline}
+    if mode not in modes:
+        sys.exit(f"mode must be one of {', '.join(modes)}, got {mode!r}")
     loaded = load_model(path, cpu_infer=threads, tokenizer=False, default_device="cuda", progress=False)
-    (kernels if mode == "kernels" else host)(loaded.model)
+    modes[mode](loaded.model)
