@@ -27,17 +27,24 @@ def _route_row(x, e, valid, w_ptr, idx_ptr, K: tl.constexpr, BLOCK_E: tl.constex
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, 0)
-    p = tl.where(valid, p, -1.0)  # below every probability: never picked
-    p = tl.where(p != p, -0.5, p)  # NaN (from a NaN logit): after every number, as a NaN weight, in range
+    # Each expert's key: its probability's bits (a non-negative float orders as its int32 bits)
+    # above, BLOCK_E - 1 - e below, so that one max a round picks the largest probability and, of
+    # equal ones, the lower index. A NaN (from a NaN logit) keys -1: after every number, picked as
+    # a NaN weight, in range; experts past E key -2: never picked.
+    bits = tl.where(p != p, -1, p.to(tl.int32, bitcast=True))
+    bits = tl.where(valid, bits, -2)
+    key = bits.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - e).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), tl.float32)
     index = tl.zeros((BLOCK_K,), tl.int32)
-    for j in tl.static_range(K):  # K rounds of argmax, each pick masked out for the next
-        best = tl.max(p, 0)
-        pick = tl.min(tl.where(p == best, e, BLOCK_E), 0)
-        weights = tl.where(kk == j, tl.where(best == -0.5, float("nan"), best), weights)
+    for j in tl.static_range(K):  # K rounds of one max, each pick masked out for the next
+        best = tl.max(key, 0)
+        pick = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32)
+        hi = (best >> 32).to(tl.int32)
+        weight = tl.where(hi == -1, float("nan"), hi.to(tl.float32, bitcast=True))
+        weights = tl.where(kk == j, weight, weights)
         index = tl.where(kk == j, pick, index)
-        p = tl.where(e == pick, -2.0, p)
+        key = tl.where(e == pick, -9223372036854775807, key)
     if NORM:
         weights = weights / tl.sum(weights, 0)  # slots past K hold 0
     out = kk < K
