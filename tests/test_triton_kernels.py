@@ -157,60 +157,6 @@ def test_copy_rows(dev, T, H, src, dst):
         copy_rows(x.to(dev), out, add=add.to(dev, torch.bfloat16))
 
 
-def _host_word(dev, value: int) -> torch.Tensor:
-    """A one-word int32 flag in host memory (pinned where a GPU reads it)."""
-    word = torch.full((1,), value, dtype=torch.int32)
-    return word.pin_memory() if torch.device(dev).type == "cuda" else word
-
-
-@pytest.mark.parametrize("T", [1, 3])
-def test_pack_rings_the_doorbell(dev, T):
-    """With `ring`, the pack kernel stores its rows as without and then sets the host word to the
-    call's number, its program count back at 0; misplaced words are refused by name."""
-    from ktransformers.kernels.triton.handoff import pack_moe_inputs
-    g = gen(17 * T)
-    H, K = 300, 8
-    x, ids, w = torch.randn(T, H, generator=g), torch.randint(0, 64, (T, K), generator=g), torch.rand(T, K, generator=g)
-    got = (torch.empty(T, H, device=dev), torch.empty(T, K, dtype=torch.int64, device=dev),
-           torch.empty(T, K, device=dev))
-    ring, count = _host_word(dev, 0), torch.zeros(1, dtype=torch.int32, device=dev)
-    number = 1000 + T
-    pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), *got, cpu_k=K - 1, ring=(ring, count, number))
-    if torch.device(dev).type == "cuda":
-        torch.cuda.synchronize()
-    assert int(ring[0]) == number and int(count[0]) == 0
-    assert torch.equal(got[0].cpu(), x) and torch.equal(got[1][:, :K - 1].cpu(), ids[:, :K - 1])
-    assert (got[1][:, K - 1:] == -1).all() and torch.equal(got[2].cpu(), w)
-    with pytest.raises(ValueError, match="the count must be one int32"):
-        pack_moe_inputs(x.to(dev), ids.to(dev), w.to(dev), *got, ring=(ring, count.long(), number))
-    with pytest.raises(ValueError, match="no ring"):
-        pack_moe_inputs(x[:0].to(dev), ids[:0].to(dev), w[:0].to(dev), got[0][:0], got[1][:0], got[2][:0],
-                        ring=(ring, count, number))
-
-
-@pytest.mark.parametrize("T,add", [(1, False), (4, True)])
-def test_copy_rows_waits_for_done(dev, T, add):
-    """With `done`, the copy back runs once the host word reads 1 (here: already), equals the copy
-    without it, and leaves the word at 0 and its count at 0; more rows than can wait are refused."""
-    from ktransformers.kernels.triton.handoff import WAIT_ROWS, copy_rows
-    H = 2048
-    x = torch.randn(T, H, generator=gen(5 * T)).to(torch.bfloat16)
-    extra = (torch.randn(T, H, generator=gen(7 * T)) * 3).to(dev) if add else None
-    want = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    copy_rows(x.to(dev), want, add=extra)
-    done, count = _host_word(dev, 1), torch.zeros(1, dtype=torch.int32, device=dev)
-    out = torch.full((T, H), -3.0, dtype=torch.bfloat16, device=dev)
-    copy_rows(x.to(dev), out, add=extra, done=(done, count))
-    if torch.device(dev).type == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), want.cpu()) and int(done[0]) == 0 and int(count[0]) == 0
-    big = torch.zeros(WAIT_ROWS + 1, H, device=dev)
-    with pytest.raises(ValueError, match="waiting copy takes"):
-        copy_rows(big, big.clone(), done=(done, count))
-    with pytest.raises(ValueError, match="the flag must be one int32"):
-        copy_rows(x.to(dev), out, done=(done.long(), count))
-
-
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
     """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype

@@ -128,8 +128,6 @@ class CPURuntime:
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
         self.pack_handoff = os.environ.get("KT_CUDA_PACK", "1").strip() != "0"
         self.handoff = os.environ.get("KT_CUDA_HANDOFF", "doorbell").strip().lower()
-        # the doorbell rung and waited for by the hand-off's Triton kernels (else stream memory operations)
-        self.doorbell_kernels = os.environ.get("KT_DOORBELL_KERNELS", "1").strip() != "0"
         if self.handoff not in HANDOFFS:
             raise ValueError(f"KT_CUDA_HANDOFF={self.handoff!r}: valid values are {', '.join(HANDOFFS)}")
 

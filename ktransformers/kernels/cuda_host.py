@@ -163,9 +163,7 @@ class HostStaging:
         self._retired: list = []
         self.used: list = []  # the calls enqueued since the last check_errors()
         self.doorbell = None  # the extension's Doorbell, once a kernel is fed in doorbell mode
-        self._flags: dict[int, tuple[int, int, object, torch.Tensor, torch.Tensor]] = {}  # id(kernel) ->
-        # (ring, done) host addresses, the kernel, (ring, done) as one-word views of their chunk
-        self._counts: dict[int, torch.Tensor] = {}  # CUDA device index -> the flag kernels' count words
+        self._flags: dict[int, tuple[int, int, object]] = {}  # id(kernel) -> (ring, done) host addresses, kernel
         self._device_flags: dict[int, tuple[int, int]] = {}  # id(kernel) -> the same as device addresses
         self._flag_chunks: list[torch.Tensor] = []
         self._free_flags = 0
@@ -260,24 +258,11 @@ class HostStaging:
                 self._free_flags = self.FLAG_CHUNK
             chunk, k = self._flag_chunks[-1], self.FLAG_CHUNK - self._free_flags
             self._free_flags -= 1
-            word = 2 * k * self.WORD_STRIDE
-            ring_word, done_word = chunk[word:word + 1], chunk[word + self.WORD_STRIDE:word + self.WORD_STRIDE + 1]
-            ring, done = ring_word.data_ptr(), done_word.data_ptr()
+            ring = chunk.data_ptr() + 2 * k * self.WORD_STRIDE * 4
+            done = ring + self.WORD_STRIDE * 4
             self._bell().watch(ring, done)
-            entry = self._flags[id(kernel)] = (ring, done, kernel, ring_word, done_word)
+            entry = self._flags[id(kernel)] = (ring, done, kernel)
         return entry[0], entry[1]
-
-    def flag_words(self, kernel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ring, done, pack count, copy count) as the Triton hand-off kernels take them: the
-        kernel's flags as one-word pinned tensors, and two int32 device words at 0 that the
-        kernels count their programs in (shared by all layers: the stream runs them in turn)."""
-        self.flags(kernel)
-        _, _, _, ring, done = self._flags[id(kernel)]
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        counts = self._counts.get(index)
-        if counts is None:
-            counts = self._counts[index] = torch.zeros(2 * self.WORD_STRIDE, dtype=torch.int32, device=device)
-        return ring, done, counts[:1], counts[self.WORD_STRIDE:self.WORD_STRIDE + 1]
 
     def device_flags(self, kernel) -> tuple[int, int]:
         """(ring, done) as the GPU addresses them (looked up once a kernel)."""
@@ -346,20 +331,10 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     xp, idp, wp, yp, call = staging.prepare(kernel, T, dtype)
     packs = staging.packs(x.device)
-    bell = staging.handoff(x.device) == "doorbell"
-    packed = packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1
-    copied_back = packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
-    from .triton.handoff import WAIT_ROWS
-    # the doorbell rung by the pack kernel's last store and waited for by the copy back's first loads
-    # (no stream memory operations; KT_DOORBELL_KERNELS=0: those)
-    flag_kernels = bell and packed and copied_back and T <= WAIT_ROWS and kernel.runtime.doorbell_kernels
-    if flag_kernels:
-        ring_word, done_word, pack_count, copy_count = staging.flag_words(kernel, x.device)
-    if packed:
+    if packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
         from .triton.handoff import pack_moe_inputs
         # one launch, stores straight into pinned memory
-        pack_moe_inputs(x, ids, weights, xp, idp, wp, cpu_k=None if share is None else share[0],
-                        ring=(ring_word, pack_count, staging.number(kernel, T, dtype)) if flag_kernels else None)
+        pack_moe_inputs(x, ids, weights, xp, idp, wp, cpu_k=None if share is None else share[0])
     else:
         share = None
         xp.copy_(x.to(dtype), non_blocking=True)
@@ -368,9 +343,8 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     ext = kernel.runtime.ext
     stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
     staging.used.append((call, kernel.name))
-    if flag_kernels:
-        staging.wake()
-    elif bell:
+    bell = staging.handoff(x.device) == "doorbell"
+    if bell:
         ring, done = staging.device_flags(kernel)
         stream_write_value(stream, ring, staging.number(kernel, T, dtype))  # (fenced: the copies land first)
         staging.wake()
@@ -379,19 +353,16 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
     extra = None
 
     def wait() -> torch.Tensor:
-        if flag_kernels:
-            pass  # (the copy below waits)
-        elif bell:
+        if bell:
             stream_wait_value(stream, done, 1)
             stream_write_value(stream, done, 0)
         else:
             launch_host_func(ext.moe_host_wait, call.address, stream)
         with torch.cuda.stream(stream):  # after the wait above, whichever stream the caller is on now
-            if copied_back:
+            if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                 from .triton.handoff import copy_rows
                 y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
-                # one kernel reading the pinned buffer (first waiting for the CPU, with flag_kernels)
-                copy_rows(yp, y, add=extra, done=(done_word, copy_count) if flag_kernels else None)
+                copy_rows(yp, y, add=extra)  # one kernel reading the pinned buffer
                 return y
             y = yp.to(x.device, non_blocking=True)
             return (y if extra is None else y.float() + extra).to(out_dtype)

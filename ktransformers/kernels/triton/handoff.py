@@ -36,8 +36,8 @@ def _copy_row(src, dst, H, BLOCK_H: tl.constexpr, VOLATILE: tl.constexpr, add, A
 
 
 @triton.jit
-def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, ring_ptr, count_ptr, number, H, K, cpu_k, s_x, s_i,
-                 s_w, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr, GDC: tl.constexpr):
+def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, H, K, cpu_k, s_x, s_i, s_w,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     gdc_enter(GDC)
     _copy_row(x_ptr + t * s_x, xo_ptr + t * H, H, BLOCK_H, False, x_ptr, False)  # (x_ptr: no add, never read)
@@ -46,25 +46,15 @@ def _pack_kernel(x_ptr, ids_ptr, w_ptr, xo_ptr, io_ptr, wo_ptr, ring_ptr, count_
     ids = tl.load(ids_ptr + t * s_i + k, mask=mk).to(tl.int64)
     tl.store(io_ptr + t * K + k, tl.where(k < cpu_k, ids, -1), mask=mk)  # -1: the CPU skips the pair
     tl.store(wo_ptr + t * K + k, tl.load(w_ptr + t * s_w + k, mask=mk).to(tl.float32), mask=mk)
-    if RING:
-        # every program's stores issued, then made visible system-wide (the release of the count);
-        # the last program to count rings the CPU's doorbell
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(count_ptr, 0)
-            tl.store(ring_ptr, number)
 
 
 def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_out: torch.Tensor,
-                    ids_out: torch.Tensor, w_out: torch.Tensor, cpu_k: int | None = None,
-                    ring: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+                    ids_out: torch.Tensor, w_out: torch.Tensor, cpu_k: int | None = None) -> None:
     """x [T, H] (bf16/fp16/fp32) -> x_out (float32 or bf16), ids [T, K] (any integer) -> ids_out
     int64, weights [T, K] (any float) -> w_out float32; the outputs contiguous, in device memory or
     pinned host memory. Rows of the inputs may be strided (last dimension contiguous). `cpu_k`:
     ids of the columns from there on are stored as -1 (pairs the CPU kernel skips: computed on
-    the GPU). `ring`: (word, count, number): once all of the above is visible system-wide, the
-    int32 `word` (a one-element tensor in pinned host memory) is set to `number` (the CPU's
-    doorbell); `count`, an int32 word on x's device, is at 0 and left at 0."""
+    the GPU)."""
     T, H = x.shape
     K = ids.shape[1]
     if (tuple(ids.shape) != (T, K) or tuple(weights.shape) != (T, K) or tuple(x_out.shape) != (T, H)
@@ -80,52 +70,27 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x
     if any(t.stride(-1) != 1 for t in (x, ids, weights)) or not all(t.is_contiguous() for t in (x_out, ids_out, w_out)):
         raise ValueError("pack_moe_inputs: inputs need a contiguous last dimension and outputs must be contiguous")
     if T == 0:
-        if ring is not None:
-            raise ValueError("pack_moe_inputs: no rows to hand over, so no ring (the wait would never end)")
         return
     cpu_k = K if cpu_k is None else cpu_k
     if not 0 <= cpu_k <= K:
         raise ValueError(f"pack_moe_inputs: cpu_k must lie in [0, {K}], got {cpu_k}")
-    if ring is not None:
-        _check_words("pack_moe_inputs", ring[0], ring[1], x.device)
-    ring_word, count, number = ring if ring is not None else (ids_out, ids_out, 0)
-    _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, ring_word, count, number, H, K, cpu_k, x.stride(0),
-                       ids.stride(0), weights.stride(0), BLOCK_H=min(1024, triton.next_power_of_2(H)),
-                       BLOCK_K=triton.next_power_of_2(K), RING=ring is not None, num_warps=4, **pdl(x.device))
-
+    _pack_kernel[(T,)](x, ids, weights, x_out, ids_out, w_out, H, K, cpu_k, x.stride(0), ids.stride(0), weights.stride(0),
+                       BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(K), num_warps=4,
+                       **pdl(x.device))
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, add_ptr, dst_ptr, done_ptr, count_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr,
-                      ADD: tl.constexpr, WAIT: tl.constexpr):
+def _copy_rows_kernel(src_ptr, add_ptr, dst_ptr, H, s_src, s_dst, BLOCK_H: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    if WAIT:  # until the CPU says its rows are written (no other way out: as a stream's wait on the word)
-        flag = tl.load(done_ptr, volatile=True)
-        while flag != 1:
-            flag = tl.load(done_ptr, volatile=True)
     # volatile: the CPU rewrites these pinned words between launches; never a cached copy
     _copy_row(src_ptr + t * s_src, dst_ptr + t * s_dst, H, BLOCK_H, True, add_ptr + t * H, ADD)
-    if WAIT:  # the last program to have seen the word sets it back to 0 for the next call
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(count_ptr, 0)
-            tl.store(done_ptr, 0)
 
 
-# Rows the waiting copy takes: each of its programs spins until the CPU is done, so all of them
-# must be resident at once (T programs of 8 warps).
-WAIT_ROWS = 64
-
-
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = None,
-              done: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = None) -> None:
     """dst [T, H] = src [T, H] (+ add, float32 [T, H] contiguous) converted to dst's dtype
     (float32/bf16/fp16, rounded once), in one launch: the CPU experts' output read from pinned
     host memory by a kernel (one round trip over the bus a row) where a copy-engine transfer and
-    a cast would be two graph nodes; `add` the GPU's share of the experts. `done`: (word,
-    count): first wait until the int32 `word` (a one-element tensor in pinned host memory) is 1,
-    then, the rows copied, set it back to 0 (`count`, an int32 word on dst's device, is at 0 and
-    left at 0); at most WAIT_ROWS rows."""
+    a cast would be two graph nodes; `add` the GPU's share of the experts."""
     if src.dim() != 2 or dst.shape != src.shape or src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError(f"copy_rows: src and dst of one [T, H] shape with contiguous rows, got {tuple(src.shape)} "
                          f"{src.stride()} -> {tuple(dst.shape)} {dst.stride()}")
@@ -135,26 +100,10 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = N
         raise ValueError(f"copy_rows: add must be a contiguous float32 {tuple(src.shape)}, got "
                          f"{tuple(add.shape)} {add.dtype}")
     T, H = src.shape
-    if done is not None and not 0 < T <= WAIT_ROWS:
-        raise ValueError(f"copy_rows: a waiting copy takes 1 to {WAIT_ROWS} rows, got {T}")
-    if (T == 0 or H == 0) and done is None:
+    if T == 0 or H == 0:
         return
-    if done is not None:
-        _check_words("copy_rows", done[0], done[1], dst.device)
-    done_word, count = done if done is not None else (dst, dst)
-    _copy_rows_kernel[(T,)](src, dst if add is None else add, dst, done_word, count, H, src.stride(0), dst.stride(0),
-                            BLOCK_H=min(8192, triton.next_power_of_2(H)), ADD=add is not None, WAIT=done is not None,
-                            num_warps=8)
-
-
-def _check_words(what: str, flag: torch.Tensor, count: torch.Tensor, device: torch.device) -> None:
-    """A host flag and a device count: one int32 each (the flag in host memory, the count on `device`)."""
-    for name, t, where in (("flag", flag, "cpu"), ("count", count, device.type)):
-        if t.dtype != torch.int32 or t.numel() != 1 or t.device.type != where:
-            raise ValueError(f"{what}: the {name} must be one int32 word on {where}, got {tuple(t.shape)} {t.dtype} "
-                             f"on {t.device}")
-    if flag.device.type == "cpu" and device.type == "cuda" and not flag.is_pinned():
-        raise ValueError(f"{what}: the flag must be in pinned memory (the GPU reads and writes it)")
+    _copy_rows_kernel[(T,)](src, dst if add is None else add, dst, H, src.stride(0), dst.stride(0),
+                            BLOCK_H=min(8192, triton.next_power_of_2(H)), ADD=add is not None, num_warps=8)
 
 
 def pack_moe_inputs_reference(x, ids, weights, x_out, ids_out, w_out) -> None:
