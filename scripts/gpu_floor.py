@@ -84,7 +84,7 @@ def main() -> None:
                 rr = timed([lambda b=b: _read_reduce[(programs,)](b, out, counter, per, BLOCK=256, num_warps=warps)
                             for b in bufs])
                 gb = programs * per * 4 / 1e9
-                print(f"read {mb} MB, {programs:4d} programs, {warps} warps: {r:6.2f} us ({gb / r * 1e3:5.0f} GB/s), "
+                print(f"read {mb} MB, {programs:4d} programs, {warps} warps: {r:6.2f} us ({gb / r * 1e6:5.0f} GB/s), "
                       f"with a counter reduction {rr:6.2f} us")
     xs = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     for name, N, K in (("q", 4096, 2048), ("o", 2048, 4096)):
