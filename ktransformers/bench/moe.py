@@ -12,8 +12,10 @@ and the pybind11 crossing included, as kt-kernel's figure is); "kernel us" and "
 same calls inside the kernel, which is what a decode step fed from a GPU stream pays (the
 doorbell runs the kernel with no Python; --json: kernel_us, kernel_gbps). Weights are random valid GGML blocks; several copies
 of the layer are cycled so that calls do not find their experts in the cache. When kt-kernel is
-installed, the same layer, bytes and inputs run through it too (best of 1 and N threads), and
-its median and our speedup over it are printed (`peer` in --json rows).
+installed, the same layers, bytes and inputs run through it too, cycling the same copies (best
+of 1 and N threads; its AMX classes, on bf16 copies, as many copies as RAM holds, said beside
+its figure), and its median and our speedup over it are printed (`peer` in --json rows, with
+`copies`).
 """
 from __future__ import annotations
 
@@ -151,7 +153,8 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
     copies = args.copies or default_copies(shape, fmt)
-    experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8)  # kt-kernel keeps a copy each
+    # (kt-kernel computes on our blocks in place; room for a copy of its own a thread count)
+    experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8)
     layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles)
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
@@ -171,8 +174,8 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
                          stream_gbps=stream, tflops=flops / seconds / 1e12, peer=None))
         all_calls.append(calls)
     peers = build_peers(peer_threads, experts=experts, top_k=shape["top_k"], hidden=shape["hidden"],
-                        intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt], gate=layers[0].weights[0].data,
-                        up=layers[0].weights[1].data, down=layers[0].weights[2].data)
+                        intermediate=shape["intermediate"], types=FORMAT_TYPES[fmt],
+                        copies=[tuple(w.data for w in layer.weights[:3]) for layer in layers])
     for row, calls in zip(rows, all_calls):
         row["peer"] = time_peers(peers, calls)
         print_row(row, args.json)
@@ -191,12 +194,15 @@ def amx_peer_rows(args, rows: list[dict], all_calls: list, layers: list[Layer], 
     if not args.peer_amx or not peer_threads:
         return []
     H, I, E = shape["hidden"], shape["intermediate"], experts
-    dense = [dequantize(w.data, w.ggml_type, s).to(torch.bfloat16).contiguous()
-             for w, s in zip(layers[0].weights, ((E, I, H), (E, I, H), (E, H, I)))]
+    # as many of our copies as RAM holds in bf16 (2 bytes a weight, with room for kt-kernel's own)
+    dense_bytes = 3 * E * H * I * 2
+    fit = max(1, int(psutil.virtual_memory().available * 0.3 // (dense_bytes * (1 + len(peer_threads)))))
+    dense = [[dequantize(w.data, w.ggml_type, s).to(torch.bfloat16).contiguous()
+              for w, s in zip(layer.weights, ((E, I, H), (E, I, H), (E, H, I)))] for layer in layers[:fit]]
     extra = []
     for klass in AMX_CLASSES:
         peers = build_peers(peer_threads, experts=E, top_k=shape["top_k"], hidden=H, intermediate=I,
-                            types=("BF16",) * 3, gate=dense[0], up=dense[1], down=dense[2], klass=klass)
+                            types=("BF16",) * 3, copies=[tuple(d) for d in dense], klass=klass)
         for threads in peers:
             peers[threads].extra = True
         for row, calls in zip(rows, all_calls):
@@ -228,6 +234,7 @@ def _peer_columns(peer: dict | None, ours_us: float) -> str:
         return f" {'-':>12} {'-':>7}"
     name, _, threads = peer["name"].rpartition(", ")  # "kt-kernel 0.7.2[ CLASS], N threads"
     label = name.split(" ", 2)[2] if name.count(" ") >= 2 else ""
+    label += f" ({peer['copies']} copies)" if peer.get("copies", 1) > 1 else " (1 copy)"
     return f" {peer['median_us']:>9.1f}/{threads.split()[0]:<2} {peer['median_us'] / ours_us:>7.2f} {label}".rstrip()
 
 

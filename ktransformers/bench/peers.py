@@ -25,40 +25,53 @@ def kt_kernel_ext():
 
 
 class KTKernelMoE:
-    """One MoE layer in kt-kernel, on the same weight bytes as ours."""
+    """One MoE layer in kt-kernel, on the same weight bytes as ours: one kt-kernel layer per copy
+    of ours (its pool shared by them), cycled call by call as ours are, so that both read the
+    same footprint (a layer that fits a large L3 would otherwise be timed from the cache)."""
 
     def __init__(self, threads: int, *, experts: int, top_k: int, hidden: int, intermediate: int,
-                 types: tuple[str, str, str], gate, up, down, max_tokens: int = 512, klass: str = "MOE"):
-        """klass "MOE": GGML blocks of `types`; an AMX class (AMXBF16_MOE, AMXInt8_MOE, AMXInt4_MOE,
-        AMXInt4_KGroup_MOE): bf16 weights, which it quantizes itself when loading."""
+                 types: tuple[str, str, str], copies: list[tuple], max_tokens: int = 512, klass: str = "MOE"):
+        """`copies`: (gate, up, down) weights of each copy. klass "MOE": GGML blocks of `types`; an
+        AMX class (AMXBF16_MOE, AMXInt8_MOE, AMXInt4_MOE, AMXInt4_KGroup_MOE): bf16 weights,
+        which it quantizes itself when loading."""
         ext = kt_kernel_ext()
         wc = ext.WorkerPoolConfig()
         wc.subpool_count, wc.subpool_numa_map, wc.subpool_thread_count = 1, [0], [threads]
         self.cpu = ext.CPUInfer(wc)
-        cfg = ext.moe.MOEConfig(experts, top_k, hidden, intermediate, 0)
-        cfg.pool, cfg.max_len = self.cpu.backend_, max_tokens
-        self._keep = (gate, up, down)
-        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self._keep)
-        if klass != "MOE":
-            self.moe = getattr(ext.moe, klass)(cfg)
-        elif types == ("BF16",) * 3:
-            self.moe = ext.moe.AMXBF16_MOE(cfg)
-        else:
-            cfg.gate_type, cfg.up_type, cfg.down_type = (_GGML_IDS[t] for t in types)
-            cfg.hidden_type, cfg.m_block, cfg.group_min_len, cfg.group_max_len = 30, 32, 10, max_tokens
-            self.moe = ext.moe.MOE(cfg)
         self.top_k = top_k
         self._expert_ids = torch.arange(experts, dtype=torch.int64)
-        self.cpu.submit(self.moe.load_weights_task(self._expert_ids.data_ptr()))
-        self.cpu.sync()
+        self._keep, self.moes = [], []
+        for gate, up, down in copies:
+            cfg = ext.moe.MOEConfig(experts, top_k, hidden, intermediate, 0)
+            cfg.pool, cfg.max_len = self.cpu.backend_, max_tokens
+            self._keep.append((gate, up, down))
+            cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in (gate, up, down))
+            if klass != "MOE":
+                moe = getattr(ext.moe, klass)(cfg)
+            elif types == ("BF16",) * 3:
+                moe = ext.moe.AMXBF16_MOE(cfg)
+            else:
+                cfg.gate_type, cfg.up_type, cfg.down_type = (_GGML_IDS[t] for t in types)
+                cfg.hidden_type, cfg.m_block, cfg.group_min_len, cfg.group_max_len = 30, 32, 10, max_tokens
+                moe = ext.moe.MOE(cfg)
+            self.cpu.submit(moe.load_weights_task(self._expert_ids.data_ptr()))
+            self.cpu.sync()
+            self.moes.append(moe)
+        self.moe = self.moes[0]
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    @property
+    def copies(self) -> int:
+        return len(self.moes)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, call: int = 0) -> torch.Tensor:
+        """Call number `call` (its copy: call % copies, as ours cycle theirs)."""
         x = x.to(torch.bfloat16).contiguous()
         ids, weights = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
         y = torch.empty_like(x)
         qlen = torch.tensor([x.shape[0]], dtype=torch.int32)
-        self.cpu.submit(self.moe.forward_task(qlen.data_ptr(), self.top_k, ids.data_ptr(), weights.data_ptr(),
-                                              x.data_ptr(), y.data_ptr(), False))
+        moe = self.moes[call % len(self.moes)]
+        self.cpu.submit(moe.forward_task(qlen.data_ptr(), self.top_k, ids.data_ptr(), weights.data_ptr(),
+                                         x.data_ptr(), y.data_ptr(), False))
         self.cpu.sync()
         return y
 
@@ -109,7 +122,7 @@ def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None
             times = []
             for i, (x, ids, w) in enumerate(calls):
                 start = time.perf_counter()
-                peer.forward(x, ids, w)
+                peer.forward(x, ids, w, i)
                 if i >= 2:  # warm-up
                     times.append(time.perf_counter() - start)
             median = statistics.median(times)
@@ -120,4 +133,4 @@ def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None
     peer = next(iter(peers.values()))
     klass = type(peer.moe).__name__
     name = kt_kernel_version() + ("" if klass in ("MOE", "AMXBF16_MOE") and not getattr(peer, "extra", False) else f" {klass}")
-    return {"name": f"{name}, {best[0]} threads", "median_us": best[1] * 1e6}
+    return {"name": f"{name}, {best[0]} threads", "median_us": best[1] * 1e6, "copies": peer.copies}
