@@ -7,13 +7,12 @@ calls (cold data: copies cycled past the L2), median of 30 replays:
   program adds the partial sums" costs beyond the read);
 against the int4 GEMVs of quant_linear at Qwen3-30B-A3B's q and o shapes (6 MB with scales).
     python scripts/gpu_floor.py"""
-import statistics
-
 import torch
 import triton
 import triton.language as tl
 
 from ktransformers.kernels.triton import quant_linear as Q
+from gpu_tune import timed  # (scripts/: a graph of the calls, median us a call)
 
 COPIES = 32
 
@@ -45,27 +44,6 @@ def _read_reduce(x_ptr, out_ptr, count_ptr, per_program, BLOCK: tl.constexpr):
         parts = tl.load(out_ptr + 1 + r, mask=r < tl.num_programs(0), other=0.0, cache_modifier=".cg")
         tl.store(out_ptr, tl.sum(parts, 0))
         tl.atomic_xchg(count_ptr, 0)
-
-
-def timed(calls) -> float:
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main() -> None:
