@@ -23,21 +23,23 @@ def _empty(x_ptr):
 
 
 @triton.jit
-def _read(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+def _share_sum(x_ptr, per_program, BLOCK: tl.constexpr):
+    """The sum of this program's `per_program` words of x."""
     base = tl.program_id(0).to(tl.int64) * per_program
     acc = tl.zeros((BLOCK,), tl.int32)
     for i in range(0, per_program, BLOCK):
         acc += tl.load(x_ptr + base + i + tl.arange(0, BLOCK))
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.float32))
+    return tl.sum(acc, 0).to(tl.float32)
+
+
+@triton.jit
+def _read(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.program_id(0), _share_sum(x_ptr, per_program, BLOCK))
 
 
 @triton.jit
 def _read_reduce(x_ptr, out_ptr, count_ptr, per_program, BLOCK: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * per_program
-    acc = tl.zeros((BLOCK,), tl.int32)
-    for i in range(0, per_program, BLOCK):
-        acc += tl.load(x_ptr + base + i + tl.arange(0, BLOCK))
-    tl.store(out_ptr + 1 + tl.program_id(0), tl.sum(acc, 0).to(tl.float32))
+    tl.store(out_ptr + 1 + tl.program_id(0), _share_sum(x_ptr, per_program, BLOCK))
     tl.debug_barrier()
     if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         r = tl.arange(0, 1024)

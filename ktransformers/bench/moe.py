@@ -153,7 +153,7 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
     exists, so it must not live while ours is timed."""
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
     copies = args.copies or default_copies(shape, fmt)
-    # (kt-kernel computes on our blocks in place; room for a copy of its own a thread count)
+    # (kt-kernel's layers point at our blocks; room for a copy of its own a thread count, should it copy them)
     experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8)
     layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles)
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
@@ -197,12 +197,12 @@ def amx_peer_rows(args, rows: list[dict], all_calls: list, layers: list[Layer], 
     # as many of our copies as RAM holds in bf16 (2 bytes a weight, with room for kt-kernel's own)
     dense_bytes = 3 * E * H * I * 2
     fit = max(1, int(psutil.virtual_memory().available * 0.3 // (dense_bytes * (1 + len(peer_threads)))))
-    dense = [[dequantize(w.data, w.ggml_type, s).to(torch.bfloat16).contiguous()
-              for w, s in zip(layer.weights, ((E, I, H), (E, I, H), (E, H, I)))] for layer in layers[:fit]]
+    dense = [tuple(dequantize(w.data, w.ggml_type, s).to(torch.bfloat16).contiguous()
+                   for w, s in zip(layer.weights, ((E, I, H), (E, I, H), (E, H, I)))) for layer in layers[:fit]]
     extra = []
     for klass in AMX_CLASSES:
         peers = build_peers(peer_threads, experts=E, top_k=shape["top_k"], hidden=H, intermediate=I,
-                            types=("BF16",) * 3, copies=[tuple(d) for d in dense], klass=klass)
+                            types=("BF16",) * 3, copies=dense, klass=klass)
         for threads in peers:
             peers[threads].extra = True
         for row, calls in zip(rows, all_calls):

@@ -57,7 +57,6 @@ class KTKernelMoE:
             self.cpu.submit(moe.load_weights_task(self._expert_ids.data_ptr()))
             self.cpu.sync()
             self.moes.append(moe)
-        self.moe = self.moes[0]
 
     @property
     def copies(self) -> int:
@@ -131,6 +130,6 @@ def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None
     if best is None:
         return None
     peer = next(iter(peers.values()))
-    klass = type(peer.moe).__name__
+    klass = type(peer.moes[0]).__name__
     name = kt_kernel_version() + ("" if klass in ("MOE", "AMXBF16_MOE") and not getattr(peer, "extra", False) else f" {klass}")
     return {"name": f"{name}, {best[0]} threads", "median_us": best[1] * 1e6, "copies": peer.copies}
