@@ -40,6 +40,20 @@ void need_bytes(size_t got, size_t want, const char* which) {
 // L1/L2 while the row streams once per group).
 constexpr int kMaxGroup = 16;
 constexpr int kMaxInt8Group = 64;  // int8 path: tokens whose activations stay in L2 per weight row block
+// Formats without tiles: tokens a group, taken four at a time against a block of rows in L1
+// (dot_rows_block), so the rows of a task stream from L2 once per group.
+constexpr int kMaxRowGroup = 64;
+
+// rows r0..r1 of w (an expert's matrix) against m tokens' activations a into dst[i * stride + r]:
+// tiled formats 16 rows at a time through `out` (kMaxGroup tokens at most), the others directly
+void rows_to(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int m,
+             float* out, float* dst, size_t stride) {
+    if (rows_step(f) == 1) return dot_rows_block(f, n, w, row_bytes, r0, r1, a, m, dst, stride);
+    for (int r = r0; r < r1; r += kTileRows) {
+        dot_step(f, n, w, row_bytes, r, a, m, out);
+        for (int i = 0; i < m; i++) std::copy(out + i * kTileRows, out + (i + 1) * kTileRows, dst + (size_t)i * stride + r);
+    }
+}
 
 std::atomic<int> g_tasks_per_thread{0};  // the settings are read by every runtime's threads: atomic (relaxed)
 std::atomic<bool> g_pipeline{true};
@@ -248,8 +262,8 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     const uint8_t* gw = (const uint8_t*)cfg_.gate + ((size_t)e * I) * gate_row_;
     const uint8_t* uw = (const uint8_t*)cfg_.up + ((size_t)e * I) * up_row_;
     const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
-    const void* xg[kMaxGroup];
-    const void* xu[kMaxGroup];
+    const void* xg[kMaxRowGroup];
+    const void* xu[kMaxRowGroup];
     float out[kMaxGroup * kTileRows];
     const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
     if (g_read_only.load(std::memory_order_relaxed)) {
@@ -263,8 +277,9 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     }
     prefetch_prologue(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_);
     prefetch_prologue(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_);
-    for (int g0 = 0; g0 < count; g0 += kMaxGroup) {  // tokens of this expert, a group at a time
-        const int m = std::min(kMaxGroup, count - g0);
+    const int group = gs == 1 && us == 1 ? kMaxRowGroup : kMaxGroup;
+    for (int g0 = 0; g0 < count; g0 += group) {  // tokens of this expert, a group at a time
+        const int m = std::min(group, count - g0);
         for (int i = 0; i < m; i++) {
             const int t = pair_token_[p0 + g0 + i];
             xg[i] = &s_.x_gate[t * gate_act_];
@@ -272,14 +287,8 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
         }
         float* g = &s_.g[(size_t)(p0 + g0) * I];
         float* u = &s_.u[(size_t)(p0 + g0) * I];
-        for (int r = r0; r < r1; r += gs) {
-            dot_step(gate_fmt_, H, gw, gate_row_, r, xg, m, out);
-            for (int i = 0; i < m; i++) std::copy(out + i * gs, out + (i + 1) * gs, g + (size_t)i * I + r);
-        }
-        for (int r = r0; r < r1; r += us) {
-            dot_step(up_fmt_, H, uw, up_row_, r, xu, m, out);
-            for (int i = 0; i < m; i++) std::copy(out + i * us, out + (i + 1) * us, u + (size_t)i * I + r);
-        }
+        rows_to(gate_fmt_, H, gw, gate_row_, r0, r1, xg, m, out, g, I);
+        rows_to(up_fmt_, H, uw, up_row_, r0, r1, xu, m, out, u, I);
     }
 }
 
@@ -333,7 +342,7 @@ void MoE::down_rows(int e, int r0, int r1) {
     const int I = cfg_.intermediate, H = cfg_.hidden;
     const uint8_t* dw = (const uint8_t*)cfg_.down + ((size_t)e * H) * down_row_;
     const int p0 = expert_start_[e], count = expert_start_[e + 1] - p0;
-    const void* hs[kMaxGroup];
+    const void* hs[kMaxRowGroup];
     float out[kMaxGroup * kTileRows];
     const int ds = rows_step(down_fmt_);
     if (g_read_only.load(std::memory_order_relaxed)) {
@@ -343,14 +352,11 @@ void MoE::down_rows(int e, int r0, int r1) {
         return;
     }
     prefetch_prologue(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_);
-    for (int g0 = 0; g0 < count; g0 += kMaxGroup) {
-        const int m = std::min(kMaxGroup, count - g0);
+    const int group = ds == 1 ? kMaxRowGroup : kMaxGroup;
+    for (int g0 = 0; g0 < count; g0 += group) {
+        const int m = std::min(group, count - g0);
         for (int i = 0; i < m; i++) hs[i] = &s_.h_act[(p0 + g0 + i) * down_act_];
-        float* y = &s_.y_pairs[(size_t)(p0 + g0) * H];
-        for (int r = r0; r < r1; r += ds) {
-            dot_step(down_fmt_, I, dw, down_row_, r, hs, m, out);
-            for (int i = 0; i < m; i++) std::copy(out + i * ds, out + (i + 1) * ds, y + (size_t)i * H + r);
-        }
+        rows_to(down_fmt_, I, dw, down_row_, r0, r1, hs, m, out, &s_.y_pairs[(size_t)(p0 + g0) * H], H);
     }
 }
 

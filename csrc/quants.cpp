@@ -4,6 +4,7 @@
 #include "quants.h"
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -376,6 +377,23 @@ void dot4_q4_0(int n, const void* vw, const void* const va[4], float out[4]) {
 }
 #endif
 
+#if defined(__AVX2__)
+// any number of tokens: four at a time (each tile decoded once per four), then the rest;
+// kernel(std::integral_constant<int, T>, n, tiles, activation rows, out) runs T of them
+template <typename Tile, typename ActBlock, typename Kernel>
+void tile_tokens(int n, const void* w, const void* const* a, int count, float* out, Kernel kernel) {
+    const Tile* tw = (const Tile*)w;
+    const ActBlock* const* x = (const ActBlock* const*)a;
+    int i = 0;
+    for (; i + 4 <= count; i += 4) kernel(std::integral_constant<int, 4>{}, n, tw, x + i, out + 16 * i);
+    switch (count - i) {
+        case 3: kernel(std::integral_constant<int, 3>{}, n, tw, x + i, out + 16 * i); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, n, tw, x + i, out + 16 * i); break;
+        case 1: kernel(std::integral_constant<int, 1>{}, n, tw, x + i, out + 16 * i); break;
+    }
+}
+#endif
+
 #if defined(__AVX512BW__)
 inline float hsum512_f32(__m512 v) { return _mm512_reduce_add_ps(v); }
 // acc + (pairs of int16 products p * s summed into int32): one VNNI instruction where the build has it
@@ -707,20 +725,9 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
-// any number of tokens: four at a time (each tile decoded once per four), then the rest;
-// kernel(std::integral_constant<int, T>, n, tiles, activation rows, out) runs T of them
-template <typename Tile, typename ActBlock, typename Kernel>
-void tile_tokens(int n, const void* w, const void* const* a, int count, float* out, Kernel kernel) {
-    const Tile* tw = (const Tile*)w;
-    const ActBlock* const* x = (const ActBlock* const*)a;
-    int i = 0;
-    for (; i + 4 <= count; i += 4) kernel(std::integral_constant<int, 4>{}, n, tw, x + i, out + 16 * i);
-    switch (count - i) {
-        case 3: kernel(std::integral_constant<int, 3>{}, n, tw, x + i, out + 16 * i); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, n, tw, x + i, out + 16 * i); break;
-        case 1: kernel(std::integral_constant<int, 1>{}, n, tw, x + i, out + 16 * i); break;
-    }
-}
+#endif
+
+#if defined(__AVX512VNNI__)
 void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q4_k16, T>(n, tw, x, o); });
 }
@@ -870,6 +877,276 @@ void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// ---- 16-row tiles at 256 bits (AVX2) ----------------------------------------------------------
+// The same tiles as the AVX512-VNNI kernels, eight rows (half of a tile's 64-byte step) a
+// register, a tile's two halves one after the other (its lines stay in L1 between them).
+// Without dpbusd, a step's bytes against the token's four go through maddubs (int16 sums of
+// pairs), which the steps of one sub-block add in int16 before one madd by the rows' scales:
+// what a row-at-a-time kernel spends on its scales and horizontal sums, once for eight rows.
+
+// 8 rows' scale of Q4_K sub-block j from the tile header's words P0 (scale bytes 0..3) and P2
+// (8..11), in both 16-bit halves of the row's lane (madd against int16 pair sums)
+inline __m256i k4_tile_scales(__m256i P0, __m256i P2, int j) {
+    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(0x0F);
+    const __m256i sc = j < 4 ? _mm256_and_si256(_mm256_srli_epi32(P0, 8 * j), six)
+                             : _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(P2, 8 * (j - 4)), four),
+                                                                _mm256_andnot_si256(four, _mm256_srli_epi32(P0, 8 * (j - 4) + 2))), six);
+    return _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+}
+inline __m256i bcast4(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Q4_K tiles against T activation rows (Q8_KT). A sub-block's 8 maddubs of 15 * 127 * 2 at most
+// each add up below 2^15 in int16.
+template <int T>
+void tile_q4_k16_rows256(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i pair6 = _mm256_set1_epi32(0x003F003F), pair4 = _mm256_set1_epi32(0x000F000F);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
+            const __m256i P0 = _mm256_loadu_si256((const __m256i*)(w->sc[0] + 8 * h));
+            const __m256i P1 = _mm256_loadu_si256((const __m256i*)(w->sc[1] + 8 * h));
+            const __m256i P2 = _mm256_loadu_si256((const __m256i*)(w->sc[2] + 8 * h));
+            __m256i sumi[T];
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                if (h == 0) prefetch_ahead(w, j, 8);
+                __m256i p[T];
+                for (int t = 0; t < T; t++) p[t] = _mm256_setzero_si256();
+                for (int q = 0; q < 4; q++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w->qs[4 * j + q] + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int t = 0; t < T; t++) {
+                        const int8_t* x = a[t][b].qs + 32 * j + 4 * q;
+                        p[t] = _mm256_add_epi16(p[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 16))));
+                    }
+                }
+                const __m256i sc = k4_tile_scales(P0, P2, j);
+                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p[t], sc));
+            }
+            // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7), against Q8_KT's bsums pairs
+            const __m256i m02 = _mm256_and_si256(P1, pair6), m13 = _mm256_and_si256(_mm256_srli_epi32(P1, 8), pair6);
+            const __m256i m46 = _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(P2, 4), pair4),
+                                                                 _mm256_andnot_si256(pair4, _mm256_srli_epi32(P1, 2))), pair6);
+            const __m256i m57 = _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(P2, 12), pair4),
+                                                                 _mm256_andnot_si256(pair4, _mm256_srli_epi32(P1, 10))), pair6);
+            const __m256 d_rows = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d + 8 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->dmin + 8 * h)));
+            for (int t = 0; t < T; t++) {
+                int32_t pr[4];
+                std::memcpy(pr, a[t][b].bsums, 16);
+                const __m256i ms = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(m02, _mm256_set1_epi32(pr[0])), _mm256_madd_epi16(m13, _mm256_set1_epi32(pr[1]))),
+                                                    _mm256_add_epi32(_mm256_madd_epi16(m46, _mm256_set1_epi32(pr[2])), _mm256_madd_epi16(m57, _mm256_set1_epi32(pr[3]))));
+                const __m256 ad = _mm256_set1_ps(a[t][b].d);
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d_rows, ad), _mm256_cvtepi32_ps(sumi[t]), acc[t][h]);
+                acc[t][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, ad), _mm256_cvtepi32_ps(ms), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
+}
+
+// Q6_K tiles against T activation rows (Q8_K): values 0..63 (the -32s as 32 * scales . bsums),
+// so two maddubs of 63 * 127 * 2 at most add in int16 before each madd by the scales.
+template <int T>
+void tile_q6_k16_rows256(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+    // int16 lanes (sc[2j], sc[2j + 1]) of a row -> the first (second) in both halves of its lane
+    const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup_hi = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
+            __m256i sumi[T];
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                if (h == 0) prefetch_ahead(w, j, 8);
+                const auto& part = w->part[j / 2];
+                const auto& half = part.half[j % 2];
+                const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)part.sc[j % 2][8 * h]));
+                const __m256i s_lo = _mm256_shuffle_epi8(pair, dup_lo), s_hi = _mm256_shuffle_epi8(pair, dup_hi);
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m256i H = _mm256_loadu_si256((const __m256i*)(half.qh[hh] + 32 * h));
+                    __m256i plo[T], phi[T];
+                    for (int t = 0; t < T; t++) plo[t] = phi[t] = _mm256_setzero_si256();
+                    for (int qq = 0; qq < 2; qq++) {
+                        const int q = 2 * hh + qq;
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(half.ql[q] + 32 * h));
+                        const __m256i hl = qq ? H : _mm256_slli_epi16(H, 4), hh2 = qq ? _mm256_srli_epi16(H, 2) : _mm256_slli_epi16(H, 2);
+                        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(hl, bits45));
+                        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(hh2, bits45));
+                        for (int t = 0; t < T; t++) {
+                            const int8_t* x = a[t][b].qs + 32 * j + 4 * q;
+                            plo[t] = _mm256_add_epi16(plo[t], _mm256_maddubs_epi16(lo, bcast4(x)));
+                            phi[t] = _mm256_add_epi16(phi[t], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+                        }
+                    }
+                    for (int t = 0; t < T; t++)
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_madd_epi16(plo[t], s_lo), _mm256_madd_epi16(phi[t], s_hi)));
+                }
+                for (int t = 0; t < T; t++) {  // minus 32 * (sc[2j] * bsums[2j] + sc[2j + 1] * bsums[2j + 1])
+                    int32_t bs;
+                    std::memcpy(&bs, a[t][b].bsums + 2 * j, 4);
+                    sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(_mm256_madd_epi16(pair, _mm256_set1_epi32(bs)), 5));
+                }
+            }
+            const __m256 d_rows = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d + 8 * h)));
+            for (int t = 0; t < T; t++)
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d_rows, _mm256_set1_ps(a[t][b].d)), _mm256_cvtepi32_ps(sumi[t]), acc[t][h]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
+}
+
+void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q4_k16_rows256<T>(n, tw, x, o); });
+}
+void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows256<T>(n, tw, x, o); });
+}
+
+// ---- 256 bits: K-quant rows against T activation rows -----------------------------------------
+// The AVX2 level's counterparts of the 512-bit row kernels: each weight block is unpacked once for
+// T tokens (prefill: four a call), with the same float steps per row whatever T, so one token alone
+// gives what it gives among four, to the bit. Activations in the natural Q8_K order.
+
+// Q4_K, and Q5_K (the fifth bit of value l of sub-block j: bit j of qh[l]).
+template <typename Block, int T>
+void dot_k4_rows256(int n, const Block* w, const act_q8_k* const* a, float* out) {
+    constexpr bool five_bits = std::is_same<Block, block_q5_k>::value;
+    const __m256i low = _mm256_set1_epi8(0xF), sixteen = _mm256_set1_epi8(16);
+    __m256 acc[T];
+    float mins[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), mins[t] = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const __m128i sm = k4_scales_vec(w[b].scales);
+        // scales as 16-bit lanes, broadcast per sub-block pair via shuffles
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m256i hbits = _mm256_setzero_si256();
+        if constexpr (five_bits) hbits = _mm256_loadu_si256((const __m256i*)w[b].qh);
+        __m256i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {  // 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(w[b].qs + 32 * c));
+            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if constexpr (five_bits) {
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), sixteen));
+            }
+            const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 1) << 8) | (4 * c))));
+            const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 3) << 8) | (4 * c + 2))));
+            for (int t = 0; t < T; t++) {
+                const int8_t* x = a[t][b].qs + 64 * c;
+                const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
+                const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
+            }
+        }
+        const float dw = fp16_to_f32(w[b].d), dmin = fp16_to_f32(w[b].dmin);
+        for (int t = 0; t < T; t++) {
+            mins[t] += a[t][b].d * dmin * k4_mins_dot(sm, a[t][b].bsums);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][b].d * dw), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) out[t] = hsum_f32(acc[t]) - mins[t];
+}
+void dot4_q4_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_k4_rows256<block_q4_k, 4>(n, (const block_q4_k*)vw, (const act_q8_k* const*)va, out);
+}
+void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_k4_rows256<block_q5_k, 4>(n, (const block_q5_k*)vw, (const act_q8_k* const*)va, out);
+}
+
+// Q6_K: value = d * scales[g] * (q - 32); the -32 of every value as 32 * (scales . bsums).
+template <int T>
+void dot_q6_k_rows256(int n, const block_q6_k* w, const act_q8_k* const* a, float* out) {
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    // for quarter k of a half: 16-bit scale index 2k in the low 128 bits, 2k+1 in the high ones
+    const __m256i pick[4] = {
+        _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0b0a), _mm_set1_epi16(0x0908)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0f0e), _mm_set1_epi16(0x0d0c)),
+    };
+    __m256 acc[T];
+    float offsets[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), offsets[t] = 0;
+    for (int b = 0; b < n / QK_K; b++) {
+        const float dw = fp16_to_f32(w[b].d);
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
+        const uint8_t* ql = w[b].ql;
+        const uint8_t* qh = w[b].qh;
+        __m256i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32) {
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half))));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
+                _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
+            };
+            for (int k = 0; k < 4; k++) {
+                const __m256i s = _mm256_shuffle_epi8(sc, pick[k]);
+                for (int t = 0; t < T; t++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i*)(a[t][b].qs + 128 * half + 32 * k));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const float d = dw * a[t][b].d;
+            offsets[t] += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[t][b].bsums)));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) out[t] = hsum_f32(acc[t]) - offsets[t];
+}
+void dot4_q6_k(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_q6_k_rows256<4>(n, (const block_q6_k*)vw, (const act_q8_k* const*)va, out);
+}
+
+// IQ4_XS: nibbles through the IQ4_NL table; |value| against the token's bytes with the value's
+// sign (maddubs needs one unsigned side), times the sub-block's scale - 32 as int16 pairs.
+template <int T>
+void dot_iq4_xs_rows256(int n, const block_iq4_xs* w, const act_q8_k* const* a, float* out) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
+    const __m256i lut = _mm256_set_m128i(table, table), low = _mm256_set1_epi8(0xF);
+    __m256 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++) {
+        __m256i sumi[T];
+        for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((w[b].scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((w[b].scales_h >> (2 * ib)) & 3) << 4);
+            const __m128i raw = _mm_loadu_si128((const __m128i*)(w[b].qs + 16 * ib));
+            const __m256i v = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low));
+            const __m256i mag = _mm256_sign_epi8(v, v), s = _mm256_set1_epi16((short)(ls - 32));
+            for (int t = 0; t < T; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i*)(a[t][b].qs + 32 * ib));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, v)), s));
+            }
+        }
+        const float dw = fp16_to_f32(w[b].d);
+        for (int t = 0; t < T; t++) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[t][b].d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+    }
+    for (int t = 0; t < T; t++) out[t] = hsum_f32(acc[t]);
+}
+void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
+    dot_iq4_xs_rows256<4>(n, (const block_iq4_xs*)vw, (const act_q8_k* const*)va, out);
+}
+#endif
+
 // ---- Q4_K, Q5_K x Q8_K --------------------------------------------------------------------
 // value = d * sc_j * q - dmin * m_j for sub-block j (32 values); q in 0..15 (Q4_K), or 0..31 with
 // the fifth bit from qh (Q5_K: bit j of qh[l] for value l of sub-block j).
@@ -879,36 +1156,9 @@ float dot_k4(int n, const Block* w, const act_q8_k* a) {
 #if defined(__AVX512BW__)
     return dot_k4_avx512(n, w, a);
 #elif defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi8(0xF), sixteen = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0;
-    for (int b = 0; b < n / QK_K; b++) {
-        const __m128i sm = k4_scales_vec(w[b].scales);
-        mins += a[b].d * fp16_to_f32(w[b].dmin) * k4_mins_dot(sm, a[b].bsums);
-        // scales as 16-bit lanes, broadcast per sub-block pair via shuffles
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-        __m256i hbits = _mm256_setzero_si256();
-        if constexpr (five_bits) hbits = _mm256_loadu_si256((const __m256i*)w[b].qh);
-        const uint8_t* q = w[b].qs;
-        const int8_t* x = a[b].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++, q += 32, x += 64) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i*)q);
-            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            if constexpr (five_bits) {
-                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), sixteen));
-            }
-            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
-            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
-            const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 1) << 8) | (4 * c))));
-            const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(((4 * c + 3) << 8) | (4 * c + 2))));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[b].d * fp16_to_f32(w[b].d)), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    return hsum_f32(acc) - mins;
+    float out;
+    dot_k4_rows256<Block, 1>(n, w, &a, &out);
+    return out;
 #else
     float sum = 0;
     for (int b = 0; b < n / QK_K; b++) {
@@ -946,43 +1196,9 @@ float dot_q6_k(int n, const void* vw, const void* va) {
 #if defined(__AVX512BW__)
     return dot_q6_k_avx512(n, w, a);
 #elif defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    // for quarter k of a half: 16-bit scale index 2k in the low 128 bits, 2k+1 in the high ones
-    const __m256i pick[4] = {
-        _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
-        _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
-        _mm256_set_m128i(_mm_set1_epi16(0x0b0a), _mm_set1_epi16(0x0908)),
-        _mm256_set_m128i(_mm_set1_epi16(0x0f0e), _mm_set1_epi16(0x0d0c)),
-    };
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0;
-    for (int b = 0; b < n / QK_K; b++) {
-        const float d = fp16_to_f32(w[b].d) * a[b].d;
-        // the -32 offset of every value: 32 * sum_g scales[g] * bsum[g]
-        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[b].scales));
-        offsets += d * 32 * hsum_i32(_mm256_madd_epi16(sc_all, _mm256_loadu_si256((const __m256i*)a[b].bsums)));
-        const uint8_t* ql = w[b].ql;
-        const uint8_t* qh = w[b].qh;
-        const int8_t* x = a[b].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int half = 0; half < 2; half++, ql += 64, qh += 32, x += 128) {
-            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[b].scales + 8 * half))));
-            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
-                _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
-            };
-            for (int k = 0; k < 4; k++) {
-                const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sc, pick[k])));
-            }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    return hsum_f32(acc) - offsets;
+    float out;
+    dot_q6_k_rows256<1>(n, w, &a, &out);
+    return out;
 #else
     float sum = 0;
     for (int b = 0; b < n / QK_K; b++) {
@@ -1014,32 +1230,26 @@ float dot_iq4_xs(int n, const void* vw, const void* va) {
     const act_q8_k* a = (const act_q8_k*)va;
 #if defined(__AVX512BW__)
     return dot_iq4_xs_avx512(n, w, a);
-#endif
+#elif defined(__AVX2__)
+    float out;
+    dot_iq4_xs_rows256<1>(n, w, &a, &out);
+    return out;
+#else
     float sum = 0;
-#if defined(__AVX2__)
-    const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
-    const __m256i lut = _mm256_set_m128i(table, table), low = _mm256_set1_epi8(0xF);
-#endif
     for (int b = 0; b < n / QK_K; b++) {
         const uint8_t* q = w[b].qs;
         const int8_t* x = a[b].qs;
         int sumi = 0;
         for (int ib = 0; ib < 8; ib++, q += 16, x += 32) {
             const int ls = ((w[b].scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((w[b].scales_h >> (2 * ib)) & 3) << 4);
-#if defined(__AVX2__)
-            const __m128i raw = _mm_loadu_si128((const __m128i*)q);
-            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            const __m256i v = _mm256_shuffle_epi8(lut, idx);
-            const int s = hsum_i32(dot_s8(v, _mm256_loadu_si256((const __m256i*)x)));
-#else
             int s = 0;
             for (int j = 0; j < 16; j++) s += kIQ4NL[q[j] & 0xF] * x[j] + kIQ4NL[q[j] >> 4] * x[j + 16];
-#endif
             sumi += (ls - 32) * s;
         }
         sum += fp16_to_f32(w[b].d) * a[b].d * sumi;
     }
     return sum;
+#endif
 }
 
 // ---- 16-bit floats x F32 -----------------------------------------------------------------
@@ -1192,6 +1402,9 @@ constexpr Dot4Fn kDot4Q8_0 = nullptr, kDot4Q4_0 = nullptr;
 #if defined(__AVX512BW__)
 constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k, kDot4IQ4XS = dot4_iq4_xs;
 constexpr Act kActQ4K = Act::Q8_KX;
+#elif defined(__AVX2__)
+constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k, kDot4IQ4XS = dot4_iq4_xs;
+constexpr Act kActQ4K = Act::Q8_K;
 #else
 constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q5K = nullptr, kDot4Q6K = nullptr, kDot4IQ4XS = nullptr;
 constexpr Act kActQ4K = Act::Q8_K;
@@ -1215,6 +1428,9 @@ const Format kFormats[] = {
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
+#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 level: Q4_K and Q6_K)
+    {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
+    {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
 #endif
 };
 
@@ -1231,6 +1447,24 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
     if (f->dot4)
         for (; i + 4 <= count; i += 4) f->dot4(n, w, a + i, out + i);
     for (; i < count; i++) out[i] = f->dot(n, w, a[i]);
+}
+
+void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a,
+                    int count, float* out, size_t stride) {
+    const int block = (int)std::max<size_t>(1, std::min<size_t>(64, (16 << 10) / row_bytes));
+    float v[4];
+    for (int b0 = r0; b0 < r1; b0 += block) {
+        const int b1 = std::min(r1, b0 + block);
+        int i = 0;
+        if (f->dot4)
+            for (; i + 4 <= count; i += 4)
+                for (int r = b0; r < b1; r++) {
+                    f->dot4(n, w + (size_t)r * row_bytes, a + i, v);
+                    for (int k = 0; k < 4; k++) out[(size_t)(i + k) * stride + r] = v[k];
+                }
+        for (; i < count; i++)
+            for (int r = b0; r < b1; r++) out[(size_t)i * stride + r] = f->dot(n, w + (size_t)r * row_bytes, a[i]);
+    }
 }
 
 std::pair<int, int> tile_prefetch() { return {g_tile_prefetch, g_tile_prefetch_hint}; }
