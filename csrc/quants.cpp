@@ -900,11 +900,13 @@ inline __m256i bcast4(const int8_t* x) {
     return _mm256_set1_epi32(v);
 }
 
-// Q4_K tiles against T activation rows (Q8_KT). A sub-block's 8 maddubs of 15 * 127 * 2 at most
-// each add up below 2^15 in int16.
-template <int T>
-void tile_q4_k16_rows256(int n, const tile_q4_k16* w, const act_q8_k* const* a, float* out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+// Q4_K tiles, and Q5_K (a fifth bit from qh), against T activation rows (Q8_KT). maddubs of
+// 15 * 127 * 2 at most: a sub-block's 8 add up below 2^15 in int16 (Q5_K's 31 * 127 * 2: 4 do).
+template <typename Tile, int T>
+void tile_k4_rows256(int n, const Tile* w, const act_q8_k* const* a, float* out) {
+    constexpr bool five = std::is_same<Tile, tile_q5_k16>::value;
+    constexpr int steps_int16 = five ? 2 : 4;  // steps (two maddubs each) summed in int16 before a madd
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const __m256i pair6 = _mm256_set1_epi32(0x003F003F), pair4 = _mm256_set1_epi32(0x000F000F);
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -917,18 +919,27 @@ void tile_q4_k16_rows256(int n, const tile_q4_k16* w, const act_q8_k* const* a, 
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 if (h == 0) prefetch_ahead(w, j, 8);
+                const __m256i sc = k4_tile_scales(P0, P2, j);
+                __m256i qh = _mm256_setzero_si256();
+                if constexpr (five) qh = _mm256_loadu_si256((const __m256i*)(w->part[j].qh + 32 * h));
                 __m256i p[T];
-                for (int t = 0; t < T; t++) p[t] = _mm256_setzero_si256();
                 for (int q = 0; q < 4; q++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w->qs[4 * j + q] + 32 * h));
-                    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    __m256i v;
+                    if constexpr (five) v = _mm256_loadu_si256((const __m256i*)(w->part[j].qs[q] + 32 * h));
+                    else v = _mm256_loadu_si256((const __m256i*)(w->qs[4 * j + q] + 32 * h));
+                    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    if constexpr (five) {  // bit q of qh -> bit 4 of the low value, bit 4 + q -> of the high one
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4 - q), bit4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(q ? _mm256_srli_epi16(qh, q) : qh, bit4));
+                    }
                     for (int t = 0; t < T; t++) {
                         const int8_t* x = a[t][b].qs + 32 * j + 4 * q;
-                        p[t] = _mm256_add_epi16(p[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 16))));
+                        const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+                        p[t] = q % steps_int16 ? _mm256_add_epi16(p[t], s2) : s2;
                     }
+                    if (q % steps_int16 == steps_int16 - 1)
+                        for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p[t], sc));
                 }
-                const __m256i sc = k4_tile_scales(P0, P2, j);
-                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p[t], sc));
             }
             // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7), against Q8_KT's bsums pairs
             const __m256i m02 = _mm256_and_si256(P1, pair6), m13 = _mm256_and_si256(_mm256_srli_epi32(P1, 8), pair6);
@@ -1006,7 +1017,10 @@ void tile_q6_k16_rows256(int n, const tile_q6_k16* w, const act_q8_k* const* a, 
 }
 
 void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q4_k16_rows256<T>(n, tw, x, o); });
+    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows256<tile_q4_k16, T>(n, tw, x, o); });
+}
+void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q5_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows256<tile_q5_k16, T>(n, tw, x, o); });
 }
 void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows256<T>(n, tw, x, o); });
@@ -1428,8 +1442,9 @@ const Format kFormats[] = {
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
-#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 level: Q4_K and Q6_K)
+#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 level: the K-quants Q4_K, Q5_K, Q6_K)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
+    {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
 #endif
 };

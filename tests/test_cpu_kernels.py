@@ -215,8 +215,8 @@ def test_tiles_layout_and_kernel(runtime, fmt):
     time, then 3, 2, 1) gives what the row kernel gives on the same rounded activations."""
     from ktransformers.kernels.cpu import tile_weights
     if not runtime.ext.has_tiles(int(fmt)):
-        # AVX512-VNNI has every format's tiles; the AVX2 level Q4_K's and Q6_K's
-        assert runtime.isa == "avx2" and fmt not in (GGMLType.Q4_K, GGMLType.Q6_K)
+        # AVX512-VNNI has every format's tiles; the AVX2 level the K-quants' (Q4_K, Q5_K, Q6_K)
+        assert runtime.isa == "avx2" and fmt not in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
         return
     gen = torch.Generator().manual_seed(5)
     E, K, H, I = 7, 3, 512, 256
