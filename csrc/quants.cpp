@@ -728,15 +728,6 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
 #endif
 
 #if defined(__AVX512VNNI__)
-void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q4_k16, T>(n, tw, x, o); });
-}
-void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q5_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q5_k16, T>(n, tw, x, o); });
-}
-void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows<T>(n, tw, x, o); });
-}
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows<T>(n, tw, x, o); });
 }
@@ -903,7 +894,7 @@ inline __m256i bcast4(const int8_t* x) {
 // Q4_K tiles, and Q5_K (a fifth bit from qh), against T activation rows (Q8_KT). maddubs of
 // 15 * 127 * 2 at most: a sub-block's 8 add up below 2^15 in int16 (Q5_K's 31 * 127 * 2: 4 do).
 template <typename Tile, int T>
-void tile_k4_rows256(int n, const Tile* w, const act_q8_k* const* a, float* out) {
+void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     constexpr bool five = std::is_same<Tile, tile_q5_k16>::value;
     constexpr int steps_int16 = five ? 2 : 4;  // steps (two maddubs each) summed in int16 before a madd
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
@@ -966,7 +957,7 @@ void tile_k4_rows256(int n, const Tile* w, const act_q8_k* const* a, float* out)
 // Q6_K tiles against T activation rows (Q8_K): values 0..63 (the -32s as 32 * scales . bsums),
 // so two maddubs of 63 * 127 * 2 at most add in int16 before each madd by the scales.
 template <int T>
-void tile_q6_k16_rows256(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
+void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
     // int16 lanes (sc[2j], sc[2j + 1]) of a row -> the first (second) in both halves of its lane
     const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
@@ -1016,15 +1007,6 @@ void tile_q6_k16_rows256(int n, const tile_q6_k16* w, const act_q8_k* const* a, 
     for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
 }
 
-void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows256<tile_q4_k16, T>(n, tw, x, o); });
-}
-void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q5_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows256<tile_q5_k16, T>(n, tw, x, o); });
-}
-void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows256<T>(n, tw, x, o); });
-}
 
 // ---- 256 bits: K-quant rows against T activation rows -----------------------------------------
 // The AVX2 level's counterparts of the 512-bit row kernels: each weight block is unpacked once for
@@ -1158,6 +1140,19 @@ void dot_iq4_xs_rows256(int n, const block_iq4_xs* w, const act_q8_k* const* a, 
 }
 void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
     dot_iq4_xs_rows256<4>(n, (const block_iq4_xs*)vw, (const act_q8_k* const*)va, out);
+}
+#endif
+
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && !defined(__AVX512BW__))
+// the K-quants' tiles, at either level (tile_k4_rows, tile_q6_k16_rows: 512 or 256 bits)
+void tiles_q4_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q4_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q4_k16, T>(n, tw, x, o); });
+}
+void tiles_q5_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q5_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_k4_rows<tile_q5_k16, T>(n, tw, x, o); });
+}
+void tiles_q6_k(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q6_k16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q6_k16_rows<T>(n, tw, x, o); });
 }
 #endif
 
