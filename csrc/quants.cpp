@@ -727,7 +727,7 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
 
 #endif
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows<T>(n, tw, x, o); });
 }
@@ -892,7 +892,8 @@ inline __m256i bcast4(const int8_t* x) {
 }
 
 // Q4_K tiles, and Q5_K (a fifth bit from qh), against T activation rows (Q8_KT). maddubs of
-// 15 * 127 * 2 at most: a sub-block's 8 add up below 2^15 in int16 (Q5_K's 31 * 127 * 2: 4 do).
+// 15 * 127 * 2 at most: a sub-block's 8 add up below 2^15 in int16 (Q5_K's 31 * 127 * 2: 4 do),
+// for int8 activations in [-127, 127] as prep_q8_kt makes them.
 template <typename Tile, int T>
 void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     constexpr bool five = std::is_same<Tile, tile_q5_k16>::value;
@@ -955,7 +956,8 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
 }
 
 // Q6_K tiles against T activation rows (Q8_K): values 0..63 (the -32s as 32 * scales . bsums),
-// so two maddubs of 63 * 127 * 2 at most add in int16 before each madd by the scales.
+// so two maddubs of 63 * 127 * 2 at most add in int16 before each madd by the scales (32,004 of
+// 32,767: no more than two, and only against int8 activations in [-127, 127], as prep_q8_k makes).
 template <int T>
 void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);

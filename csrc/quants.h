@@ -22,8 +22,9 @@ using DotFn = float (*)(int n, const void* w, const void* a);
 using Dot4Fn = void (*)(int n, const void* w, const void* const a[4], float out[4]);
 
 // 16-row tiles: a matrix's rows in groups of 16 whose blocks are interleaved (tile_q4_k16 and
-// the like: same bytes per row, repacked once at load), so that one 512-bit register holds a
-// few values of each of the 16 rows and a dot product needs no horizontal sums. The kernel
+// the like: same bytes per row, repacked once at load), so that one 512-bit register (two
+// 256-bit ones at the AVX2 level) holds a few values of each of the 16 rows and a dot product
+// needs no horizontal sums. The kernel
 // computes all 16 rows of a group against `count` activation rows: out[i * 16 + k] = row k, token i.
 using TileFn = void (*)(int n, const void* tiles, const void* const* a, int count, float* out);
 // One group of 16 rows (each n values, stored one after another) into its tiles.
