@@ -62,17 +62,27 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
             // in cache across groups
             const void* xg[kGroup];
             float v[kGroup * kTileRows];
+            auto put = [&](int i, int r, float v) {
+                const size_t at = (size_t)i * out_ + r;
+                if (dtype == Dtype::F32) ((float*)ys)[at] = v;
+                else ((bf16_t*)ys)[at] = f32_to_bf16(v);
+            };
             for (int g0 = 0; g0 < n; g0 += kGroup) {
                 const int m = std::min(kGroup, n - g0);
                 for (int i = 0; i < m; i++) xg[i] = &x_act[(size_t)(g0 + i) * act_];
+                if (step == 1) {  // rows as stored: blocks of rows against the tokens (dot_rows_block)
+                    for (int rb = r0; rb < r1; rb += kTileRows) {
+                        const int nb = std::min(kTileRows, r1 - rb);
+                        dot_rows_block(fmt_, in_, w_ + (size_t)rb * row_, row_, 0, nb, xg, m, v, kTileRows);
+                        for (int i = 0; i < m; i++)
+                            for (int k = 0; k < nb; k++) put(g0 + i, rb + k, v[i * kTileRows + k]);
+                    }
+                    continue;
+                }
                 for (int r = r0; r < r1; r += step) {
                     dot_step(fmt_, in_, w_, row_, r, xg, m, v);
                     for (int i = 0; i < m; i++)
-                        for (int k = 0; k < step; k++) {
-                            const size_t at = (size_t)(g0 + i) * out_ + r + k;
-                            if (dtype == Dtype::F32) ((float*)ys)[at] = v[i * step + k];
-                            else ((bf16_t*)ys)[at] = f32_to_bf16(v[i * step + k]);
-                        }
+                        for (int k = 0; k < step; k++) put(g0 + i, r + k, v[i * step + k]);
                 }
             }
         });

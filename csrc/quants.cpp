@@ -1271,36 +1271,126 @@ inline __m256 load8_bf16(const bf16_t* w) {
 inline __m256 load8_f16(const fp16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
 #endif
 
-// sum w[i] * x[i] for 16-bit float weights: two accumulators of 8, then the tail in scalar
-template <typename Load8, typename ToF32>
-inline float dot_16bit(int n, const uint16_t* w, const float* x, Load8 load8, ToF32 to_f32) {
-    int i = 0;
-    float sum = 0;
-#if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+// The two 16-bit float kinds: how a vector of 16 (AVX-512) or 8 (AVX2) weights and a single one
+// become float32. Types, not function pointers, so that the loads inline into dot_16bit.
+struct BF16Kind {
+    using type = bf16_t;
+#if defined(__AVX512F__)
+    static __m512 load16(const bf16_t* w) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
     }
-    sum = hsum_f32(_mm256_add_ps(acc0, acc1));
-#else
-    (void)load8;
 #endif
-    for (; i < n; i++) sum += to_f32(w[i]) * x[i];
-    return sum;
+#if defined(__AVX2__)
+    static __m256 load8(const bf16_t* w) { return load8_bf16(w); }
+#endif
+    static float one(bf16_t w) { return bf16_to_f32(w); }
+};
+struct F16Kind {
+    using type = fp16_t;
+#if defined(__AVX512F__)
+    static __m512 load16(const fp16_t* w) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w)); }
+#endif
+#if defined(__AVX2__)
+    static __m256 load8(const fp16_t* w) { return load8_f16(w); }
+#endif
+    static float one(fp16_t w) { return fp16_to_f32(w); }
+};
+
+// R rows of 16-bit float weights (row_elems apart) against T float32 activation rows:
+// out[t * R + r] = sum_i w[r][i] * x[t][i]. Each (row, token) pair has one accumulator of 16
+// lanes (8 at the AVX2 level) over the same steps, then its horizontal sum, then the tail past
+// the last whole vector in scalar: its result does not depend on R or T, so a token's output is
+// the same to the bit alone or among others. A weight vector is converted once for all T tokens
+// and an activation vector loaded once for all R rows; R x T (up to 16) chains hide the FMA latency.
+template <int R, int T, typename Kind>
+inline void dot_16bit(int n, const typename Kind::type* w, size_t row_elems, const float* const* x, float* out) {
+    int i = 0;
+    float sum[R * T] = {};
+#if defined(__AVX512F__)
+    constexpr int kLanes = 16;
+    using Vec = __m512;
+    auto load_w = [](const typename Kind::type* p) { return Kind::load16(p); };
+    auto load_x = [](const float* p) { return _mm512_loadu_ps(p); };
+    auto fma = [](Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); };
+    auto hsum = [](Vec v) { return _mm512_reduce_add_ps(v); };
+    const Vec zero = _mm512_setzero_ps();
+#elif defined(__AVX2__)
+    constexpr int kLanes = 8;
+    using Vec = __m256;
+    auto load_w = [](const typename Kind::type* p) { return Kind::load8(p); };
+    auto load_x = [](const float* p) { return _mm256_loadu_ps(p); };
+    auto fma = [](Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); };
+    auto hsum = [](Vec v) { return hsum_f32(v); };
+    const Vec zero = _mm256_setzero_ps();
+#endif
+#if defined(__AVX2__)
+    Vec acc[R * T];
+    for (int k = 0; k < R * T; k++) acc[k] = zero;
+    for (; i + kLanes <= n; i += kLanes) {
+        Vec wv[R];
+        for (int r = 0; r < R; r++) wv[r] = load_w(w + r * row_elems + i);
+        for (int t = 0; t < T; t++) {
+            const Vec xv = load_x(x[t] + i);
+            for (int r = 0; r < R; r++) acc[t * R + r] = fma(wv[r], xv, acc[t * R + r]);
+        }
+    }
+    for (int k = 0; k < R * T; k++) sum[k] = hsum(acc[k]);
+#endif
+    for (; i < n; i++)
+        for (int r = 0; r < R; r++) {
+            const float wi = Kind::one(w[r * row_elems + i]);
+            for (int t = 0; t < T; t++) sum[t * R + r] += wi * x[t][i];
+        }
+    for (int k = 0; k < R * T; k++) out[k] = sum[k];
 }
 
-#if defined(__AVX2__)
+// Rows r0..r1 against `count` tokens, four tokens (their activations in L1) against each four
+// rows in turn: dot_16bit at R, T <= 4.
+template <typename Kind>
+void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
+                float* out, size_t stride) {
+    using Fn = void (*)(int, const typename Kind::type*, size_t, const float* const*, float*);
+    static constexpr Fn kFns[4][4] = {
+        {dot_16bit<1, 1, Kind>, dot_16bit<1, 2, Kind>, dot_16bit<1, 3, Kind>, dot_16bit<1, 4, Kind>},
+        {dot_16bit<2, 1, Kind>, dot_16bit<2, 2, Kind>, dot_16bit<2, 3, Kind>, dot_16bit<2, 4, Kind>},
+        {dot_16bit<3, 1, Kind>, dot_16bit<3, 2, Kind>, dot_16bit<3, 3, Kind>, dot_16bit<3, 4, Kind>},
+        {dot_16bit<4, 1, Kind>, dot_16bit<4, 2, Kind>, dot_16bit<4, 3, Kind>, dot_16bit<4, 4, Kind>}};
+    const size_t row_elems = row_bytes / sizeof(typename Kind::type);
+    const typename Kind::type* rows = (const typename Kind::type*)w;
+    float v[16];
+    for (int t0 = 0; t0 < count; t0 += 4) {
+        const int nt = std::min(4, count - t0);
+        const float* x[4];
+        for (int t = 0; t < nt; t++) x[t] = (const float*)a[t0 + t];
+        for (int r = r0; r < r1; r += 4) {
+            const int nr = std::min(4, r1 - r);
+            kFns[nr - 1][nt - 1](n, rows + r * row_elems, row_elems, x, v);
+            for (int t = 0; t < nt; t++)
+                for (int k = 0; k < nr; k++) out[(size_t)(t0 + t) * stride + r + k] = v[t * nr + k];
+        }
+    }
+}
+
 float dot_bf16(int n, const void* w, const void* x) {
-    return dot_16bit(n, (const bf16_t*)w, (const float*)x, load8_bf16, bf16_to_f32);
+    float out;
+    const float* xs[1] = {(const float*)x};
+    dot_16bit<1, 1, BF16Kind>(n, (const bf16_t*)w, 0, xs, &out);
+    return out;
 }
 float dot_f16(int n, const void* w, const void* x) {
-    return dot_16bit(n, (const fp16_t*)w, (const float*)x, load8_f16, fp16_to_f32);
+    float out;
+    const float* xs[1] = {(const float*)x};
+    dot_16bit<1, 1, F16Kind>(n, (const fp16_t*)w, 0, xs, &out);
+    return out;
 }
-#else
-float dot_bf16(int n, const void* w, const void* x) { return dot_16bit(n, (const bf16_t*)w, (const float*)x, 0, bf16_to_f32); }
-float dot_f16(int n, const void* w, const void* x) { return dot_16bit(n, (const fp16_t*)w, (const float*)x, 0, fp16_to_f32); }
-#endif
+void dot4_bf16(int n, const void* w, const void* const a[4], float out[4]) {
+    const float* x[4] = {(const float*)a[0], (const float*)a[1], (const float*)a[2], (const float*)a[3]};
+    dot_16bit<1, 4, BF16Kind>(n, (const bf16_t*)w, 0, x, out);
+}
+void dot4_f16(int n, const void* w, const void* const a[4], float out[4]) {
+    const float* x[4] = {(const float*)a[0], (const float*)a[1], (const float*)a[2], (const float*)a[3]};
+    dot_16bit<1, 4, F16Kind>(n, (const fp16_t*)w, 0, x, out);
+}
 
 // ---- Q2_K, Q3_K x Q8_K (portable loops over 16-value sub-blocks; the compiler vectorizes them) -
 // Q2_K: value = d * (sc & 15) * q - dmin * (sc >> 4) * 1 for q in 0..3; the min term uses bsums.
@@ -1423,8 +1513,8 @@ constexpr Act kActQ4K = Act::Q8_K;
 
 const Format kFormats[] = {
     {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
-    {F16, "F16", 1, 2, Act::F32, dot_f16, nullptr},
-    {BF16, "BF16", 1, 2, Act::F32, dot_bf16, nullptr},
+    {F16, "F16", 1, 2, Act::F32, dot_f16, dot4_f16, nullptr, rows_16bit<F16Kind>},
+    {BF16, "BF16", 1, 2, Act::F32, dot_bf16, dot4_bf16, nullptr, rows_16bit<BF16Kind>},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, kDot4Q8_0},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, kDot4Q4_0},
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
@@ -1463,6 +1553,7 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
 
 void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a,
                     int count, float* out, size_t stride) {
+    if (f->rows) return f->rows(n, w, row_bytes, r0, r1, a, count, out, stride);
     const int block = (int)std::max<size_t>(1, std::min<size_t>(64, (16 << 10) / row_bytes));
     float v[4];
     for (int b0 = r0; b0 < r1; b0 += block) {

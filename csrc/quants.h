@@ -41,6 +41,11 @@ struct Format {
     DotFn dot;     // rows as stored; nullptr for tiled layouts
     Dot4Fn dot4;   // nullptr: call dot per row
     TileFn tile = nullptr;  // tiled layouts only
+    // Rows r0..r1 (stored one after another, row_bytes apart) against `count` activation rows:
+    // out[i * stride + r] for token i. Formats whose kernel blocks rows and tokens itself (the
+    // 16-bit floats); nullptr: dot_rows_block pairs dot4 with blocks of rows.
+    void (*rows)(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
+                 float* out, size_t stride) = nullptr;
 };
 
 // The rows [r, r + step) of w (step: 1, or kTileRows for a tiled format, r a multiple of it)

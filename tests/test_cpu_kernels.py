@@ -118,7 +118,8 @@ def test_linear_matches_reference(runtime, fmt, T):
     assert rel_err(lin.forward(x), round_activations(x, block) @ wd.T) < 1e-4
 
 
-@pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS],
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS,
+                                 GGMLType.BF16, GGMLType.F16],
                          ids=lambda t: t.name)
 def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     """Several tokens go through the formats' four-row dot products; each token's output is
@@ -130,6 +131,22 @@ def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     together = lin.forward(x)
     alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(9)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("fmt", [GGMLType.BF16, GGMLType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("K", [8, 200, 216, 520])
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_16bit_linear_any_width(runtime, fmt, K, T):
+    """16-bit rows of any width and count: the vector steps and the scalar tail meet the float64
+    product of the same weights, for every block of up to 4 rows x 4 tokens (37 rows: blocks of
+    4 and 1; 3 and 6 tokens: blocks of 3, 4 and 2)."""
+    gen = torch.Generator().manual_seed(K + T)
+    w = (torch.randn(37, K, generator=gen) * 0.05).to(torch.bfloat16 if fmt == GGMLType.BF16 else torch.float16)
+    lin = LinearKernel(runtime, in_features=K, out_features=37,
+                       weight=ExpertWeights(w.view(torch.uint8).reshape(-1), int(fmt)), max_tokens=8)
+    x = torch.randn(T, K, generator=gen)
+    ref = x.double() @ w.double().T
+    assert rel_err(lin.forward(x), ref) < 1e-6
 
 
 def _nibble_tiles(values: torch.Tensor) -> torch.Tensor:
