@@ -62,10 +62,10 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
             // in cache across groups
             const void* xg[kGroup];
             float v[kGroup * kTileRows];
-            auto put = [&](int i, int r, float v) {
+            auto put = [&](int i, int r, float value) {  // token i's output r
                 const size_t at = (size_t)i * out_ + r;
-                if (dtype == Dtype::F32) ((float*)ys)[at] = v;
-                else ((bf16_t*)ys)[at] = f32_to_bf16(v);
+                if (dtype == Dtype::F32) ((float*)ys)[at] = value;
+                else ((bf16_t*)ys)[at] = f32_to_bf16(value);
             };
             for (int g0 = 0; g0 < n; g0 += kGroup) {
                 const int m = std::min(kGroup, n - g0);
