@@ -58,8 +58,8 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
         rt_->pool().parallel_for((out_ + chunk - 1) / chunk, [&](int task, int) {
             const int r0 = task * chunk, r1 = std::min(out_, (task + 1) * chunk);
             // tokens a group at a time against each row: several tokens share each weight load
-            // (dot_rows' 4-token dots, the tiles' four-token kernels) while the chunk's rows stay
-            // in cache across groups
+            // (dot_rows_block's blocks of rows, the tiles' four-token kernels) while the chunk's
+            // rows stay in cache across groups
             const void* xg[kGroup];
             float v[kGroup * kTileRows];
             auto put = [&](int i, int r, float value) {  // token i's output r

@@ -1264,13 +1264,6 @@ float dot_iq4_xs(int n, const void* vw, const void* va) {
 }
 
 // ---- 16-bit floats x F32 -----------------------------------------------------------------
-#if defined(__AVX2__)
-inline __m256 load8_bf16(const bf16_t* w) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
-}
-inline __m256 load8_f16(const fp16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
-#endif
-
 // The two 16-bit float kinds: how a vector of 16 (AVX-512) or 8 (AVX2) weights and a single one
 // become float32. Types, not function pointers, so that the loads inline into dot_16bit.
 struct BF16Kind {
@@ -1281,7 +1274,9 @@ struct BF16Kind {
     }
 #endif
 #if defined(__AVX2__)
-    static __m256 load8(const bf16_t* w) { return load8_bf16(w); }
+    static __m256 load8(const bf16_t* w) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
+    }
 #endif
     static float one(bf16_t w) { return bf16_to_f32(w); }
 };
@@ -1291,7 +1286,7 @@ struct F16Kind {
     static __m512 load16(const fp16_t* w) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w)); }
 #endif
 #if defined(__AVX2__)
-    static __m256 load8(const fp16_t* w) { return load8_f16(w); }
+    static __m256 load8(const fp16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
 #endif
     static float one(fp16_t w) { return fp16_to_f32(w); }
 };
@@ -1371,25 +1366,13 @@ void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const
     }
 }
 
-float dot_bf16(int n, const void* w, const void* x) {
+// One row against one token (Format::dot): the pair's steps as in any block of rows_16bit.
+template <typename Kind>
+float dot_16(int n, const void* w, const void* x) {
     float out;
     const float* xs[1] = {(const float*)x};
-    dot_16bit<1, 1, BF16Kind>(n, (const bf16_t*)w, 0, xs, &out);
+    dot_16bit<1, 1, Kind>(n, (const typename Kind::type*)w, 0, xs, &out);
     return out;
-}
-float dot_f16(int n, const void* w, const void* x) {
-    float out;
-    const float* xs[1] = {(const float*)x};
-    dot_16bit<1, 1, F16Kind>(n, (const fp16_t*)w, 0, xs, &out);
-    return out;
-}
-void dot4_bf16(int n, const void* w, const void* const a[4], float out[4]) {
-    const float* x[4] = {(const float*)a[0], (const float*)a[1], (const float*)a[2], (const float*)a[3]};
-    dot_16bit<1, 4, BF16Kind>(n, (const bf16_t*)w, 0, x, out);
-}
-void dot4_f16(int n, const void* w, const void* const a[4], float out[4]) {
-    const float* x[4] = {(const float*)a[0], (const float*)a[1], (const float*)a[2], (const float*)a[3]};
-    dot_16bit<1, 4, F16Kind>(n, (const fp16_t*)w, 0, x, out);
 }
 
 // ---- Q2_K, Q3_K x Q8_K (portable loops over 16-value sub-blocks; the compiler vectorizes them) -
@@ -1513,8 +1496,8 @@ constexpr Act kActQ4K = Act::Q8_K;
 
 const Format kFormats[] = {
     {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
-    {F16, "F16", 1, 2, Act::F32, dot_f16, dot4_f16, nullptr, rows_16bit<F16Kind>},
-    {BF16, "BF16", 1, 2, Act::F32, dot_bf16, dot4_bf16, nullptr, rows_16bit<BF16Kind>},
+    {F16, "F16", 1, 2, Act::F32, dot_16<F16Kind>, nullptr, nullptr, rows_16bit<F16Kind>},
+    {BF16, "BF16", 1, 2, Act::F32, dot_16<BF16Kind>, nullptr, nullptr, rows_16bit<BF16Kind>},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, kDot4Q8_0},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, kDot4Q4_0},
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
