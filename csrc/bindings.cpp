@@ -133,14 +133,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
     py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
                          int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
-                         size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple int8, int int8_min_tokens) {
+                         size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple int8, int int8_min_tokens,
+                         py::tuple int4, int int4_group) {
                  MoEConfig c;
                  c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
                  c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
                  c.gate = cptr<void>(gate), c.up = cptr<void>(up), c.down = cptr<void>(down);
                  c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
                  c.int8_min_tokens = int8_min_tokens;
-                 if (int8_min_tokens > 0) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
+                 if (int8_min_tokens > 0 && !int4.size()) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
                      if (int8.size() != 12) throw std::invalid_argument("MoE: int8 needs 12 addresses");
                      Int8Weights* dst[3] = {&c.gate8, &c.up8, &c.down8};
                      for (int i = 0; i < 3; i++) {
@@ -150,12 +151,23 @@ PYBIND11_MODULE(KT_MODULE, m) {
                          dst[i]->amx = cptr<int8_t>(int8[4 * i + 3].cast<uintptr_t>());  // 0: none
                      }
                  }
+                 if (int8_min_tokens > 0 && int4.size()) {  // (q, scale, corr) for gate, up, down; sizes checked in Python
+                     if (int4.size() != 9) throw std::invalid_argument("MoE: int4 needs 9 addresses");
+                     Int4Weights* dst[3] = {&c.gate4, &c.up4, &c.down4};
+                     for (int i = 0; i < 3; i++) {
+                         dst[i]->q = cptr<uint8_t>(int4[3 * i].cast<uintptr_t>());
+                         dst[i]->scale = cptr<float>(int4[3 * i + 1].cast<uintptr_t>());
+                         dst[i]->corr = cptr<float>(int4[3 * i + 2].cast<uintptr_t>());
+                         dst[i]->group = int4_group;
+                     }
+                 }
                  return std::make_shared<MoE>(rt, c);
              }),
              py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
              py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"),
-             py::arg("int8") = py::tuple(), py::arg("int8_min_tokens") = 0)
+             py::arg("int8") = py::tuple(), py::arg("int8_min_tokens") = 0, py::arg("int4") = py::tuple(),
+             py::arg("int4_group") = 0)
         .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())

@@ -2,16 +2,13 @@
 // whole row (|sum| <= k * 127 * 255 fits in int32 for k < 66,000), scales applied once at the end.
 #include "int8.h"
 
+#include "amx.h"
 #include "quants.h"
 
 #include <algorithm>
 #include <cmath>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KT_INT8_GEMM 1
-#endif
-#if defined(KT_INT8_GEMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if defined(KT_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -89,21 +86,6 @@ inline void step(const Int8Weights& w, int k, int r, int t, const uint8_t* const
 
 #if defined(KT_AMX)
 namespace {
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-void configure_tiles() {  // all 8 tiles: 16 rows x 64 bytes (C is 16 x 16 int32, A and B 16 x 64 bytes)
-    thread_local bool configured = false;
-    if (configured) return;
-    TileConfig c;
-    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
-    _tile_loadconfig(&c);
-    configured = true;
-}
-
 // RB (1 or 2) blocks of 16 weight rows, packed one after the other (`packed`, k/64 tiles of 1 KiB
 // a block), against TT (1 or 2) groups of 16 activation rows in `a` (row stride k):
 //   C tile 2 rb + tt += A tile 4 + tt (activations) x B tile 6 + rb (weights)

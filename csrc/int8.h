@@ -1,9 +1,18 @@
-// Prefill path: expert weights re-quantized at load to int8 with one float scale per row, and
-// activations to int8 with one scale per token row; an int8 GEMM with VNNI (vpdpbusd) then does
-// 64 multiply-adds per instruction with no per-block rescaling inside the K loop.
+// Prefill path: expert weights re-quantized at load to int8 with one float scale per row (or to int4
+// with one per group of columns, below), and activations to int8 with one scale per token row; an
+// int8 GEMM with VNNI (vpdpbusd) or AMX tiles then does 64 multiply-adds per instruction.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+
+// What this build's -m flags allow: the VNNI GEMMs (int8.cpp, int4.cpp), and AMX tiles beside them.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KT_INT8_GEMM 1
+#endif
+#if defined(KT_INT8_GEMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define KT_AMX 1
+#endif
 
 namespace kt {
 
@@ -27,6 +36,23 @@ float quantize_row_u8(const float* x, uint8_t* out, int n);
 // `count` activation rows xs[t] with scales sx[t]:
 //   out = (sum_k w[r,k] * (xs[t][k] - 128) ) * scale[r] * sx[t]
 void int8_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
+               float* out, size_t out_stride);
+
+// Int4 copy of one projection of all experts, symmetric in groups of `group` values along each row
+// (rows % 16 == 0, cols % group == 0, group % 64 == 0). Each 16-row x 64-column block is the
+// int8 VNNI tile that TDPBUSD reads (tile row kk holds w[n][4kk..4kk+3] + 8 for n = 0..15), two
+// values a byte: byte p of the block's 512 holds tile byte p in its low nibble and tile byte
+// p + 512 in its high one, so 64 loaded bytes give tile rows c and c + 8.
+struct Int4Weights {
+    const uint8_t* q = nullptr;    // [E, rows/16, cols/64, 512]
+    const float* scale = nullptr;  // [E, rows/16, cols/group, 16]: the groups' steps, 16 rows a vector
+    const float* corr = nullptr;   // [E, rows]: 128 * sum over groups of step * (sum of the group's w)
+    int group = 0;
+};
+
+// As int8_rows, for one expert's int4 copy (rows r0..r1 of it):
+//   out = (sum_g scale[r,g] * sum_{k in g} w[r,k] * xs[t][k] - corr[r]) * sx[t]
+void int4_rows(const Int4Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
                float* out, size_t out_stride);
 
 }  // namespace kt

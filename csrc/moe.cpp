@@ -126,10 +126,21 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     off_hs_ = off_xs_ + align(T * sizeof(float));
     rt_->reserve_scratch(off_hs_ + align(P * sizeof(float)));
     if (c.int8_min_tokens > 0) {
-        if (!c.gate8.w || !c.up8.w || !c.down8.w || !c.gate8.scale || !c.gate8.row_sum)
-            throw std::invalid_argument("MoE: int8 prefill asked for without int8 weights");
+        if (!int8_gemm_available()) throw std::invalid_argument("MoE: this build has no int8 GEMM (needs AVX512-VNNI)");
         if (c.hidden % 64 || c.intermediate % 64)
-            throw std::invalid_argument("MoE: int8 prefill needs hidden and intermediate sizes divisible by 64");
+            throw std::invalid_argument("MoE: int8/int4 prefill needs hidden and intermediate sizes divisible by 64");
+        if (c.gate4.q) {
+            const int g = c.gate4.group;
+            for (const Int4Weights* w : {&c.gate4, &c.up4, &c.down4})
+                if (!w->q || !w->scale || !w->corr || w->group != g)
+                    throw std::invalid_argument("MoE: int4 prefill needs q, scale and corr of one group size for gate, up and down");
+            if (g <= 0 || g % 64 || c.hidden % g || c.intermediate % g)
+                throw std::invalid_argument("MoE: int4 group " + std::to_string(g) + " must be a multiple of 64 dividing hidden (" +
+                                            std::to_string(c.hidden) + ") and intermediate (" +
+                                            std::to_string(c.intermediate) + ")");
+        } else if (!c.gate8.w || !c.up8.w || !c.down8.w || !c.gate8.scale || !c.gate8.row_sum) {
+            throw std::invalid_argument("MoE: int8 prefill asked for without int8 weights");
+        }
     }
     pair_token_.resize(P);
     pair_slot_.resize(P);
@@ -292,13 +303,26 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     }
 }
 
-Int8Weights MoE::expert_int8(const Int8Weights& all, int e, int rows, int cols) const {
+void MoE::quant_rows(int proj, int e, int r0, int r1, const uint8_t* const* xs, const float* sx, int m, float* out,
+                     size_t stride) const {
+    const int rows = proj == 2 ? cfg_.hidden : cfg_.intermediate, cols = proj == 2 ? cfg_.intermediate : cfg_.hidden;
+    const size_t at = (size_t)e * rows;  // the expert's first row
+    if (cfg_.gate4.q) {
+        const Int4Weights& all = proj == 0 ? cfg_.gate4 : proj == 1 ? cfg_.up4 : cfg_.down4;
+        Int4Weights w = all;
+        w.q = all.q + at * cols / 2;
+        w.scale = all.scale + at * (cols / all.group);
+        w.corr = all.corr + at;
+        int4_rows(w, cols, r0, r1, xs, sx, m, out, stride);
+        return;
+    }
+    const Int8Weights& all = proj == 0 ? cfg_.gate8 : proj == 1 ? cfg_.up8 : cfg_.down8;
     Int8Weights w;
-    w.w = all.w + (size_t)e * rows * cols;
-    w.scale = all.scale + (size_t)e * rows;
-    w.row_sum = all.row_sum + (size_t)e * rows;
-    w.amx = all.amx ? all.amx + (size_t)e * rows * cols : nullptr;
-    return w;
+    w.w = all.w + at * cols;
+    w.scale = all.scale + at;
+    w.row_sum = all.row_sum + at;
+    w.amx = all.amx ? all.amx + at * cols : nullptr;
+    int8_rows(w, cols, r0, r1, xs, sx, m, out, stride);
 }
 
 void MoE::gate_up_int8(int e, int r0, int r1) {
@@ -314,8 +338,8 @@ void MoE::gate_up_int8(int e, int r0, int r1) {
             sx[i] = s_.x_s[t];
         }
         const size_t at = (size_t)(p0 + g0) * I;
-        int8_rows(expert_int8(cfg_.gate8, e, I, H), H, r0, r1, xs, sx, m, &s_.g[at], I);
-        int8_rows(expert_int8(cfg_.up8, e, I, H), H, r0, r1, xs, sx, m, &s_.u[at], I);
+        quant_rows(0, e, r0, r1, xs, sx, m, &s_.g[at], I);
+        quant_rows(1, e, r0, r1, xs, sx, m, &s_.u[at], I);
     }
 }
 
@@ -402,7 +426,7 @@ void MoE::down_int8(int e, int r0, int r1) {
             hs[i] = &s_.h_u8[(size_t)(p0 + g0 + i) * I];
             sh[i] = s_.h_s[p0 + g0 + i];
         }
-        int8_rows(expert_int8(cfg_.down8, e, H, I), I, r0, r1, hs, sh, m, &s_.y_pairs[(size_t)(p0 + g0) * H], H);
+        quant_rows(2, e, r0, r1, hs, sh, m, &s_.y_pairs[(size_t)(p0 + g0) * H], H);
     }
 }
 

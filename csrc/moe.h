@@ -29,7 +29,8 @@ struct MoEConfig {
     // Optional int8 copies for prefill: experts with at least int8_min_tokens tokens in a call use
     // them (the int8 GEMM); the others, and every decode step, use the GGML blocks.
     Int8Weights gate8, up8, down8;
-    int int8_min_tokens = 0;  // 0: no int8 copies
+    Int4Weights gate4, up4, down4;  // int4 copies instead (gate4.q set): the same path, half the bytes
+    int int8_min_tokens = 0;  // 0: no int8/int4 copies
 };
 
 enum class Dtype { F32 = 0, BF16 = 1 };
@@ -58,7 +59,9 @@ class MoE {
     void gate_up();
     void gate_up_int8(int e, int r0, int r1);
     void down_int8(int e, int r0, int r1);
-    Int8Weights expert_int8(const Int8Weights& all, int e, int rows, int cols) const;
+    // proj 0, 1, 2: gate, up, down; rows [r0, r1) of expert e against m prepared activation rows
+    void quant_rows(int proj, int e, int r0, int r1, const uint8_t* const* xs, const float* sx, int m, float* out,
+                    size_t stride) const;
     void activate();
     void down();
     // The three steps above as one parallel region for decode calls (about a token an expert, no

@@ -2,6 +2,7 @@
 // with its own -m flags), so no object file is shared between levels.
 #include "../quants.cpp"
 #include "../int8.cpp"
+#include "../int4.cpp"
 #include "../pool.cpp"
 #include "../moe.cpp"
 #include "../linear.cpp"

@@ -264,14 +264,7 @@ class Int8Rows:
     @staticmethod
     def from_blocks(weights: ExpertWeights, shape: tuple[int, int, int]) -> Int8Rows:
         """From the bytes a MoEKernel computes on (GGML blocks, or bf16/f32), dequantized per expert."""
-        from ..weights.ggml_quants import dequantize
-        if weights.tiled:
-            raise ValueError("Int8Rows.from_blocks needs the GGUF's rows, not tiled weights")
-        data = weights.data
-        flat = data.reshape(-1).view(torch.uint8) if isinstance(data, torch.Tensor) else np.asarray(data).reshape(-1)
-        per_expert = flat.shape[0] // shape[0]
-        return Int8Rows.from_experts(shape, lambda e: dequantize(flat[e * per_expert:(e + 1) * per_expert],
-                                                                 weights.ggml_type, shape[1:]))
+        return Int8Rows.from_experts(shape, _expert_source(weights, shape, "Int8Rows.from_blocks"))
 
     def dequantized(self) -> torch.Tensor:
         return self.w.float() * self.scale[..., None]
@@ -283,6 +276,101 @@ class Int8Rows:
             raise ValueError(f"int8 scales and row sums must be {shape[:2]}")
         amx = 0 if self.amx is None else self.amx.data_ptr()
         return self.w.data_ptr(), self.scale.data_ptr(), self.row_sum.data_ptr(), amx
+
+
+def _expert_source(weights: ExpertWeights, shape: tuple[int, int, int], what: str):
+    """expert(e) -> [rows, cols] float weights of expert e, dequantized from the bytes a MoEKernel
+    computes on (GGML blocks, or bf16/f32 rows)."""
+    from ..weights.ggml_quants import dequantize
+    if weights.tiled:
+        raise ValueError(f"{what} needs the GGUF's rows, not tiled weights")
+    data = weights.data
+    flat = data.reshape(-1).view(torch.uint8) if isinstance(data, torch.Tensor) else np.asarray(data).reshape(-1)
+    per_expert = flat.shape[0] // shape[0]
+    return lambda e: dequantize(flat[e * per_expert:(e + 1) * per_expert], weights.ggml_type, shape[1:])
+
+
+# Steps tried for each group, as fractions of the one that maps its largest magnitude to -8: the
+# group keeps the one with the least squared error (clipping a few outliers for a finer grid; on
+# Gaussian weights ~10% less error than the plain maximum).
+INT4_STEP_FRACTIONS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _int4_steps(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step [..., 1], w in [-8, 7] [..., group]) for groups d [..., group] of float weights."""
+    peak = torch.gather(d, -1, d.abs().argmax(dim=-1, keepdim=True)) / -8.0  # the signed largest magnitude -> -8
+    best_err, best_step, best_w = None, None, None
+    for f in INT4_STEP_FRACTIONS:
+        step = peak * f
+        w = torch.clamp(torch.round(d / torch.where(step != 0, step, torch.ones_like(step))), -8, 7)
+        err = ((w * step - d) ** 2).sum(dim=-1, keepdim=True)
+        if best_err is None:
+            best_err, best_step, best_w = err, step, w
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_step, best_w = torch.where(better, step, best_step), torch.where(better, w, best_w)
+    return best_step, best_w
+
+
+@dataclass(frozen=True)
+class Int4Rows:
+    """A projection of all experts re-quantized for the int4 prefill GEMM (csrc/int8.h): symmetric
+    int4 in groups of `group` values along each row (the largest magnitude maps to -8, as Q4_0),
+    two a byte in 16-row x 64-column VNNI tiles; each row's and group's step; each row's
+    correction for the activations' u8 offset (128 x sum over groups of step x the group's sum)."""
+    q: torch.Tensor  # uint8 [E, rows/16, cols/64, 512]
+    scale: torch.Tensor  # float32 [E, rows/16, cols/group, 16]
+    corr: torch.Tensor  # float32 [E, rows]
+    group: int
+
+    @staticmethod
+    def from_experts(shape: tuple[int, int, int], expert, group: int = 128) -> Int4Rows:
+        """From E experts' float weights, `expert(e)` -> [rows, cols], one expert at a time."""
+        E, rows, cols = shape
+        if group % 64 or group <= 0 or cols % group or rows % 16:
+            raise ValueError(f"int4 weights [{E}, {rows}, {cols}] in groups of {group}: need rows % 16 == 0 and "
+                             f"the group a multiple of 64 dividing {cols}")
+        q = torch.empty(E, rows // 16, cols // 64, 512, dtype=torch.uint8)
+        scale = torch.empty(E, rows // 16, cols // group, 16, dtype=torch.float32)
+        corr = torch.empty(E, rows, dtype=torch.float32)
+        for e in range(E):
+            d = expert(e).float().reshape(rows, cols // group, group)
+            step, w = _int4_steps(d)
+            scale[e] = step.reshape(rows // 16, 16, cols // group).transpose(1, 2)
+            corr[e] = 128.0 * (step[..., 0] * w.sum(dim=2)).sum(dim=1)
+            u = (w + 8).to(torch.uint8).reshape(rows // 16, 16, cols // 64, 16, 4).permute(0, 2, 3, 1, 4)
+            u = u.reshape(rows // 16, cols // 64, 1024)  # each block's int8 VNNI tile: [kk][n][4]
+            q[e] = u[..., :512] | (u[..., 512:] << 4)
+        return Int4Rows(q, scale, corr, group)
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor, group: int = 128) -> Int4Rows:
+        return Int4Rows.from_experts(tuple(dense.shape), lambda e: dense[e], group)
+
+    @staticmethod
+    def from_blocks(weights: ExpertWeights, shape: tuple[int, int, int], group: int = 128) -> Int4Rows:
+        """From the bytes a MoEKernel computes on (GGML blocks, or bf16/f32), dequantized per expert."""
+        return Int4Rows.from_experts(shape, _expert_source(weights, shape, "Int4Rows.from_blocks"), group)
+
+    def dequantized(self) -> torch.Tensor:
+        """[E, rows, cols] float32, read back from the packed layout."""
+        E, blocks, chunks, _ = self.q.shape
+        u = torch.cat([self.q & 15, self.q >> 4], dim=-1).reshape(E, blocks, chunks, 16, 16, 4)
+        w = u.permute(0, 1, 4, 2, 3, 5).reshape(E, blocks * 16, chunks * 64).float() - 8.0
+        step = self.scale.transpose(2, 3).reshape(E, blocks * 16, -1)
+        return w * step.repeat_interleave(self.group, dim=2)
+
+    def addresses(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        E, rows, cols = shape
+        want = {"q": (E, rows // 16, cols // 64, 512), "scale": (E, rows // 16, cols // self.group, 16), "corr": (E, rows)}
+        for name, dims in want.items():
+            t = getattr(self, name)
+            if rows % 16 or cols % self.group or tuple(t.shape) != dims or not t.is_contiguous() or \
+                    t.dtype != (torch.uint8 if name == "q" else torch.float32):
+                raise ValueError(f"int4 {name} for weights {shape} in groups of {self.group} must be a contiguous "
+                                 f"{'uint8' if name == 'q' else 'float32'} tensor {dims}, got {tuple(t.shape)} {t.dtype}")
+        return self.q.data_ptr(), self.scale.data_ptr(), self.corr.data_ptr()
 
 
 def round_activations_rows(x: torch.Tensor) -> torch.Tensor:
@@ -302,10 +390,12 @@ class MoEKernel:
 
     def __init__(self, runtime: CPURuntime, *, experts: int, top_k: int, hidden: int, intermediate: int,
                  gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE",
-                 int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4, tiles: bool = True):
-        """`int8`: re-quantized copies of gate, up, down for the int8 prefill GEMM (AVX512-VNNI
-        builds); experts with at least `int8_min_tokens` tokens in a call use them. `tiles`:
-        repack the projections this build has 16-row tiles for (tile_weights) at construction."""
+                 int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4, tiles: bool = True,
+                 int4: tuple[Int4Rows, Int4Rows, Int4Rows] | None = None):
+        """`int8` (or `int4`, not both): re-quantized copies of gate, up, down for the int8 prefill
+        GEMM (AVX512-VNNI builds; AMX tiles where the CPU has them); experts with at least
+        `int8_min_tokens` tokens in a call use them. `tiles`: repack the projections this build
+        has 16-row tiles for (tile_weights) at construction."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
         if tiles and intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
@@ -315,17 +405,22 @@ class MoEKernel:
             down = tile_weights(runtime, down, experts * hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
-        addresses, min_tokens = (), 0
+        if int8 is not None and int4 is not None:
+            raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
+        addresses, addresses4, group, min_tokens = (), (), 0, 0
+        shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
         if int8 is not None and runtime.ext.int8_gemm:
-            shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
             if runtime.ext.amx_available():
                 int8 = tuple(rows.pack_amx() for rows in int8)
             addresses = tuple(a for rows, shape in zip(int8, shapes) for a in rows.addresses(shape))
             self._int8, min_tokens = int8, max(1, int8_min_tokens)  # (keeps the int8 and AMX copies alive)
+        if int4 is not None and runtime.ext.int8_gemm:
+            addresses4 = tuple(a for rows, shape in zip(int4, shapes) for a in rows.addresses(shape))
+            self._int4, group, min_tokens = int4, int4[0].group, max(1, int8_min_tokens)
         self.int8_min_tokens = min_tokens
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(w.kernel_type(runtime.ext) for w in self._weights), g, gb, u, ub, d, db,
-                                    addresses, min_tokens)
+                                    addresses, min_tokens, addresses4, group)
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)
