@@ -478,6 +478,67 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     assert rel_err(mixed.forward(x, ids, w), moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 5e-2
 
 
+def test_int4_rows_layout_round_trip():
+    """Int4Rows packs weights that lie on its grid exactly (dequantized() reads the packed tiles
+    back, so this checks the layout the kernels read), and quantizes Gaussian weights to ~10%."""
+    from ktransformers.kernels.cpu import Int4Rows
+    gen = torch.Generator().manual_seed(5)
+    E, rows, cols, group = 3, 48, 384, 128
+    codes = torch.randint(-8, 8, (E, rows, cols // group, group), generator=gen).float()
+    codes[..., 0] = -8  # each group's largest magnitude at -8: its step is exactly what was used
+    steps = torch.rand(E, rows, cols // group, 1, generator=gen) + 0.5
+    exact = (codes * steps).reshape(E, rows, cols)
+    packed = Int4Rows.from_dense(exact, group)
+    assert torch.equal(packed.dequantized(), exact)
+    want_corr = 128 * (steps[..., 0] * codes.sum(dim=3)).sum(dim=2)
+    assert torch.allclose(packed.corr, want_corr, rtol=1e-5)
+    w = torch.randn(E, rows, cols, generator=gen)
+    for g in (64, 128, 384):
+        assert 0.05 < rel_err(Int4Rows.from_dense(w, g).dequantized(), w) < 0.11, g
+    with pytest.raises(ValueError, match="multiple of 64 dividing 384"):
+        Int4Rows.from_dense(w, 96)
+    with pytest.raises(ValueError, match="rows % 16"):
+        Int4Rows.from_dense(w[:, :40], 128)
+
+
+@pytest.mark.parametrize("H, I, group", [(256, 384, 128), (576, 320, 64), (512, 256, 256)],
+                         ids=["g128", "g64-odd-row-chunks", "g256"])
+def test_int4_prefill_path(runtime, H, I, group):
+    """Experts with enough tokens use the int4 copies (groups of `group` columns, per-row activation
+    scales): against the MoE formula on the copies' own dequantized weights with activations
+    rounded as the kernel rounds them (tight), and on the original weights (int4's own error).
+    Token counts cover the 8/4/2/1-token VNNI steps and, on AMX, one and two 16-token tiles;
+    320 rows split over tasks leave chunks that start and end inside 16-row blocks."""
+    if not runtime.ext.int8_gemm:
+        pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
+    from ktransformers.kernels.cpu import Int4Rows, round_activations_rows
+    E, K = 6, 2
+    gen = torch.Generator().manual_seed(group + I)
+    (g, gd), (u, ud), (d, dd) = (expert_weights(GGMLType.Q8_0, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    int4 = tuple(Int4Rows.from_dense(w, group) for w in (gd, ud, dd))
+    from_bytes = Int4Rows.from_blocks(g, (E, I, H), group)  # what KExpertsCPU builds from the mapped blocks
+    assert torch.equal(from_bytes.q, int4[0].q) and torch.equal(from_bytes.scale, int4[0].scale)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                       int4=int4, int8_min_tokens=1, max_tokens=64)
+    assert kernel.int8_min_tokens == 1
+    gate_up4 = torch.cat([int4[0].dequantized(), int4[1].dequantized()], dim=1)
+    for T in (1, 7, 64, 45, 60):
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        if T in (45, 60):  # every token to experts 0 and 1: 45 or 60 tokens an expert (AMX: 32 + 13, 32 + 28)
+            ids = torch.stack([torch.randperm(2, generator=gen) for _ in range(T)])
+        y = kernel.forward(x, ids, w)
+        same = moe_reference(x, ids, w, gate_up4, int4[2].dequantized(), round_activations_rows, round_activations_rows)
+        assert rel_err(y, same) < 1e-3, T
+        assert rel_err(y, moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 0.25, T
+    with pytest.raises(ValueError, match="alternatives"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, int4=int4,
+                  int8=tuple(Int8Rows.from_dense(w) for w in (gd, ud, dd)))
+    with pytest.raises(ValueError, match="int4 scale"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                  int4=(int4[0], int4[1], Int4Rows(int4[2].q, int4[2].scale[:, :1], int4[2].corr, group)))
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (3, 2048), (2, 5, 100)])
 def test_rms_norm_rows(runtime, shape):
     from ktransformers.kernels.cpu import rms_norm

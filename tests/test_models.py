@@ -191,3 +191,72 @@ def test_int8_prefill_option(tmp_path):
     reference.load_state_dict(reference_state_dict(model, types))
     ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(1))
     assert rel_err(logits(ours, ids), logits(reference, ids)) < 5e-2
+
+
+
+def _fp8_checkpoint(model, path):
+    """`model` saved as a DeepSeek-style FP8 checkpoint (128x128 blocks with scale_inv) in `path`,
+    and the state dict its FP8 weights dequantize to."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from test_safetensors import reference_fp8_dequant, to_fp8_blocks
+    model.save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    fp8, dequantized = {}, {}
+    for name, t in stored.items():
+        if t.dim() == 2 and "proj" in name:
+            w8, s = to_fp8_blocks(t.float())
+            fp8[name], fp8[name + "_scale_inv"] = w8, s
+            dequantized[name] = reference_fp8_dequant(w8, s)
+        else:
+            fp8[name] = dequantized[name] = t
+    (path / "model.safetensors").unlink()
+    save_file(fp8, path / "model.safetensors", metadata={"format": "pt"})
+    return dequantized
+
+
+@pytest.mark.parametrize("source", ["gguf-q8_0", "safetensors-fp8"])
+def test_int4_prefill_option(tmp_path, source):
+    """KExpertsCPU with int4_prefill converts the experts at load (from GGUF blocks, or from an FP8
+    checkpoint) to int4 copies in groups of int4_group; a long prompt goes through them: its logits
+    are those of transformers with the experts' weights rounded to int4 the same way."""
+    from ktransformers.kernels.cpu import Int4Rows, load_extension
+    if not load_extension().int8_gemm:
+        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI)")
+    family = "qwen3_moe" if source.startswith("gguf") else "deepseek_v3"
+    model = tiny_model(family)
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    if source.startswith("gguf"):
+        path = tmp_path / "m.gguf"
+        types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0)
+        reference.load_state_dict(reference_state_dict(model, types))
+    else:
+        from safetensors.torch import save_file
+        path, ref_dir = tmp_path / "ckpt", tmp_path / "ref"
+        dequantized = _fp8_checkpoint(model, path)
+        ref_dir.mkdir()
+        save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
+        (ref_dir / "config.json").write_text((path / "config.json").read_text())
+        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    text = (RULES_DIR / RULES[family]).read_text()
+    rules = tmp_path / "int4.yaml"
+    rules.write_text(text.replace("out_device: cpu", "out_device: cpu\n      int4_prefill: true\n      int4_group: 128"))
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, rules, path, model.config)
+    layer = next(m for m in ours.model.layers if hasattr(m.mlp, "experts"))
+    kernel = layer.mlp.experts.ops["prefill"].kernel
+    assert kernel.int8_min_tokens > 0 and kernel._int4[0].group == 128
+    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(1))
+    got, before = logits(ours, ids), logits(reference, ids)
+    with torch.no_grad():  # the reference's routed experts through the same int4 rounding, in torch
+        for name, p in reference.named_parameters():
+            if ".experts." in name:
+                p.copy_(Int4Rows.from_dense(p.detach(), 128).dequantized())
+    # (routing in these tiny random models flips with small changes: the int4 weights move the
+    # logits by 0.05-0.15, the same weights in the reference leave only the activations' rounding)
+    assert rel_err(got, logits(reference, ids)) < 0.03 < rel_err(got, before)
+
+    rules.write_text(text.replace("out_device: cpu", "out_device: cpu\n      int4_prefill: true\n      int4_group: 96"))
+    with pytest.raises(ValueError, match="int4_group must be a multiple of 64"):
+        optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, path, model.config)

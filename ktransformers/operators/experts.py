@@ -68,6 +68,7 @@ class ExpertSpec:
     int8_prefill: bool = False  # KExpertsCPU: keep int8 copies for the prefill GEMM (more RAM, faster prefill)
     # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many ("auto": by rates)
     pcie_experts: int | str = 0
+    int4_group: int = 0  # KExpertsCPU: int4 prefill copies in groups of this many columns instead (0: none)
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -190,14 +191,27 @@ class KExpertsCPU:
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
-        int8 = None
-        if self.spec.int8_prefill:  # from the bytes just mapped, one expert at a time
-            from ..kernels.cpu import Int8Rows
-            shapes = ((E, I, H), (E, I, H), (E, H, I))
-            int8 = tuple(Int8Rows.from_blocks(p, s) for p, s in zip((gate, up, down), shapes))
+        int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
-                                gate=gate, up=up, down=down, name=self.key, int8=int8, tiles=context.cpu_tiles)
+                                gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles)
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
+
+    def _prefill_copies(self, runtime, projections) -> tuple:
+        """(int8, int4) re-quantized copies of (gate, up, down) for the prefill GEMM, as the spec
+        asks, from the bytes just mapped, one expert at a time; (None, None) without them."""
+        spec = self.spec
+        if not (spec.int8_prefill or spec.int4_group):
+            return None, None
+        if not runtime.ext.int8_gemm:  # (one warning for all layers: the same message)
+            warnings.warn(f"int8_prefill/int4_prefill is off: the {runtime.isa} CPU kernels have no int8 GEMM "
+                          "(it needs AVX512-VNNI)", stacklevel=3)
+            return None, None
+        from ..kernels.cpu import Int4Rows, Int8Rows
+        E, H, I = spec.experts, spec.hidden, spec.intermediate
+        shapes = ((E, I, H), (E, I, H), (E, H, I))
+        if spec.int4_group:
+            return None, tuple(Int4Rows.from_blocks(p, s, spec.int4_group) for p, s in zip(projections, shapes))
+        return tuple(Int8Rows.from_blocks(p, s) for p, s in zip(projections, shapes)), None
 
     def _pcie_share(self) -> PcieShare | None:
         """The share pcie_experts asks for, or None (with a warning saying why) where it cannot run;
@@ -452,6 +466,9 @@ class ExpertsOptions(Placement):
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
+    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): half the RAM
+    int4_prefill: bool = False
+    int4_group: int = 128
     # hot experts: this many of the layer's experts also live on a GPU (KExpertsGPU) and the
     # router's choices are split between it and the CPU op (when the phase's op runs on the CPU)
     num_gpu_experts: int = 0
@@ -511,7 +528,8 @@ class KTransformersExperts(BaseInjectedModule):
                 warnings.warn(f"{key}: pcie_experts is off beside num_gpu_experts; all non-hot experts stay on "
                               "the CPU", stacklevel=2)
             pcie = 0
-        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie)
+        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie,
+                          int4_group=self._int4_group(key, H, two_i // 2))
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
@@ -526,6 +544,19 @@ class KTransformersExperts(BaseInjectedModule):
         self.layerwise = None  # LayerwisePrefill, when prefill chunks may run on the GPU
         if o.prefill_gpu_threshold and o.out_device.startswith("cuda"):
             self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device))
+
+    def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
+        """ExpertSpec.int4_group from the options (0 without int4_prefill), checked against the shapes."""
+        o = self.options
+        if not o.int4_prefill:
+            return 0
+        if o.int8_prefill:
+            raise ValueError(f"{key}: int8_prefill and int4_prefill are alternatives; set one")
+        g = o.int4_group
+        if g <= 0 or g % 64 or hidden % g or intermediate % g or intermediate % 16:
+            raise ValueError(f"{key}: int4_group must be a multiple of 64 dividing hidden ({hidden}) and "
+                             f"intermediate ({intermediate}), got {g}")
+        return g
 
     def _threshold(self) -> int:
         ctx = self.context

@@ -171,7 +171,9 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             for op, dev in _phase_ops(kw, "KExpertsTorch"):
                 what = "experts (mapped file)" if op == "KExpertsCPU" and stored else "experts"
                 mem.add(dev, what, _experts_bytes(op, stored, numel, dbytes, types))
-                if op == "KExpertsCPU" and kw.get("int8_prefill"):
+                if op == "KExpertsCPU" and kw.get("int4_prefill"):  # nibbles + a float step a group
+                    mem.add(dev, "experts int4 copies", numel * (0.5 + 4 / int(kw.get("int4_group", 128))))
+                elif op == "KExpertsCPU" and kw.get("int8_prefill"):
                     mem.add(dev, "experts int8 copies", numel * (1 + 8 / 256))
             experts = int(p.shape[0]) if p.dim() == 3 else 1
             hot = int(kw.get("num_gpu_experts") or 0)
@@ -273,7 +275,7 @@ def check_budget(mem: MemoryPlan, budget: dict[str, int] | None = None) -> None:
             parts = ", ".join(f"{what} {size(n)}" for what, n in kinds.items())
             hint = ("lower --cache_lens, keep fewer experts on the GPU (num_gpu_experts), or use a rule file that "
                     "places more on the CPU") if device.startswith("cuda") else \
-                "use a smaller quantization, drop int8_prefill copies, or lower --cache_lens"
+                "use a smaller quantization, drop int8_prefill/int4_prefill copies, or lower --cache_lens"
             problems.append(f"{device} needs {size(need)} ({parts}) but has {size(budget[device])} free: {hint}")
     if problems:
         raise MemoryBudgetError("the model does not fit: " + "; ".join(problems))
