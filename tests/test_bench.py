@@ -19,6 +19,18 @@ def test_bench_moe_json_rows():
     assert rows[0]["format"].startswith("Q4_K_M") and rows[2]["format"].startswith("BF16")
 
 
+def test_bench_moe_int4_copies():
+    from ktransformers.kernels.cpu import load_extension
+    out = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--shapes", "tiny", "--formats", "Q4_K_M",
+                          "--tokens", "16", "--iters", "3", "--copies", "1", "--stream-gib", "0.05", "--int4", "--no-peer",
+                          "--json"], check=True, capture_output=True, text=True).stdout
+    row = json.loads(out)
+    assert row["format"] == ("Q4_K_M+int4g128" if load_extension().int8_gemm else "Q4_K_M") and row["median_us"] > 0
+    both = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--int8", "--int4"], capture_output=True,
+                          text=True)
+    assert both.returncode == 2 and "alternatives" in both.stderr
+
+
 DECODE_KEYS = {"engine", "version", "gguf", "threads", "prompt_tokens", "decode_tokens", "prefill_tok_s", "decode_tok_s",
                "decode_floor_tok_s", "stream_gbps", "decode_ratio"}
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ..kernels.cpu import CPURuntime, ExpertWeights, Int8Rows, MoEKernel
+from ..kernels.cpu import CPURuntime, ExpertWeights, Int4Rows, Int8Rows, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
 from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
@@ -53,19 +53,24 @@ def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertW
 
 
 def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen, int8: bool = False,
-                 tiles: bool = True) -> list[Layer]:
+                 tiles: bool = True, int4: int = 0) -> list[Layer]:
+    """`copies` of the layer in random blocks of `fmt`; with `int8` or `int4` (a group size), the
+    prefill copies KExpertsCPU makes at load with int8_prefill / int4_prefill."""
     H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
     g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
     layers = []
     for _ in range(copies):
         gate, up, down = _projection(g, experts, I, H, gen), _projection(u, experts, I, H, gen), _projection(d, experts, H, I, gen)
         per_expert = sum(w.data.numel() for w in (gate, up, down)) // experts
-        rows8 = None
-        if int8:  # the prefill copies, as KExpertsCPU(int8_prefill=True) makes them at load
-            shapes = ((experts, I, H), (experts, I, H), (experts, H, I))
+        rows8 = rows4 = None
+        shapes = ((experts, I, H), (experts, I, H), (experts, H, I))
+        if int8:
             rows8 = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((gate, up, down), shapes))
+        elif int4:
+            rows4 = tuple(Int4Rows.from_blocks(w, s, int4) for w, s in zip((gate, up, down), shapes))
         layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
-                                      down=down, max_tokens=512, int8=rows8, tiles=tiles), per_expert, (gate, up, down)))
+                                      down=down, max_tokens=512, int8=rows8, int4=rows4, tiles=tiles),
+                            per_expert, (gate, up, down)))
     return layers
 
 
@@ -131,9 +136,12 @@ def expert_bytes(shape: dict, fmt: str) -> int:
     return sum(I * H * FORMATS[GGMLType[n]].block_bytes // FORMATS[GGMLType[n]].block_elems for n in FORMAT_TYPES[fmt])
 
 
-def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5, int8: bool = False) -> int:
+def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5, int8: bool = False,
+                  int4: int = 0) -> int:
     """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
-    per_expert = expert_bytes(shape, fmt) + (3 * shape["intermediate"] * shape["hidden"] if int8 else 0)
+    weights = 3 * shape["intermediate"] * shape["hidden"]
+    copy = weights * 2 if int8 else weights * (0.5 + 4 / int4) if int4 else 0  # (int8: rows and AMX tiles)
+    per_expert = expert_bytes(shape, fmt) + copy
     fit = int(psutil.virtual_memory().available * ram_fraction / (per_expert * copies))
     return max(shape["top_k"], min(shape["experts"], fit))
 
@@ -154,8 +162,9 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
     peer_threads = [] if args.no_peer or kt_kernel_ext() is None else (args.peer_threads or sorted({1, runtime.threads}))
     copies = args.copies or default_copies(shape, fmt)
     # (kt-kernel's layers point at our blocks; room for a copy of its own a thread count, should it copy them)
-    experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8)
-    layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles)
+    experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8, int4=args.int4)
+    layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles, args.int4)
+    copies_label = "" if not layers[0].kernel.int8_min_tokens else "+int8" if args.int8 else f"+int4g{args.int4}"
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
     for T in args.tokens:
@@ -168,7 +177,8 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
         seconds, inside, nbytes = time_layer(layers, calls)
         stream = max(before, stream_gbps(runtime, args.stream_gib, 3))
         flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
-        rows.append(dict(shape=shape_name + note, format=fmt + ("+int8" if layers[0].kernel.int8_min_tokens else ""), tokens=T, threads=runtime.threads, isa=runtime.isa,
+        rows.append(dict(shape=shape_name + note, format=fmt + copies_label, tokens=T, threads=runtime.threads,
+                         isa=runtime.isa,
                          median_us=seconds * 1e6, kernel_us=inside * 1e6, weight_bytes=nbytes,
                          gbps=nbytes / seconds / 1e9, kernel_gbps=nbytes / inside / 1e9,
                          stream_gbps=stream, tflops=flops / seconds / 1e12, peer=None))
@@ -251,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--int8", action="store_true",
                    help="also give our layers the int8 copies of the prefill path (experts with >= 4 tokens use them)")
+    p.add_argument("--int4", type=int, nargs="?", const=128, default=0, metavar="GROUP",
+                   help="or the int4 copies, in groups of GROUP columns (default 128)")
     p.add_argument("--no-tiles", action="store_true",
                    help="compute on the GGUF's rows as stored (default: formats with 16-row tiles are repacked at load)")
     p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
@@ -258,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="also time kt-kernel's AMX classes (int8, int4, bf16) on the layer's dequantized weights")
     p.add_argument("--peer-threads", type=int, nargs="+", help="kt-kernel thread counts to try (best is kept)")
     args = p.parse_args(argv)
+    if args.int8 and args.int4:
+        p.error("--int8 and --int4 are alternatives")
     if not args.json:
         print(HEADER)
     run(args)
