@@ -91,9 +91,7 @@ bool moe_read_only() { return g_read_only.load(std::memory_order_relaxed); }
 bool moe_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
 uint64_t moe_pipeline_calls() { return g_pipeline_calls.load(std::memory_order_relaxed); }
 
-MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
-    if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
-        throw std::invalid_argument("MoE: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
+void MoE::check_stored(const MoEConfig& c) {
     if (!c.gate || !c.up || !c.down) throw std::invalid_argument("MoE: null weight pointer");
     gate_fmt_ = need_format(c.gate_type, "gate");
     up_fmt_ = need_format(c.up_type, "up");
@@ -111,9 +109,21 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     gate_act_ = act_row_bytes(gate_fmt_->act, c.hidden);
     up_act_ = act_row_bytes(up_fmt_->act, c.hidden);
     down_act_ = act_row_bytes(down_fmt_->act, c.intermediate);
+    separate_up_ = up_fmt_->act != gate_fmt_->act;
+}
+
+MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
+    if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
+        throw std::invalid_argument("MoE: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
+    if (copies_only()) {  // no stored weights: every expert through the int8/int4 copies
+        if (c.int8_min_tokens != 1)
+            throw std::invalid_argument("MoE: without stored weights every expert must take the int8/int4 copies "
+                                        "(int8_min_tokens 1)");
+    } else {
+        check_stored(c);
+    }
     const size_t T = c.max_tokens, P = T * c.top_k;
     auto align = [](size_t n) { return (n + 63) / 64 * 64; };
-    separate_up_ = up_fmt_->act != gate_fmt_->act;
     off_gate_ = align(T * c.hidden * sizeof(float));
     off_x_up_ = off_gate_ + align(T * gate_act_);
     off_g_ = off_x_up_ + (separate_up_ ? align(T * up_act_) : 0);
@@ -196,7 +206,7 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
         bool decode = decode_sized(expert_start_[cfg_.experts], (int)active_.size());
-        for (int e : active_) decode &= !use_int8(e);
+        for (int e : active_) decode &= copies_only() || !use_int8(e);  // (mixed paths: the barriers)
         if (decode && g_pipeline.load(std::memory_order_relaxed)) {
             g_pipeline_calls.fetch_add(1, std::memory_order_relaxed);
             gate_up_down();
@@ -221,7 +231,7 @@ void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {
             const bf16_t* src = (const bf16_t*)x + (size_t)t * H;
             for (int i = 0; i < H; i++) row[i] = bf16_to_f32(src[i]);
         }
-        prepare_act(gate_fmt_->act, row, &s_.x_gate[t * gate_act_], H);
+        if (gate_fmt_) prepare_act(gate_fmt_->act, row, &s_.x_gate[t * gate_act_], H);
         if (cfg_.int8_min_tokens) s_.x_s[t] = quantize_row_u8(row, &s_.x_u8[(size_t)t * H], H);
         if (separate_up_) prepare_act(up_fmt_->act, row, &s_.x_up[t * up_act_], H);
     });
@@ -396,7 +406,8 @@ void MoE::gate_up_down() {
         if (task < gu_tasks) {
             const int a = task / gu_per, r0 = (task % gu_per) * gu_chunk;
             const int e = active_[a];
-            gate_up_rows(e, r0, std::min(I, r0 + gu_chunk));
+            if (use_int8(e)) gate_up_int8(e, r0, std::min(I, r0 + gu_chunk));
+            else gate_up_rows(e, r0, std::min(I, r0 + gu_chunk));
             if (chunks_left_[a].left.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the expert's last chunk
                 for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activate_pair(p);
                 chunks_left_[a].left.store(-1, std::memory_order_release);  // its down rows may start
@@ -411,7 +422,8 @@ void MoE::gate_up_down() {
             KT_PAUSE();
             if (spins % 1024 == 0) std::this_thread::yield();
         }
-        down_rows(active_[a], r0, std::min(H, r0 + d_chunk));
+        if (use_int8(active_[a])) down_int8(active_[a], r0, std::min(H, r0 + d_chunk));
+        else down_rows(active_[a], r0, std::min(H, r0 + d_chunk));
     });
 }
 

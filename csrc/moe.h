@@ -22,7 +22,8 @@ namespace kt {
 struct MoEConfig {
     int experts = 0, top_k = 0, hidden = 0, intermediate = 0, max_tokens = 0;
     int gate_type = -1, up_type = -1, down_type = -1;
-    const void* gate = nullptr;  // each [E, I, H] / [E, H, I] rows of blocks
+    const void* gate = nullptr;  // each [E, I, H] / [E, H, I] rows of blocks; all three null: the
+                                 // int8/int4 copies are the only weights (int8_min_tokens 1)
     const void* up = nullptr;
     const void* down = nullptr;
     size_t gate_bytes = 0, up_bytes = 0, down_bytes = 0;  // for the bounds check
@@ -49,6 +50,9 @@ class MoE {
     uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
 
   private:
+    // No stored weights (gate, up and down null): the int8/int4 copies are the experts' only bytes.
+    bool copies_only() const { return !cfg_.gate && !cfg_.up && !cfg_.down; }
+    void check_stored(const MoEConfig& c);  // formats, byte counts and tile shapes of the stored weights
     void check(int tokens, const int64_t* ids) const;
     void run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
     void prepare_inputs(int tokens, const void* x, Dtype dtype);
@@ -64,8 +68,8 @@ class MoE {
                     size_t stride) const;
     void activate();
     void down();
-    // The three steps above as one parallel region for decode calls (about a token an expert, no
-    // expert on the int8 path; prefill keeps the barriers: a hot expert's activation would be one
+    // The three steps above as one parallel region for decode calls (about a token an expert, all
+    // experts on one path; prefill keeps the barriers: a hot expert's activation would be one
     // thread's tail):
     // gate/up tasks first, then down tasks; the thread finishing an expert's last gate/up chunk
     // activates its pairs, and that expert's down tasks wait (spin) for it instead of the whole
@@ -78,9 +82,9 @@ class MoE {
 
     std::shared_ptr<Runtime> rt_;
     MoEConfig cfg_;
-    const Format *gate_fmt_, *up_fmt_, *down_fmt_;
-    size_t gate_row_, up_row_, down_row_;  // bytes per weight row
-    size_t gate_act_, up_act_, down_act_;  // bytes per prepared activation row
+    const Format *gate_fmt_ = nullptr, *up_fmt_ = nullptr, *down_fmt_ = nullptr;  // null: copies only
+    size_t gate_row_ = 0, up_row_ = 0, down_row_ = 0;  // bytes per weight row
+    size_t gate_act_ = 0, up_act_ = 0, down_act_ = 0;  // bytes per prepared activation row
     // Buffers for max_tokens tokens, in the runtime's scratch arena (offsets fixed at construction;
     // pointers taken at the start of each run).
     struct Scratch {

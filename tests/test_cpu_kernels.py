@@ -534,6 +534,18 @@ def test_int4_prefill_path(runtime, H, I, group):
     with pytest.raises(ValueError, match="alternatives"):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, int4=int4,
                   int8=tuple(Int8Rows.from_dense(w) for w in (gd, ud, dd)))
+    alone = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=None, up=None, down=None,
+                      int4=int4, max_tokens=64)  # int4_decode: the copies are the only weights, every call
+    assert alone.copies_only and alone.int8_min_tokens == 1
+    for T in (1, 2, 9):  # decode-sized calls (one parallel region) and a prefill-sized one
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        same = moe_reference(x, ids, w, gate_up4, int4[2].dequantized(), round_activations_rows, round_activations_rows)
+        assert rel_err(alone.forward(x, ids, w), same) < 1e-3, T
+    with pytest.raises(ValueError, match="all of gate, up and down"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=None, down=None, int4=int4)
+    with pytest.raises(ValueError, match="no weights"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=None, up=None, down=None)
     with pytest.raises(ValueError, match="int4 scale"):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
                   int4=(int4[0], int4[1], Int4Rows(int4[2].q, int4[2].scale[:, :1], int4[2].corr, group)))

@@ -216,11 +216,13 @@ def _fp8_checkpoint(model, path):
     return dequantized
 
 
-@pytest.mark.parametrize("source", ["gguf-q8_0", "safetensors-fp8"])
-def test_int4_prefill_option(tmp_path, source):
+@pytest.mark.parametrize("source, option", [("gguf-q8_0", "int4_prefill"), ("safetensors-fp8", "int4_prefill"),
+                                            ("safetensors-fp8", "int4_decode")])
+def test_int4_prefill_option(tmp_path, source, option):
     """KExpertsCPU with int4_prefill converts the experts at load (from GGUF blocks, or from an FP8
     checkpoint) to int4 copies in groups of int4_group; a long prompt goes through them: its logits
-    are those of transformers with the experts' weights rounded to int4 the same way."""
+    are those of transformers with the experts' weights rounded to int4 the same way. With
+    int4_decode the copies are the only weights: short inputs (decode-sized calls) too."""
     from ktransformers.kernels.cpu import Int4Rows, load_extension
     if not load_extension().int8_gemm:
         pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI)")
@@ -241,21 +243,25 @@ def test_int4_prefill_option(tmp_path, source):
         reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     text = (RULES_DIR / RULES[family]).read_text()
     rules = tmp_path / "int4.yaml"
-    rules.write_text(text.replace("out_device: cpu", "out_device: cpu\n      int4_prefill: true\n      int4_group: 128"))
+    rules.write_text(text.replace("out_device: cpu", f"out_device: cpu\n      {option}: true\n      int4_group: 128"))
     ours = build_skeleton(model.config, torch.float32)
     optimize_and_load_gguf(ours, rules, path, model.config)
     layer = next(m for m in ours.model.layers if hasattr(m.mlp, "experts"))
     kernel = layer.mlp.experts.ops["prefill"].kernel
     assert kernel.int8_min_tokens > 0 and kernel._int4[0].group == 128
-    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(1))
-    got, before = logits(ours, ids), logits(reference, ids)
+    assert kernel.copies_only == (option == "int4_decode")
+    prompts = [torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(1)) for n in (64, 3)]
+    got = [logits(ours, ids) for ids in prompts]
+    before = logits(reference, prompts[0])
     with torch.no_grad():  # the reference's routed experts through the same int4 rounding, in torch
         for name, p in reference.named_parameters():
             if ".experts." in name:
                 p.copy_(Int4Rows.from_dense(p.detach(), 128).dequantized())
     # (routing in these tiny random models flips with small changes: the int4 weights move the
     # logits by 0.05-0.15, the same weights in the reference leave only the activations' rounding)
-    assert rel_err(got, logits(reference, ids)) < 0.03 < rel_err(got, before)
+    assert rel_err(got[0], logits(reference, prompts[0])) < 0.03 < rel_err(got[0], before)
+    if option == "int4_decode":  # 3 tokens: under the copies' threshold, yet through them
+        assert rel_err(got[1], logits(reference, prompts[1])) < 0.03
 
     rules.write_text(text.replace("out_device: cpu", "out_device: cpu\n      int4_prefill: true\n      int4_group: 96"))
     with pytest.raises(ValueError, match="int4_group must be a multiple of 64"):

@@ -389,22 +389,35 @@ class MoEKernel:
     """Routed experts on the CPU, computed on the GGML blocks directly."""
 
     def __init__(self, runtime: CPURuntime, *, experts: int, top_k: int, hidden: int, intermediate: int,
-                 gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, max_tokens: int = 512, name: str = "MoE",
+                 gate: ExpertWeights | None, up: ExpertWeights | None, down: ExpertWeights | None,
+                 max_tokens: int = 512, name: str = "MoE",
                  int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4, tiles: bool = True,
                  int4: tuple[Int4Rows, Int4Rows, Int4Rows] | None = None):
         """`int8` (or `int4`, not both): re-quantized copies of gate, up, down for the int8 prefill
         GEMM (AVX512-VNNI builds; AMX tiles where the CPU has them); experts with at least
         `int8_min_tokens` tokens in a call use them. `tiles`: repack the projections this build
-        has 16-row tiles for (tile_weights) at construction."""
+        has 16-row tiles for (tile_weights) at construction. gate, up and down all None: the
+        copies are the experts' only weights, for every call (decode too)."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
-        if tiles and intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
-            gate = tile_weights(runtime, gate, experts * intermediate, hidden)
-            up = tile_weights(runtime, up, experts * intermediate, hidden)
-        if tiles and hidden % 16 == 0:
-            down = tile_weights(runtime, down, experts * hidden, intermediate)
+        self.copies_only = gate is None and up is None and down is None
+        if self.copies_only:
+            if int8 is None and int4 is None:
+                raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
+            if not runtime.ext.int8_gemm:
+                raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no int8 GEMM (it needs AVX512-VNNI) "
+                                 "to compute on int8/int4 copies alone")
+            int8_min_tokens = 1
+        elif gate is None or up is None or down is None:
+            raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
+        elif tiles:
+            if intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
+                gate = tile_weights(runtime, gate, experts * intermediate, hidden)
+                up = tile_weights(runtime, up, experts * intermediate, hidden)
+            if hidden % 16 == 0:
+                down = tile_weights(runtime, down, experts * hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
-        (g, gb), (u, ub), (d, db) = (_address(w.data) for w in self._weights)
+        (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         if int8 is not None and int4 is not None:
             raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
         addresses, addresses4, group, min_tokens = (), (), 0, 0
@@ -419,7 +432,8 @@ class MoEKernel:
             self._int4, group, min_tokens = int4, int4[0].group, max(1, int8_min_tokens)
         self.int8_min_tokens = min_tokens
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
-                                    *(w.kernel_type(runtime.ext) for w in self._weights), g, gb, u, ub, d, db,
+                                    *(-1 if w is None else w.kernel_type(runtime.ext) for w in self._weights),
+                                    g, gb, u, ub, d, db,
                                     addresses, min_tokens, addresses4, group)
 
     def _args(self, x, ids, weights):

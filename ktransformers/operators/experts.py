@@ -69,6 +69,7 @@ class ExpertSpec:
     # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many ("auto": by rates)
     pcie_experts: int | str = 0
     int4_group: int = 0  # KExpertsCPU: int4 prefill copies in groups of this many columns instead (0: none)
+    int4_only: bool = False  # KExpertsCPU: the int4 copies serve decode too; the stored weights are not kept
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -192,6 +193,8 @@ class KExpertsCPU:
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
         int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
+        if self.spec.int4_only and int4 is not None:
+            gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles)
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
@@ -203,8 +206,9 @@ class KExpertsCPU:
         if not (spec.int8_prefill or spec.int4_group):
             return None, None
         if not runtime.ext.int8_gemm:  # (one warning for all layers: the same message)
-            warnings.warn(f"int8_prefill/int4_prefill is off: the {runtime.isa} CPU kernels have no int8 GEMM "
-                          "(it needs AVX512-VNNI)", stacklevel=3)
+            warnings.warn(f"int8_prefill/int4_prefill{'/int4_decode' if spec.int4_only else ''} is off: the "
+                          f"{runtime.isa} CPU kernels have no int8 GEMM (it needs AVX512-VNNI); the experts stay "
+                          "as stored", stacklevel=3)
             return None, None
         from ..kernels.cpu import Int4Rows, Int8Rows
         E, H, I = spec.experts, spec.hidden, spec.intermediate
@@ -243,6 +247,8 @@ class KExpertsCPU:
         """Why the share cannot run on these (gate, up, down) weights here, or None."""
         if not torch.cuda.is_available():
             return "no CUDA device"
+        if self.kernel.copies_only:
+            return "the experts are int4 copies (int4_decode), which the GPU does not read"
         from ..kernels.triton.pcie_experts import supports
         why = supports(tuple(p.ggml_type for p in w), tuple(p.tiled for p in w), self.spec.hidden,
                        self.spec.intermediate)
@@ -466,9 +472,12 @@ class ExpertsOptions(Placement):
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
-    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): half the RAM
+    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): a quarter of the RAM
     int4_prefill: bool = False
     int4_group: int = 128
+    # KExpertsCPU: the int4 copies are the experts' only weights, for decode too (implies int4_prefill):
+    # for BF16/FP8 checkpoints, whose experts would otherwise be kept in bf16 (0.53 bytes a weight, not 2)
+    int4_decode: bool = False
     # hot experts: this many of the layer's experts also live on a GPU (KExpertsGPU) and the
     # router's choices are split between it and the CPU op (when the phase's op runs on the CPU)
     num_gpu_experts: int = 0
@@ -529,7 +538,7 @@ class KTransformersExperts(BaseInjectedModule):
                               "the CPU", stacklevel=2)
             pcie = 0
         spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie,
-                          int4_group=self._int4_group(key, H, two_i // 2))
+                          int4_group=self._int4_group(key, H, two_i // 2), int4_only=o.int4_decode)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
@@ -548,10 +557,10 @@ class KTransformersExperts(BaseInjectedModule):
     def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
         """ExpertSpec.int4_group from the options (0 without int4_prefill), checked against the shapes."""
         o = self.options
-        if not o.int4_prefill:
+        if not (o.int4_prefill or o.int4_decode):
             return 0
         if o.int8_prefill:
-            raise ValueError(f"{key}: int8_prefill and int4_prefill are alternatives; set one")
+            raise ValueError(f"{key}: int8_prefill and int4_prefill/int4_decode are alternatives; set one")
         g = o.int4_group
         if g <= 0 or g % 64 or hidden % g or intermediate % g or intermediate % 16:
             raise ValueError(f"{key}: int4_group must be a multiple of 64 dividing hidden ({hidden}) and "

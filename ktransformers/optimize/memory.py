@@ -169,10 +169,14 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             types = [t for t, _ in infos if t is not None]
             numel = sum(q.numel() for n, q in model.named_parameters() if n.startswith(row.name + "."))
             for op, dev in _phase_ops(kw, "KExpertsTorch"):
+                int4_bytes = numel * (0.5 + 4 / int(kw.get("int4_group", 128)))  # nibbles + a float step a group
+                if op == "KExpertsCPU" and kw.get("int4_decode"):  # the copies alone
+                    mem.add(dev, "experts (int4)", int4_bytes)
+                    continue
                 what = "experts (mapped file)" if op == "KExpertsCPU" and stored else "experts"
                 mem.add(dev, what, _experts_bytes(op, stored, numel, dbytes, types))
-                if op == "KExpertsCPU" and kw.get("int4_prefill"):  # nibbles + a float step a group
-                    mem.add(dev, "experts int4 copies", numel * (0.5 + 4 / int(kw.get("int4_group", 128))))
+                if op == "KExpertsCPU" and kw.get("int4_prefill"):
+                    mem.add(dev, "experts int4 copies", int4_bytes)
                 elif op == "KExpertsCPU" and kw.get("int8_prefill"):
                     mem.add(dev, "experts int8 copies", numel * (1 + 8 / 256))
             experts = int(p.shape[0]) if p.dim() == 3 else 1
