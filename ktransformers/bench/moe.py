@@ -53,9 +53,10 @@ def _projection(t: GGMLType, experts: int, rows: int, cols: int, gen) -> ExpertW
 
 
 def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen, int8: bool = False,
-                 tiles: bool = True, int4: int = 0) -> list[Layer]:
+                 tiles: bool = True, int4: int = 0, int4_only: bool = False) -> list[Layer]:
     """`copies` of the layer in random blocks of `fmt`; with `int8` or `int4` (a group size), the
-    prefill copies KExpertsCPU makes at load with int8_prefill / int4_prefill."""
+    prefill copies KExpertsCPU makes at load with int8_prefill / int4_prefill; `int4_only`: the
+    int4 copies alone, as with int4_decode (the blocks kept only for the peer)."""
     H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
     g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
     layers = []
@@ -68,8 +69,13 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
             rows8 = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((gate, up, down), shapes))
         elif int4:
             rows4 = tuple(Int4Rows.from_blocks(w, s, int4) for w, s in zip((gate, up, down), shapes))
-        layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=gate, up=up,
-                                      down=down, max_tokens=512, int8=rows8, int4=rows4, tiles=tiles),
+        if int4_only:
+            per_expert = sum(r.q.numel() + 4 * (r.scale.numel() + r.corr.numel()) for r in rows4) // experts
+            stored = (None, None, None)
+        else:
+            stored = (gate, up, down)
+        layers.append(Layer(MoEKernel(runtime, experts=experts, top_k=K, hidden=H, intermediate=I, gate=stored[0],
+                                      up=stored[1], down=stored[2], max_tokens=512, int8=rows8, int4=rows4, tiles=tiles),
                             per_expert, (gate, up, down)))
     return layers
 
@@ -163,8 +169,11 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
     copies = args.copies or default_copies(shape, fmt)
     # (kt-kernel's layers point at our blocks; room for a copy of its own a thread count, should it copy them)
     experts = expert_budget(shape, fmt, copies + len(peer_threads), int8=args.int8, int4=args.int4)
-    layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles, args.int4)
-    copies_label = "" if not layers[0].kernel.int8_min_tokens else "+int8" if args.int8 else f"+int4g{args.int4}"
+    layers = build_layers(runtime, shape, fmt, copies, experts, gen, args.int8, not args.no_tiles, args.int4,
+                          args.int4_only)
+    label = fmt + ("" if not layers[0].kernel.int8_min_tokens else "+int8" if args.int8 else f"+int4g{args.int4}")
+    if layers[0].kernel.copies_only:
+        label = f"int4g{args.int4}"
     note = "" if experts == shape["experts"] else f" ({experts} of {shape['experts']} experts: RAM)"
     rows, all_calls = [], []
     for T in args.tokens:
@@ -177,7 +186,7 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
         seconds, inside, nbytes = time_layer(layers, calls)
         stream = max(before, stream_gbps(runtime, args.stream_gib, 3))
         flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
-        rows.append(dict(shape=shape_name + note, format=fmt + copies_label, tokens=T, threads=runtime.threads,
+        rows.append(dict(shape=shape_name + note, format=label, tokens=T, threads=runtime.threads,
                          isa=runtime.isa,
                          median_us=seconds * 1e6, kernel_us=inside * 1e6, weight_bytes=nbytes,
                          gbps=nbytes / seconds / 1e9, kernel_gbps=nbytes / inside / 1e9,
@@ -263,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="also give our layers the int8 copies of the prefill path (experts with >= 4 tokens use them)")
     p.add_argument("--int4", type=int, nargs="?", const=128, default=0, metavar="GROUP",
                    help="or the int4 copies, in groups of GROUP columns (default 128)")
+    p.add_argument("--int4-only", action="store_true",
+                   help="with --int4: the int4 copies alone, for every call (as KExpertsCPU's int4_decode)")
     p.add_argument("--no-tiles", action="store_true",
                    help="compute on the GGUF's rows as stored (default: formats with 16-row tiles are repacked at load)")
     p.add_argument("--no-peer", action="store_true", help="do not run kt-kernel even when it is installed")
@@ -272,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.int8 and args.int4:
         p.error("--int8 and --int4 are alternatives")
+    if args.int4_only and not args.int4:
+        args.int4 = 128
     if not args.json:
         print(HEADER)
     run(args)
