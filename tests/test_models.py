@@ -194,28 +194,6 @@ def test_int8_prefill_option(tmp_path):
 
 
 
-def _fp8_checkpoint(model, path):
-    """`model` saved as a DeepSeek-style FP8 checkpoint (128x128 blocks with scale_inv) in `path`,
-    and the state dict its FP8 weights dequantize to."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from test_safetensors import reference_fp8_dequant, to_fp8_blocks
-    model.save_pretrained(path)
-    with safe_open(path / "model.safetensors", "pt") as f:
-        stored = {k: f.get_tensor(k) for k in f.keys()}
-    fp8, dequantized = {}, {}
-    for name, t in stored.items():
-        if t.dim() == 2 and "proj" in name:
-            w8, s = to_fp8_blocks(t.float())
-            fp8[name], fp8[name + "_scale_inv"] = w8, s
-            dequantized[name] = reference_fp8_dequant(w8, s)
-        else:
-            fp8[name] = dequantized[name] = t
-    (path / "model.safetensors").unlink()
-    save_file(fp8, path / "model.safetensors", metadata={"format": "pt"})
-    return dequantized
-
-
 @pytest.mark.parametrize("source, option", [("gguf-q8_0", "int4_prefill"), ("safetensors-fp8", "int4_prefill"),
                                             ("safetensors-fp8", "int4_decode")])
 def test_int4_prefill_option(tmp_path, source, option):
@@ -235,8 +213,10 @@ def test_int4_prefill_option(tmp_path, source, option):
         reference.load_state_dict(reference_state_dict(model, types))
     else:
         from safetensors.torch import save_file
+        from test_safetensors import write_fp8_checkpoint
         path, ref_dir = tmp_path / "ckpt", tmp_path / "ref"
-        dequantized = _fp8_checkpoint(model, path)
+        path.mkdir()
+        dequantized = write_fp8_checkpoint(model, path)
         ref_dir.mkdir()
         save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
         (ref_dir / "config.json").write_text((path / "config.json").read_text())

@@ -63,12 +63,12 @@ def test_fp8_block_dequant(shape):
         dequant_fp8_blocks(w8, scale_inv[:-1])
 
 
-def test_deepseek_fp8_checkpoint(tmp_path):
-    model = tiny_model("deepseek_v3")
-    model.save_pretrained(tmp_path)  # per-expert names, as DeepSeek's own checkpoint
-    stored = {}
+def write_fp8_checkpoint(model, path) -> dict[str, torch.Tensor]:
+    """`model` saved in `path` as a DeepSeek-style FP8 checkpoint (per-expert names, 2-D projections
+    in e4m3 with 128x128 block scale_inv); returns the state dict its weights dequantize to."""
     from safetensors import safe_open
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+    model.save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     fp8, dequantized = {}, {}
     for name, t in stored.items():
@@ -78,8 +78,14 @@ def test_deepseek_fp8_checkpoint(tmp_path):
             dequantized[name] = reference_fp8_dequant(w8, s)
         else:
             fp8[name] = dequantized[name] = t
-    (tmp_path / "model.safetensors").unlink()
-    save_file(fp8, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    save_file(fp8, path / "model.safetensors", metadata={"format": "pt"})
+    return dequantized
+
+
+def test_deepseek_fp8_checkpoint(tmp_path):
+    model = tiny_model("deepseek_v3")
+    dequantized = write_fp8_checkpoint(model, tmp_path)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
