@@ -37,8 +37,9 @@ inline void unpack_pair(const uint8_t* block, int c, __m512i& lo, __m512i& hi) {
 }
 
 // The VNNI path takes the weights as vpdpbusd's unsigned operand (the stored w + 8) and the
-// activations as its signed one (the u8 rows less 128), each token's 4 bytes broadcast from memory
-// within the instruction: per 64 weight bytes a load, three logic ops and two vpdpbusd a token.
+// activations as its signed one (the u8 rows less 128, in a thread's buffer that grows once), each
+// token's 4 bytes broadcast: per 64 weight bytes a load, three logic ops, and two broadcasts and two
+// vpdpbusd a token.
 // The + 8 comes off per group: sum (w + 8) x = sum w x + 8 sum x, with sum x the group's.
 struct SignedRows {
     std::vector<int8_t> x;     // [count, k]
