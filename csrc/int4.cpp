@@ -65,9 +65,8 @@ void to_signed(const uint8_t* const* xs, int count, int k, int group, SignedRows
 // Block b (rows 16b..16b+15) against T tokens: lane n of f[t] = sum_g scale[16b+n, g] * (the
 // group's int32 dot of w's row with x[t]). Few tokens keep A accumulators a token (summed at the
 // group's end) so that A chains of vpdpbusd are in flight, not one (8 tokens give 8 chains).
-// `ahead`: bytes past the line being read that are prefetched (KT_CPU_PREFETCH; 0: none).
 template <int T>
-void vnni_block(const Int4Weights& w, int k, int b, const SignedRows& xs, int t0, int ahead, __m512 f[T]) {
+void vnni_block(const Int4Weights& w, int k, int b, const SignedRows& xs, int t0, __m512 f[T]) {
     constexpr int A = T >= 4 ? 1 : 4 / T;
     const int chunks = k / 64, per_group = w.group / 64, groups = k / w.group;
     const uint8_t* q = w.q + (size_t)b * chunks * kInt4Block;
@@ -81,7 +80,6 @@ void vnni_block(const Int4Weights& w, int k, int b, const SignedRows& xs, int t0
         for (int ch = g * per_group; ch < (g + 1) * per_group; ch++) {
             const uint8_t* block = q + (size_t)ch * kInt4Block;
             for (int c = 0; c < 8; c++) {
-                if (ahead) _mm_prefetch((const char*)block + ahead + 64 * c, _MM_HINT_T0);
                 __m512i lo, hi;
                 nibbles(block, c, lo, hi);
                 const int a_lo = (2 * c) % A, a_hi = (2 * c + 1) % A;
@@ -117,10 +115,10 @@ inline void store_block(const float* corr, int b, int r0, int r1, const float* f
 }
 
 template <int T>
-void vnni_step(const Int4Weights& w, int k, int b, int r0, int r1, const SignedRows& xs, int t0, int ahead,
-               const float* sx, float* out, size_t stride) {
+void vnni_step(const Int4Weights& w, int k, int b, int r0, int r1, const SignedRows& xs, int t0, const float* sx,
+               float* out, size_t stride) {
     __m512 f[T];
-    vnni_block<T>(w, k, b, xs, t0, ahead, f);
+    vnni_block<T>(w, k, b, xs, t0, f);
     alignas(64) float lanes[T * 16];
     for (int t = 0; t < T; t++) _mm512_store_ps(lanes + 16 * t, f[t]);
     store_block(nullptr, b, r0, r1, lanes, T, sx + t0, out + (size_t)t0 * stride, stride);
@@ -130,13 +128,12 @@ void vnni_rows(const Int4Weights& w, int k, int r0, int r1, const uint8_t* const
                float* out, size_t stride) {
     thread_local SignedRows x;
     to_signed(xs, count, k, w.group, x);
-    const int ahead = tile_prefetch().first;
     for (int b = r0 / 16; b < (r1 + 15) / 16; b++) {
         int t = 0;
-        for (; t + 8 <= count; t += 8) vnni_step<8>(w, k, b, r0, r1, x, t, ahead, sx, out, stride);
-        for (; t + 4 <= count; t += 4) vnni_step<4>(w, k, b, r0, r1, x, t, ahead, sx, out, stride);
-        for (; t + 2 <= count; t += 2) vnni_step<2>(w, k, b, r0, r1, x, t, ahead, sx, out, stride);
-        for (; t < count; t++) vnni_step<1>(w, k, b, r0, r1, x, t, ahead, sx, out, stride);
+        for (; t + 8 <= count; t += 8) vnni_step<8>(w, k, b, r0, r1, x, t, sx, out, stride);
+        for (; t + 4 <= count; t += 4) vnni_step<4>(w, k, b, r0, r1, x, t, sx, out, stride);
+        for (; t + 2 <= count; t += 2) vnni_step<2>(w, k, b, r0, r1, x, t, sx, out, stride);
+        for (; t < count; t++) vnni_step<1>(w, k, b, r0, r1, x, t, sx, out, stride);
     }
 }
 }  // namespace
@@ -165,7 +162,10 @@ void amx_block(const Int4Weights& w, int k, int b, const uint8_t* a, int m, int 
     alignas(64) int32_t c[2][2][16][16];
     for (int rb = 0; rb < RB; rb++) std::memset(f[rb], 0, sizeof(float) * 16 * m);
     for (int g = 0; g < groups; g++) {
-        tiles_zero<RB, TT>();
+        _tile_zero(0);
+        if (TT > 1) _tile_zero(1);
+        if (RB > 1) _tile_zero(2);
+        if (RB > 1 && TT > 1) _tile_zero(3);
         for (int ch = g * per_group; ch < (g + 1) * per_group; ch++) {
             for (int rb = 0; rb < RB; rb++) {
                 const uint8_t* src = q + rb * bytes + (size_t)ch * kInt4Block;
@@ -173,9 +173,19 @@ void amx_block(const Int4Weights& w, int k, int b, const uint8_t* a, int m, int 
                     for (int l = 0; l < kInt4Block; l += 64) _mm_prefetch((const char*)src + ahead + l, _MM_HINT_T0);
                 unpack_tile(src, tile[rb]);
             }
-            tiles_step<RB, TT>(tile[0], tile[1], a + ch * 64, k);
+            _tile_loadd(6, tile[0], 64);
+            if (RB > 1) _tile_loadd(7, tile[1], 64);
+            _tile_loadd(4, a + ch * 64, k);
+            if (TT > 1) _tile_loadd(5, a + (size_t)16 * k + ch * 64, k);
+            _tile_dpbusd(0, 4, 6);
+            if (TT > 1) _tile_dpbusd(1, 5, 6);
+            if (RB > 1) _tile_dpbusd(2, 4, 7);
+            if (RB > 1 && TT > 1) _tile_dpbusd(3, 5, 7);
         }
-        tiles_store<RB, TT>(c);
+        _tile_stored(0, c[0][0], 64);
+        if (TT > 1) _tile_stored(1, c[0][1], 64);
+        if (RB > 1) _tile_stored(2, c[1][0], 64);
+        if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
         for (int rb = 0; rb < RB; rb++) {
             const __m512 s = _mm512_loadu_ps(w.scale + ((size_t)(b + rb) * groups + g) * 16);
             for (int i = 0; i < m; i++) {

@@ -87,21 +87,36 @@ inline void step(const Int8Weights& w, int k, int r, int t, const uint8_t* const
 #if defined(KT_AMX)
 namespace {
 // RB (1 or 2) blocks of 16 weight rows, packed one after the other (`packed`, k/64 tiles of 1 KiB
-// a block), against TT (1 or 2) groups of 16 activation rows in `a` (row stride k), in tiles_step's
-// 2x2 steps. `ahead` bytes past the tiles being read are prefetched (0: none), the weights
-// streaming from memory one 1 KiB tile per block and step.
+// a block), against TT (1 or 2) groups of 16 activation rows in `a` (row stride k):
+//   C tile 2 rb + tt += A tile 4 + tt (activations) x B tile 6 + rb (weights)
+// so up to four accumulations are in flight (each tdpbusd waits for the last one into its C) and
+// each weight tile loaded serves both token groups. `ahead` bytes past the tiles being read are
+// prefetched (0: none), the weights streaming from memory one 1 KiB tile per block and step.
 template <int RB, int TT>
 void amx_block(const int8_t* packed, const uint8_t* a, int k, int ahead, int32_t c[2][2][16][16]) {
     const size_t block = (size_t)(k / 64) * 1024;
-    tiles_zero<RB, TT>();
+    _tile_zero(0);
+    if (TT > 1) _tile_zero(1);
+    if (RB > 1) _tile_zero(2);
+    if (RB > 1 && TT > 1) _tile_zero(3);
     for (int kb = 0; kb < k / 64; kb++) {
         const int8_t* w = packed + (size_t)kb * 1024;
         if (ahead)
             for (int rb = 0; rb < RB; rb++)
                 for (int l = 0; l < 1024; l += 64) _mm_prefetch((const char*)w + rb * block + ahead + l, _MM_HINT_T0);
-        tiles_step<RB, TT>(w, w + block, a + kb * 64, k);
+        _tile_loadd(6, w, 64);
+        if (RB > 1) _tile_loadd(7, w + block, 64);
+        _tile_loadd(4, a + kb * 64, k);
+        if (TT > 1) _tile_loadd(5, a + (size_t)16 * k + kb * 64, k);
+        _tile_dpbusd(0, 4, 6);
+        if (TT > 1) _tile_dpbusd(1, 5, 6);
+        if (RB > 1) _tile_dpbusd(2, 4, 7);
+        if (RB > 1 && TT > 1) _tile_dpbusd(3, 5, 7);
     }
-    tiles_store<RB, TT>(c);
+    _tile_stored(0, c[0][0], 64);
+    if (TT > 1) _tile_stored(1, c[0][1], 64);
+    if (RB > 1) _tile_stored(2, c[1][0], 64);
+    if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
 }
 
 template <int RB>
