@@ -243,6 +243,7 @@ def test_int4_prefill_option(tmp_path, source, option):
     if option == "int4_decode":  # 3 tokens: under the copies' threshold, yet through them
         assert rel_err(got[1], logits(reference, prompts[1])) < 0.03
 
-    rules.write_text(text.replace("out_device: cpu", "out_device: cpu\n      int4_prefill: true\n      int4_group: 96"))
-    with pytest.raises(ValueError, match="int4_group must be a multiple of 64"):
-        optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, path, model.config)
+    for group in (96, 0):  # (0: the memory plan must not fail first)
+        rules.write_text(text.replace("out_device: cpu", f"out_device: cpu\n      {option}: true\n      int4_group: {group}"))
+        with pytest.raises(ValueError, match="int4_group must be a multiple of 64"):
+            load_model(path, None if source.startswith("gguf") else path, rules, tokenizer=False, progress=False)

@@ -69,7 +69,7 @@ class ExpertSpec:
     # KExpertsCPU fed from a GPU: of each decode token's top-k, the GPU computes this many ("auto": by rates)
     pcie_experts: int | str = 0
     int4_group: int = 0  # KExpertsCPU: int4 prefill copies in groups of this many columns instead (0: none)
-    int4_only: bool = False  # KExpertsCPU: the int4 copies serve decode too; the stored weights are not kept
+    int4_decode: bool = False  # KExpertsCPU: the int4 copies serve decode too; the stored weights are not kept
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -193,7 +193,7 @@ class KExpertsCPU:
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
         int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
-        if self.spec.int4_only and int4 is not None:
+        if self.spec.int4_decode and int4 is not None:
             gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles)
@@ -206,7 +206,7 @@ class KExpertsCPU:
         if not (spec.int8_prefill or spec.int4_group):
             return None, None
         if not runtime.ext.int8_gemm:  # (one warning for all layers: the same message)
-            warnings.warn(f"int8_prefill/int4_prefill{'/int4_decode' if spec.int4_only else ''} is off: the "
+            warnings.warn(f"int8_prefill/int4_prefill{'/int4_decode' if spec.int4_decode else ''} is off: the "
                           f"{runtime.isa} CPU kernels have no int8 GEMM (it needs AVX512-VNNI); the experts stay "
                           "as stored", stacklevel=3)
             return None, None
@@ -472,7 +472,8 @@ class ExpertsOptions(Placement):
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
-    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): a quarter of the RAM
+    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): 0.53 bytes a
+    # weight at 128, against int8's 1 (2 with its AMX tiles)
     int4_prefill: bool = False
     int4_group: int = 128
     # KExpertsCPU: the int4 copies are the experts' only weights, for decode too (implies int4_prefill):
@@ -538,7 +539,7 @@ class KTransformersExperts(BaseInjectedModule):
                               "the CPU", stacklevel=2)
             pcie = 0
         spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill, pcie,
-                          int4_group=self._int4_group(key, H, two_i // 2), int4_only=o.int4_decode)
+                          int4_group=self._int4_group(key, H, two_i // 2), int4_decode=o.int4_decode)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
@@ -555,7 +556,8 @@ class KTransformersExperts(BaseInjectedModule):
             self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device))
 
     def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
-        """ExpertSpec.int4_group from the options (0 without int4_prefill), checked against the shapes."""
+        """ExpertSpec.int4_group from the options (0 without int4_prefill or int4_decode), checked
+        against the shapes."""
         o = self.options
         if not (o.int4_prefill or o.int4_decode):
             return 0

@@ -114,6 +114,14 @@ def _experts_bytes(op: str, stored: int, numel: int, dtype_bytes: int, types: li
     return numel * dtype_bytes
 
 
+def _int4_bytes_per_weight(group) -> float:
+    """Bytes a weight of int4 copies in groups of `group` columns: a nibble, and a float step a
+    group. (A group the operator will refuse counts as the smallest valid one: the plan must not
+    fail before the operator names what is wrong.)"""
+    valid = isinstance(group, int) and not isinstance(group, bool) and group >= 64
+    return 0.5 + 4 / (group if valid else 64)
+
+
 def _phase_ops(kwargs: dict, default_op: str):
     """The distinct (op, device) pairs of an operator's prefill and generate phases."""
     seen = []
@@ -169,7 +177,7 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             types = [t for t, _ in infos if t is not None]
             numel = sum(q.numel() for n, q in model.named_parameters() if n.startswith(row.name + "."))
             for op, dev in _phase_ops(kw, "KExpertsTorch"):
-                int4_bytes = numel * (0.5 + 4 / int(kw.get("int4_group", 128)))  # nibbles + a float step a group
+                int4_bytes = numel * _int4_bytes_per_weight(kw.get("int4_group", 128))
                 if op == "KExpertsCPU" and kw.get("int4_decode"):  # the copies alone
                     mem.add(dev, "experts (int4)", int4_bytes)
                     continue
