@@ -315,9 +315,9 @@ def _int4_steps(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Int4Rows:
-    """A projection of all experts re-quantized for the int4 prefill GEMM (csrc/int8.h): symmetric
-    int4 in groups of `group` values along each row (the largest magnitude maps to -8, as Q4_0),
-    two a byte in 16-row x 64-column VNNI tiles; each row's and group's step; each row's
+    """A projection of all experts re-quantized for the int4 GEMM (csrc/int8.h): symmetric int4 in
+    groups of `group` values along each row (each group's step by _int4_steps), two a byte in
+    16-row x 64-column VNNI tiles; each row's and group's step; each row's
     correction for the activations' u8 offset (128 x sum over groups of step x the group's sum)."""
     q: torch.Tensor  # uint8 [E, rows/16, cols/64, 512]
     scale: torch.Tensor  # float32 [E, rows/16, cols/group, 16]
@@ -400,6 +400,8 @@ class MoEKernel:
         copies are the experts' only weights, for every call (decode too)."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
+        if int8 is not None and int4 is not None:  # (before any repacking)
+            raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
         self.copies_only = gate is None and up is None and down is None
         if self.copies_only:
             if int8 is None and int4 is None:
@@ -418,8 +420,6 @@ class MoEKernel:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
-        if int8 is not None and int4 is not None:
-            raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
         if int8 is not None and runtime.ext.int8_gemm:
