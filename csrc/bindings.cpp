@@ -70,6 +70,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
               if (!data || hi <= lo) return 0;
               return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0 ? size_t(hi - lo) : 0;
           }, "advise transparent huge pages for a buffer not yet touched (its 2 MiB-aligned interior)");
+    m.def("set_bf16_kernels", &set_bf16_kernels, "BF16 rows: allow the AVX512-BF16 dot products and the AMX-BF16 "
+          "tiles where they run (both on by default; tests switch them off to check the paths against each other)",
+          py::arg("dot"), py::arg("amx"));
+    m.def("bf16_kernels", &bf16_kernels, "(dot, amx): which BF16 kernels run now (allowed, built and on this CPU)");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

@@ -1263,49 +1263,61 @@ float dot_iq4_xs(int n, const void* vw, const void* va) {
 #endif
 }
 
-// ---- 16-bit floats x F32 -----------------------------------------------------------------
-// The two 16-bit float kinds: how a vector of 16 (AVX-512) or 8 (AVX2) weights and a single one
-// become float32. Types, not function pointers, so that the loads inline into dot_16bit.
+// ---- 16-bit floats --------------------------------------------------------------------
+// F16 weights take float32 activations; BF16 weights take bf16 ones (Act::BF16, as llama.cpp's
+// BF16 rows and the AVX512-BF16 and AMX-BF16 instructions take them), so each product of a weight
+// and an activation is exact in float32 and the paths differ only in the order their sums add.
+// A kind says how a vector of 16 (AVX-512) or 8 (AVX2) weights, or of activations, and a single
+// one become float32: types, not function pointers, so that the loads inline into dot_16bit.
 struct BF16Kind {
     using type = bf16_t;
+    using act = bf16_t;
 #if defined(__AVX512F__)
     static __m512 load16(const bf16_t* w) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
     }
+    static __m512 load_x16(const bf16_t* x) { return load16(x); }
 #endif
 #if defined(__AVX2__)
     static __m256 load8(const bf16_t* w) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
     }
+    static __m256 load_x8(const bf16_t* x) { return load8(x); }
 #endif
     static float one(bf16_t w) { return bf16_to_f32(w); }
+    static float one_x(bf16_t x) { return bf16_to_f32(x); }
 };
 struct F16Kind {
     using type = fp16_t;
+    using act = float;
 #if defined(__AVX512F__)
     static __m512 load16(const fp16_t* w) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w)); }
+    static __m512 load_x16(const float* x) { return _mm512_loadu_ps(x); }
 #endif
 #if defined(__AVX2__)
     static __m256 load8(const fp16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
+    static __m256 load_x8(const float* x) { return _mm256_loadu_ps(x); }
 #endif
     static float one(fp16_t w) { return fp16_to_f32(w); }
+    static float one_x(float x) { return x; }
 };
 
-// R rows of 16-bit float weights (row_elems apart) against T float32 activation rows:
+// R rows of 16-bit float weights (row_elems apart) against T activation rows:
 // out[t * R + r] = sum_i w[r][i] * x[t][i]. Each (row, token) pair has one accumulator of 16
 // lanes (8 at the AVX2 level) over the same steps, then its horizontal sum, then the tail past
 // the last whole vector in scalar: its result does not depend on R or T, so a token's output is
 // the same to the bit alone or among others. A weight vector is converted once for all T tokens
 // and an activation vector loaded once for all R rows; R x T (up to 16) chains hide the FMA latency.
 template <int R, int T, typename Kind>
-inline void dot_16bit(int n, const typename Kind::type* w, size_t row_elems, const float* const* x, float* out) {
+inline void dot_16bit(int n, const typename Kind::type* w, size_t row_elems, const typename Kind::act* const* x,
+                      float* out) {
     int i = 0;
     float sum[R * T] = {};
 #if defined(__AVX512F__)
     constexpr int kLanes = 16;
     using Vec = __m512;
     auto load_w = [](const typename Kind::type* p) { return Kind::load16(p); };
-    auto load_x = [](const float* p) { return _mm512_loadu_ps(p); };
+    auto load_x = [](const typename Kind::act* p) { return Kind::load_x16(p); };
     auto fma = [](Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); };
     auto hsum = [](Vec v) { return _mm512_reduce_add_ps(v); };
     const Vec zero = _mm512_setzero_ps();
@@ -1313,7 +1325,7 @@ inline void dot_16bit(int n, const typename Kind::type* w, size_t row_elems, con
     constexpr int kLanes = 8;
     using Vec = __m256;
     auto load_w = [](const typename Kind::type* p) { return Kind::load8(p); };
-    auto load_x = [](const float* p) { return _mm256_loadu_ps(p); };
+    auto load_x = [](const typename Kind::act* p) { return Kind::load_x8(p); };
     auto fma = [](Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); };
     auto hsum = [](Vec v) { return hsum_f32(v); };
     const Vec zero = _mm256_setzero_ps();
@@ -1334,32 +1346,101 @@ inline void dot_16bit(int n, const typename Kind::type* w, size_t row_elems, con
     for (; i < n; i++)
         for (int r = 0; r < R; r++) {
             const float wi = Kind::one(w[r * row_elems + i]);
-            for (int t = 0; t < T; t++) sum[t * R + r] += wi * x[t][i];
+            for (int t = 0; t < T; t++) sum[t * R + r] += wi * Kind::one_x(x[t][i]);
         }
     for (int k = 0; k < R * T; k++) out[k] = sum[k];
 }
 
-// Rows r0..r1 against `count` tokens, four tokens (their activations in L1) against each four
-// rows in turn: dot_16bit at R, T <= 4.
+#if defined(__AVX512BW__)
+// BF16 rows with vdpbf16ps: 32 products an instruction, two to each float lane, the weights used
+// as loaded (no widening). The avx512 build has no -mavx512bf16 (Ice Lake and Cascade Lake lack
+// it), so the kernel alone is compiled for it and runs where the CPU says it has it. The same
+// structure as dot_16bit: one accumulator per (row, token), masked loads for the tail, so the
+// result does not depend on R or T either.
+template <int R, int T>
+__attribute__((target("avx512bf16,avx512f,avx512bw"))) void dot_bf16_dp(int n, const bf16_t* w, size_t row_elems,
+                                                                        const bf16_t* const* x, float* out) {
+    __m512 acc[R * T];
+    for (int k = 0; k < R * T; k++) acc[k] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i wv[R];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512((const void*)(w + r * row_elems + i));
+        for (int t = 0; t < T; t++) {
+            const __m512i xv = _mm512_loadu_si512((const void*)(x[t] + i));
+            for (int r = 0; r < R; r++) acc[t * R + r] = _mm512_dpbf16_ps(acc[t * R + r], (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+    if (i < n) {  // the tail, zeros past the row's end
+        const __mmask32 m = (__mmask32(1) << (n - i)) - 1;
+        __m512i wv[R];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_epi16(m, w + r * row_elems + i);
+        for (int t = 0; t < T; t++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(m, x[t] + i);
+            for (int r = 0; r < R; r++) acc[t * R + r] = _mm512_dpbf16_ps(acc[t * R + r], (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+    for (int k = 0; k < R * T; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
+}
+#endif
+
+// The R x T kernels (R, T <= 4) rows_16bit picks from: dot_16bit, or for BF16 dot_bf16_dp where
+// it runs (chosen once a call).
+template <typename Kind>
+using Dot16Fn = void (*)(int, const typename Kind::type*, size_t, const typename Kind::act* const*, float*);
+template <typename Kind, template <int, int> class Pick>
+struct Dot16Table {
+    static constexpr Dot16Fn<Kind> fns[4][4] = {
+        {Pick<1, 1>::fn, Pick<1, 2>::fn, Pick<1, 3>::fn, Pick<1, 4>::fn},
+        {Pick<2, 1>::fn, Pick<2, 2>::fn, Pick<2, 3>::fn, Pick<2, 4>::fn},
+        {Pick<3, 1>::fn, Pick<3, 2>::fn, Pick<3, 3>::fn, Pick<3, 4>::fn},
+        {Pick<4, 1>::fn, Pick<4, 2>::fn, Pick<4, 3>::fn, Pick<4, 4>::fn}};
+};
+template <typename Kind>
+struct Widened {
+    template <int R, int T>
+    struct Pick {
+        static constexpr Dot16Fn<Kind> fn = dot_16bit<R, T, Kind>;
+    };
+};
+#if defined(__AVX512BW__)
+template <int R, int T>
+struct PickBf16Dp {
+    static constexpr Dot16Fn<BF16Kind> fn = dot_bf16_dp<R, T>;
+};
+#endif
+
+template <typename Kind>
+const Dot16Fn<Kind> (*dot16_table())[4] {
+#if defined(__AVX512BW__)
+    if constexpr (std::is_same<Kind, BF16Kind>::value)
+        if (bf16_kernels().first) return Dot16Table<BF16Kind, PickBf16Dp>::fns;
+#endif
+    return Dot16Table<Kind, Widened<Kind>::template Pick>::fns;
+}
+
+// Rows r0..r1 against `count` tokens, four rows (in L1) against each four tokens in turn (the
+// R, T <= 4 kernels above): the weights stream from memory once a call, the activations from L2; BF16 rows take AMX tiles first where the build
+// and the call allow (amx_bf16_rows, bf16.cpp), the rest of the rows the vector kernels.
 template <typename Kind>
 void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
                 float* out, size_t stride) {
-    using Fn = void (*)(int, const typename Kind::type*, size_t, const float* const*, float*);
-    static constexpr Fn kFns[4][4] = {
-        {dot_16bit<1, 1, Kind>, dot_16bit<1, 2, Kind>, dot_16bit<1, 3, Kind>, dot_16bit<1, 4, Kind>},
-        {dot_16bit<2, 1, Kind>, dot_16bit<2, 2, Kind>, dot_16bit<2, 3, Kind>, dot_16bit<2, 4, Kind>},
-        {dot_16bit<3, 1, Kind>, dot_16bit<3, 2, Kind>, dot_16bit<3, 3, Kind>, dot_16bit<3, 4, Kind>},
-        {dot_16bit<4, 1, Kind>, dot_16bit<4, 2, Kind>, dot_16bit<4, 3, Kind>, dot_16bit<4, 4, Kind>}};
+    if constexpr (std::is_same<Kind, BF16Kind>::value) {
+        r0 = amx_bf16_rows(n, w, row_bytes, r0, r1, a, count, out, stride);
+        if (r0 >= r1) return;
+    }
+    using Act16 = typename Kind::act;
+    const Dot16Fn<Kind>(*fns)[4] = dot16_table<Kind>();
     const size_t row_elems = row_bytes / sizeof(typename Kind::type);
     const typename Kind::type* rows = (const typename Kind::type*)w;
     float v[16];
-    for (int t0 = 0; t0 < count; t0 += 4) {
-        const int nt = std::min(4, count - t0);
-        const float* x[4];
-        for (int t = 0; t < nt; t++) x[t] = (const float*)a[t0 + t];
-        for (int r = r0; r < r1; r += 4) {
-            const int nr = std::min(4, r1 - r);
-            kFns[nr - 1][nt - 1](n, rows + r * row_elems, row_elems, x, v);
+    for (int r = r0; r < r1; r += 4) {
+        const int nr = std::min(4, r1 - r);
+        for (int t0 = 0; t0 < count; t0 += 4) {
+            const int nt = std::min(4, count - t0);
+            const Act16* x[4];
+            for (int t = 0; t < nt; t++) x[t] = (const Act16*)a[t0 + t];
+            fns[nr - 1][nt - 1](n, rows + r * row_elems, row_elems, x, v);
             for (int t = 0; t < nt; t++)
                 for (int k = 0; k < nr; k++) out[(size_t)(t0 + t) * stride + r + k] = v[t * nr + k];
         }
@@ -1370,8 +1451,8 @@ void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const
 template <typename Kind>
 float dot_16(int n, const void* w, const void* x) {
     float out;
-    const float* xs[1] = {(const float*)x};
-    dot_16bit<1, 1, Kind>(n, (const typename Kind::type*)w, 0, xs, &out);
+    const typename Kind::act* xs[1] = {(const typename Kind::act*)x};
+    dot16_table<Kind>()[0][0](n, (const typename Kind::type*)w, 0, xs, &out);
     return out;
 }
 
@@ -1497,7 +1578,7 @@ constexpr Act kActQ4K = Act::Q8_K;
 const Format kFormats[] = {
     {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
     {F16, "F16", 1, 2, Act::F32, dot_16<F16Kind>, nullptr, nullptr, rows_16bit<F16Kind>},
-    {BF16, "BF16", 1, 2, Act::F32, dot_16<BF16Kind>, nullptr, nullptr, rows_16bit<BF16Kind>},
+    {BF16, "BF16", 1, 2, Act::BF16, dot_16<BF16Kind>, nullptr, nullptr, rows_16bit<BF16Kind>},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, kDot4Q8_0},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, kDot4Q4_0},
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
@@ -1647,6 +1728,7 @@ void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, f
 size_t act_row_bytes(Act act, int n) {
     switch (act) {
         case Act::F32: return sizeof(float) * n;
+        case Act::BF16: return sizeof(bf16_t) * n;
         case Act::Q8_0:
         case Act::Q8_0U: return sizeof(act_q8_0) * (n / QK);
         case Act::Q8_K:
@@ -1659,6 +1741,9 @@ size_t act_row_bytes(Act act, int n) {
 void prepare_act(Act act, const float* x, void* out, int n) {
     switch (act) {
         case Act::F32: std::memcpy(out, x, sizeof(float) * n); break;
+        case Act::BF16:
+            for (int i = 0; i < n; i++) ((bf16_t*)out)[i] = f32_to_bf16(x[i]);
+            break;
         case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
         case Act::Q8_0U: prep_q8_0u(x, (act_q8_0*)out, n); break;
         case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;

@@ -14,7 +14,8 @@ namespace kt {
 // of them are what the 16-row Q4_K tiles multiply their mins by), bsums[8..15] zero.
 // Q8_0U: Q8_0 with every value + 128 as an unsigned byte (the unsigned side of dpbusd against
 // the Q8_0 tiles' signed weights).
-enum class Act { F32, Q8_0, Q8_0U, Q8_K, Q8_KX, Q8_KT };
+// BF16: each value rounded to the nearest bf16 (BF16 weights).
+enum class Act { F32, BF16, Q8_0, Q8_0U, Q8_K, Q8_KX, Q8_KT };
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);
@@ -81,6 +82,18 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
 // same dot and dot4 calls as dot_rows per row: the same results, to the bit.
 void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a,
                     int count, float* out, size_t stride);
+
+// BF16 rows (bf16.cpp): vdpbf16ps where the CPU has AVX512-BF16, and AMX-BF16 tiles for blocks
+// of rows and tokens where the build has them and the OS grants them. Tests switch either off to
+// check the paths against each other; bf16_kernels() says which would run (dot, amx).
+void set_bf16_kernels(bool dot, bool amx);
+std::pair<bool, bool> bf16_kernels();
+// The AMX part of a BF16 rows call (same arguments as Format::rows): the whole 16-row blocks from
+// r0, when there are >= 32 rows, >= kAmxBf16MinTokens tokens and n % 32 == 0; returns the first
+// row not done (r0 when it did nothing).
+constexpr int kAmxBf16MinTokens = 4;
+int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
+                  float* out, size_t stride);
 
 // nullptr when `type` is not computed on directly.
 const Format* find_format(int type);

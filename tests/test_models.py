@@ -25,6 +25,7 @@ from ktransformers.weights.source import WeightError
 
 TOL = 1e-4
 TOL_INT8 = 1e-2
+TOL_BF16 = 5e-3  # BF16 weights take bf16 activations: the same flips (a step of 2^-8), and routers' choices they move
 
 
 def q4_k_m(name: str, shape) -> GGMLType:
@@ -61,7 +62,8 @@ def check_parity(family, path, types, model, split_kv_b=True, seq=13, rules=None
     # int8 activations: the reference rounds the same way, but values computed in another order
     # now and then land one rounding step apart, and such flips add up over layers
     quantized = rules is None and any(t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) for t in types.values())
-    assert err < (TOL_INT8 if quantized else TOL), f"{family}: relative error {err:.2e}"
+    bf16 = rules is None and GGMLType.BF16 in types.values()
+    assert err < (TOL_INT8 if quantized else TOL_BF16 if bf16 else TOL), f"{family}: relative error {err:.2e}"
     return ours
 
 

@@ -11,7 +11,8 @@ from ktransformers import optimize_and_load_gguf
 from ktransformers.loader import RULES_DIR, build_skeleton
 from ktransformers.weights.safetensors import SafetensorsSource, dequant_fp8_blocks
 from ktransformers.weights.source import WeightError
-from tiny import FAMILIES, RULES, tiny_model
+from ktransformers.weights.ggml_quants import GGMLType
+from tiny import FAMILIES, RULES, round_like_cpu_kernels, tiny_model
 
 
 def logits(model, ids):
@@ -29,10 +30,15 @@ def test_sharded_bf16_checkpoint(tmp_path, family):
     model.save_pretrained(tmp_path, max_shard_size="500KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    unrounded = logits(reference, ids := torch.randint(0, 320, (2, 7)))
+    round_like_cpu_kernels(reference, GGMLType.BF16)  # the kernels take bf16 activations for bf16 weights
     ours = build_skeleton(model.config, torch.float32)
     optimize_and_load_gguf(ours, RULES_DIR / RULES[family], tmp_path, model.config)
-    ids = torch.randint(0, 320, (2, 7))
-    assert rel_err(logits(ours, ids), logits(reference, ids)) < 1e-4
+    got = logits(ours, ids)
+    # values computed in another order now and then land one bf16 step apart (2^-8), and where that
+    # moves a router's choice the logits move ~1e-3 (half of the seeds tried: 1e-7 or 1e-3)
+    assert rel_err(got, logits(reference, ids)) < 5e-3
+    assert rel_err(got, unrounded) > 2e-4  # (the rounding is real: the unrounded model is further off)
 
 
 def to_fp8_blocks(w: torch.Tensor, block: int = 128):

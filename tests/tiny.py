@@ -118,16 +118,19 @@ def train_tokenizer(vocab: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def round_like_cpu_kernels(reference, types: dict[str, GGMLType]) -> None:
+def round_like_cpu_kernels(reference, types: dict[str, GGMLType] | GGMLType) -> None:
     """Make a transformers model round activations as the CPU kernels do for the GGUF it is
-    compared with: the input of every linear and expert projection whose weight is quantized
-    goes to int8 steps per block (ktransformers.kernels.cpu.round_activations)."""
+    compared with (`types`: its tensors' types by GGUF name, or one type for every weight): the
+    input of every linear and expert projection whose weight is quantized goes to int8 steps per
+    block, and that of BF16 weights to bf16 (ktransformers.kernels.cpu.round_activations)."""
     from ktransformers.kernels.cpu import ACTIVATION_BLOCK, round_activations
     from ktransformers.weights.gguf_config import arch_of
     from ktransformers.weights.gguf_names import GGUFNameTable
     table = GGUFNameTable(arch_of(reference.config))
 
     def block_of(hf_name: str):
+        if isinstance(types, GGMLType):
+            return ACTIVATION_BLOCK.get(int(types))
         gguf = table.to_gguf(hf_name)
         return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
 

@@ -3,6 +3,7 @@
 #include "../quants.cpp"
 #include "../int8.cpp"
 #include "../int4.cpp"
+#include "../bf16.cpp"
 #include "../pool.cpp"
 #include "../moe.cpp"
 #include "../linear.cpp"

@@ -12,7 +12,9 @@ prefetch weights (default 4096, 0: none; one page ahead measured best on the 16-
 Rapids host and no worse on the 2-core EPYC), KT_CPU_PREFETCH_HINT=t0|t1|t2|nta into which cache
 (default t0, L1); KT_MOE_TASKS, tasks a thread per MoE phase
 (default 0: decode 4, prefill 16); KT_MOE_PIPELINE=0 runs a decode call's gate/up, activation and down as three
-parallel regions with barriers instead of one (default 1); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
+parallel regions with barriers instead of one (default 1); KT_CPU_BF16=amx|dot|widen, the best
+kernel BF16 weights may take (default amx: AMX-BF16 tiles for blocks of >= 4 tokens where the CPU has
+them, else AVX512-BF16 dot products, else every bf16 widened to float32); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
 experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
 host functions where the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs
 to the pinned buffer (a cast and three copies) instead of one kernel storing them there.
@@ -28,9 +30,12 @@ import numpy as np
 import torch
 
 ISA_ORDER = ("amx", "avx512", "avx2")  # best first
-# ggml type -> the block over which activations are quantized to int8 for it (None: kept float32).
-# Mirrors csrc/quants.cpp's format table; the reference below rounds activations the same way.
-ACTIVATION_BLOCK = {0: None, 1: None, 30: None, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
+# ggml type -> how the kernels prepare activations for it: the block over which they are quantized
+# to int8, BF16_ACTIVATIONS (rounded to bf16: BF16 weights) or None (kept float32). Mirrors
+# csrc/quants.cpp's format table; round_activations below rounds them the same way.
+BF16_ACTIVATIONS = "bf16"
+ACTIVATION_BLOCK = {0: None, 1: None, 30: BF16_ACTIVATIONS, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,
+                    23: 256}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 HANDOFFS = ("doorbell", "host")  # KT_CUDA_HANDOFF: how a GPU stream starts and waits for CPU experts
 
@@ -105,6 +110,7 @@ def load_extension(isa: str | None = None):
 
 
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # KT_CPU_PREFETCH_HINT, in the extension's order
+BF16_KERNELS = ("amx", "dot", "widen")  # KT_CPU_BF16, best first
 
 
 class CPURuntime:
@@ -121,6 +127,10 @@ class CPURuntime:
         if hint not in PREFETCH_HINTS:
             raise ValueError(f"KT_CPU_PREFETCH_HINT={hint!r}: expected one of {', '.join(PREFETCH_HINTS)}")
         self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")), PREFETCH_HINTS.index(hint))
+        bf16 = os.environ.get("KT_CPU_BF16", "amx").strip().lower()
+        if bf16 not in BF16_KERNELS:
+            raise ValueError(f"KT_CPU_BF16={bf16!r}: expected one of {', '.join(BF16_KERNELS)}")
+        self.ext.set_bf16_kernels(bf16 != "widen", bf16 == "amx")
         self.ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "0")))
         self.ext.set_moe_pipeline(os.environ.get("KT_MOE_PIPELINE", "1").strip() != "0")
         self.threads = threads or len(os.sched_getaffinity(0))
@@ -555,11 +565,14 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
-def round_activations(x: torch.Tensor, block: int | None) -> torch.Tensor:
+def round_activations(x: torch.Tensor, block: int | str | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
-    exactly as the kernels prepare activations; None leaves x as it is."""
+    exactly as the kernels prepare activations; BF16_ACTIVATIONS rounds each value to the nearest
+    bf16, None leaves x as it is."""
     if block is None:
         return x
+    if block == BF16_ACTIVATIONS:
+        return x.to(torch.bfloat16).to(x.dtype)
     blocks = x.float().reshape(-1, block)
     d = blocks.abs().amax(dim=1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
