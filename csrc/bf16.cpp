@@ -88,14 +88,19 @@ void pack_tokens(const void* const* a, int m, int n, uint32_t* b) {
 }
 
 // RB (1 or 2) blocks of 16 weight rows (`w`, row_bytes apart) against TT (1 or 2) blocks of 16
-// tokens (`b`, `b + block`): C tile 2 rb + tt += A tile 4 + rb x B tile 6 + tt.
+// tokens (`b`, `b + block`): C tile 2 rb + tt += A tile 4 + rb x B tile 6 + tt. A step reads 64
+// bytes of each of 16 RB rows, so it asks for each row's line `ahead` bytes on (0: none): one
+// stream a row is more than the hardware prefetchers follow.
 template <int RB, int TT>
-void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t block, int n, float c[2][2][16][16]) {
+void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t block, int n, int ahead,
+                float c[2][2][16][16]) {
     _tile_zero(0);
     if (TT > 1) _tile_zero(1);
     if (RB > 1) _tile_zero(2);
     if (RB > 1 && TT > 1) _tile_zero(3);
     for (int kb = 0; kb < n / 32; kb++) {
+        if (ahead)
+            for (int row = 0; row < 16 * RB; row++) _mm_prefetch((const char*)w + row * row_bytes + kb * 64 + ahead, _MM_HINT_T0);
         _tile_loadd(4, w + (size_t)kb * 64, row_bytes);
         if (RB > 1) _tile_loadd(5, w + 16 * row_bytes + (size_t)kb * 64, row_bytes);
         _tile_loadd(6, b + (size_t)kb * 256, 64);
@@ -111,7 +116,8 @@ void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t bl
     if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
 }
 
-using TileBlockFn = void (*)(const uint8_t*, size_t, const uint32_t*, size_t, int, float[2][2][16][16]);
+using TileBlockFn = void (*)(const uint8_t*, size_t, const uint32_t*, size_t, int, int, float[2][2][16][16]);
+constexpr int kRowAhead = 512;  // each row's prefetch distance when the tiles' prefetch is on (KT_CPU_PREFETCH)
 constexpr TileBlockFn kTileBlocks[2][2] = {{tile_block<1, 1>, tile_block<1, 2>}, {tile_block<2, 1>, tile_block<2, 2>}};
 constexpr int kAmxTokens = 64;  // tokens whose B tiles are packed at once (n = 7168: 896 KiB, in L2)
 }  // namespace
@@ -124,6 +130,7 @@ int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, con
     configure_tiles();
     const int last = r0 + (r1 - r0) / 16 * 16;
     const size_t block = (size_t)(n / 32) * 256;  // 32-bit pairs of one 16-token block
+    const int ahead = tile_prefetch().first ? kRowAhead : 0;
     thread_local std::vector<uint32_t> b;
     if (b.size() < kAmxTokens / 16 * block) b.resize(kAmxTokens / 16 * block);
     alignas(64) float c[2][2][16][16];
@@ -134,7 +141,7 @@ int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, con
             const int rb = r + 32 <= last ? 2 : 1;
             for (int tb = 0; tb < blocks; tb += 2) {
                 const int tt = tb + 1 < blocks ? 2 : 1;
-                kTileBlocks[rb - 1][tt - 1](w + (size_t)r * row_bytes, row_bytes, &b[tb * block], block, n, c);
+                kTileBlocks[rb - 1][tt - 1](w + (size_t)r * row_bytes, row_bytes, &b[tb * block], block, n, ahead, c);
                 for (int i = 0; i < rb; i++)
                     for (int j = 0; j < tt; j++)
                         for (int k = 0; k < 16 && 16 * (tb + j) + k < m; k++) {

@@ -1436,6 +1436,10 @@ void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const
     float v[16];
     for (int r = r0; r < r1; r += 4) {
         const int nr = std::min(4, r1 - r);
+        if (g_tile_prefetch) {  // the block's bytes, the tiles' distance ahead (the task's prologue fetched the first)
+            const char* ahead = (const char*)(rows + r * row_elems) + g_tile_prefetch;
+            for (size_t b = 0; b < nr * row_bytes; b += 64) prefetch_line(ahead + b);
+        }
         for (int t0 = 0; t0 < count; t0 += 4) {
             const int nt = std::min(4, count - t0);
             const Act16* x[4];
