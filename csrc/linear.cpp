@@ -4,11 +4,16 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace kt {
 
 namespace {
 constexpr int kGroup = 16;  // tokens per pass over a chunk of weight rows
+// Formats whose kernel blocks rows and tokens itself (the 16-bit floats): tokens per call of it
+// over a whole chunk, and the rows a chunk has at least when a call has that many tokens (the
+// AMX-BF16 tiles take blocks of 32 rows or more).
+constexpr int kRowsGroup = 64, kRowsChunk = 64;
 }
 
 Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_features, int type, const void* weight,
@@ -54,7 +59,8 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
             prepare_act(fmt_->act, row, &x_act[t * act_], in_);
         });
         const int step = rows_step(fmt_);
-        const int chunk = (std::max(16, out_ / (8 * rt_->pool().size())) + 15) / 16 * 16;  // whole tile groups
+        const int least = fmt_->rows && n >= kAmxBf16MinTokens ? kRowsChunk : 16;
+        const int chunk = (std::max(least, out_ / (8 * rt_->pool().size())) + 15) / 16 * 16;  // whole tile groups
         rt_->pool().parallel_for((out_ + chunk - 1) / chunk, [&](int task, int) {
             const int r0 = task * chunk, r1 = std::min(out_, (task + 1) * chunk);
             // tokens a group at a time against each row: several tokens share each weight load
@@ -67,6 +73,20 @@ void Linear::run(int tokens, const void* x, void* y, Dtype dtype) {
                 if (dtype == Dtype::F32) ((float*)ys)[at] = value;
                 else ((bf16_t*)ys)[at] = f32_to_bf16(value);
             };
+            if (fmt_->rows) {  // the chunk against up to kRowsGroup tokens a call, through a float buffer
+                thread_local std::vector<float> buf;
+                const int nb = r1 - r0;
+                if (buf.size() < (size_t)kRowsGroup * nb) buf.resize((size_t)kRowsGroup * nb);
+                const void* xr[kRowsGroup];
+                for (int g0 = 0; g0 < n; g0 += kRowsGroup) {
+                    const int m = std::min(kRowsGroup, n - g0);
+                    for (int i = 0; i < m; i++) xr[i] = &x_act[(size_t)(g0 + i) * act_];
+                    fmt_->rows(in_, w_ + (size_t)r0 * row_, row_, 0, nb, xr, m, buf.data(), nb);
+                    for (int i = 0; i < m; i++)
+                        for (int k = 0; k < nb; k++) put(g0 + i, r0 + k, buf[(size_t)i * nb + k]);
+                }
+                return;
+            }
             for (int g0 = 0; g0 < n; g0 += kGroup) {
                 const int m = std::min(kGroup, n - g0);
                 for (int i = 0; i < m; i++) xg[i] = &x_act[(size_t)(g0 + i) * act_];
