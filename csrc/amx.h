@@ -23,5 +23,22 @@ inline void configure_tiles() {
     configured = true;
 }
 
+// The 2 x 2 accumulators of the tile kernels' steps (int8, int4, bf16): C tile 2 i + j holds
+// block (i, j), i < RB blocks of 16 weight rows and j < TT blocks of 16 tokens, stored to c[i][j].
+template <int RB, int TT>
+inline void zero_accumulators() {
+    _tile_zero(0);
+    if (TT > 1) _tile_zero(1);
+    if (RB > 1) _tile_zero(2);
+    if (RB > 1 && TT > 1) _tile_zero(3);
+}
+template <int RB, int TT, typename T>
+inline void store_accumulators(T c[2][2][16][16]) {
+    _tile_stored(0, c[0][0], 64);
+    if (TT > 1) _tile_stored(1, c[0][1], 64);
+    if (RB > 1) _tile_stored(2, c[1][0], 64);
+    if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
+}
+
 }  // namespace kt
 #endif

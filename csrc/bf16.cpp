@@ -94,10 +94,7 @@ void pack_tokens(const void* const* a, int m, int n, uint32_t* b) {
 template <int RB, int TT>
 void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t block, int n, int ahead,
                 float c[2][2][16][16]) {
-    _tile_zero(0);
-    if (TT > 1) _tile_zero(1);
-    if (RB > 1) _tile_zero(2);
-    if (RB > 1 && TT > 1) _tile_zero(3);
+    zero_accumulators<RB, TT>();
     for (int kb = 0; kb < n / 32; kb++) {
         if (ahead)
             for (int row = 0; row < 16 * RB; row++) _mm_prefetch((const char*)w + row * row_bytes + kb * 64 + ahead, _MM_HINT_T0);
@@ -110,10 +107,7 @@ void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t bl
         if (RB > 1) _tile_dpbf16ps(2, 5, 6);
         if (RB > 1 && TT > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c[0][0], 64);
-    if (TT > 1) _tile_stored(1, c[0][1], 64);
-    if (RB > 1) _tile_stored(2, c[1][0], 64);
-    if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
+    store_accumulators<RB, TT>(c);
 }
 
 using TileBlockFn = void (*)(const uint8_t*, size_t, const uint32_t*, size_t, int, int, float[2][2][16][16]);

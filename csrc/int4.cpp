@@ -162,10 +162,7 @@ void amx_block(const Int4Weights& w, int k, int b, const uint8_t* a, int m, int 
     alignas(64) int32_t c[2][2][16][16];
     for (int rb = 0; rb < RB; rb++) std::memset(f[rb], 0, sizeof(float) * 16 * m);
     for (int g = 0; g < groups; g++) {
-        _tile_zero(0);
-        if (TT > 1) _tile_zero(1);
-        if (RB > 1) _tile_zero(2);
-        if (RB > 1 && TT > 1) _tile_zero(3);
+        zero_accumulators<RB, TT>();
         for (int ch = g * per_group; ch < (g + 1) * per_group; ch++) {
             for (int rb = 0; rb < RB; rb++) {
                 const uint8_t* src = q + rb * bytes + (size_t)ch * kInt4Block;
@@ -182,10 +179,7 @@ void amx_block(const Int4Weights& w, int k, int b, const uint8_t* a, int m, int 
             if (RB > 1) _tile_dpbusd(2, 4, 7);
             if (RB > 1 && TT > 1) _tile_dpbusd(3, 5, 7);
         }
-        _tile_stored(0, c[0][0], 64);
-        if (TT > 1) _tile_stored(1, c[0][1], 64);
-        if (RB > 1) _tile_stored(2, c[1][0], 64);
-        if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
+        store_accumulators<RB, TT>(c);
         for (int rb = 0; rb < RB; rb++) {
             const __m512 s = _mm512_loadu_ps(w.scale + ((size_t)(b + rb) * groups + g) * 16);
             for (int i = 0; i < m; i++) {

@@ -95,10 +95,7 @@ namespace {
 template <int RB, int TT>
 void amx_block(const int8_t* packed, const uint8_t* a, int k, int ahead, int32_t c[2][2][16][16]) {
     const size_t block = (size_t)(k / 64) * 1024;
-    _tile_zero(0);
-    if (TT > 1) _tile_zero(1);
-    if (RB > 1) _tile_zero(2);
-    if (RB > 1 && TT > 1) _tile_zero(3);
+    zero_accumulators<RB, TT>();
     for (int kb = 0; kb < k / 64; kb++) {
         const int8_t* w = packed + (size_t)kb * 1024;
         if (ahead)
@@ -113,10 +110,7 @@ void amx_block(const int8_t* packed, const uint8_t* a, int k, int ahead, int32_t
         if (RB > 1) _tile_dpbusd(2, 4, 7);
         if (RB > 1 && TT > 1) _tile_dpbusd(3, 5, 7);
     }
-    _tile_stored(0, c[0][0], 64);
-    if (TT > 1) _tile_stored(1, c[0][1], 64);
-    if (RB > 1) _tile_stored(2, c[1][0], 64);
-    if (RB > 1 && TT > 1) _tile_stored(3, c[1][1], 64);
+    store_accumulators<RB, TT>(c);
 }
 
 template <int RB>
