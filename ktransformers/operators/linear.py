@@ -43,7 +43,8 @@ class KLinearTorch:
 
 def dense_weights(weights, name: str, shape: tuple[int, ...], dtype: torch.dtype):
     """A tensor the CPU kernels cannot take as stored, dequantized once: float32 for float32
-    models, else bf16 (both computed on with float activations)."""
+    models (computed on with float activations), else bf16 (with bf16 activations, as the
+    AMX-BF16 and AVX512-BF16 kernels take them)."""
     from ..kernels.cpu import ExpertWeights
     as_f32 = dtype == torch.float32
     data = weights.load(name, dtype=torch.float32 if as_f32 else torch.bfloat16, shape=shape).contiguous()
