@@ -117,8 +117,8 @@ constexpr int kAmxTokens = 64;  // tokens whose B tiles are packed at once (n = 
 }  // namespace
 #endif
 
-int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
-                  float* out, size_t stride) {
+int amx_bf16_rows(int n, const Bf16Matrix* mats, int count_mats, size_t row_bytes, int r0, int r1,
+                  const void* const* a, int count, size_t stride) {
 #if defined(KT_AMX_BF16)
     if (count < kAmxBf16MinTokens || r1 - r0 < 32 || n % 32 || !bf16_kernels().second) return r0;
     configure_tiles();
@@ -131,24 +131,28 @@ int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, con
     for (int t0 = 0; t0 < count; t0 += kAmxTokens) {
         const int m = std::min(kAmxTokens, count - t0), blocks = (m + 15) / 16;
         for (int tb = 0; tb < blocks; tb++) pack_tokens(a + t0 + 16 * tb, std::min(16, m - 16 * tb), n, &b[tb * block]);
-        for (int r = r0; r < last;) {
-            const int rb = r + 32 <= last ? 2 : 1;
-            for (int tb = 0; tb < blocks; tb += 2) {
-                const int tt = tb + 1 < blocks ? 2 : 1;
-                kTileBlocks[rb - 1][tt - 1](w + (size_t)r * row_bytes, row_bytes, &b[tb * block], block, n, ahead, c);
-                for (int i = 0; i < rb; i++)
-                    for (int j = 0; j < tt; j++)
-                        for (int k = 0; k < 16 && 16 * (tb + j) + k < m; k++) {
-                            float* dst = out + (size_t)(t0 + 16 * (tb + j) + k) * stride + r + 16 * i;
-                            for (int row = 0; row < 16; row++) dst[row] = c[i][j][row][k];
-                        }
+        for (int x = 0; x < count_mats; x++) {
+            const uint8_t* w = mats[x].w;
+            float* out = mats[x].out;
+            for (int r = r0; r < last;) {
+                const int rb = r + 32 <= last ? 2 : 1;
+                for (int tb = 0; tb < blocks; tb += 2) {
+                    const int tt = tb + 1 < blocks ? 2 : 1;
+                    kTileBlocks[rb - 1][tt - 1](w + (size_t)r * row_bytes, row_bytes, &b[tb * block], block, n, ahead, c);
+                    for (int i = 0; i < rb; i++)
+                        for (int j = 0; j < tt; j++)
+                            for (int k = 0; k < 16 && 16 * (tb + j) + k < m; k++) {
+                                float* dst = out + (size_t)(t0 + 16 * (tb + j) + k) * stride + r + 16 * i;
+                                for (int row = 0; row < 16; row++) dst[row] = c[i][j][row][k];
+                            }
+                }
+                r += 16 * rb;
             }
-            r += 16 * rb;
         }
     }
     return last;
 #else
-    (void)n, (void)w, (void)row_bytes, (void)r1, (void)a, (void)count, (void)out, (void)stride;
+    (void)n, (void)mats, (void)count_mats, (void)row_bytes, (void)r1, (void)a, (void)count, (void)stride;
     return r0;
 #endif
 }

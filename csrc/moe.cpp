@@ -308,8 +308,13 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
         }
         float* g = &s_.g[(size_t)(p0 + g0) * I];
         float* u = &s_.u[(size_t)(p0 + g0) * I];
-        rows_to(gate_fmt_, H, gw, gate_row_, r0, r1, xg, m, out, g, I);
-        rows_to(up_fmt_, H, uw, up_row_, r0, r1, xu, m, out, u, I);
+        int from = r0;  // BF16 gate and up: the AMX tiles take both on one packing of the tokens
+        if (gate_fmt_->type == BF16 && up_fmt_->type == BF16) {
+            const Bf16Matrix mats[2] = {{gw, g}, {uw, u}};
+            from = amx_bf16_rows(H, mats, 2, gate_row_, r0, r1, xg, m, I);
+        }
+        rows_to(gate_fmt_, H, gw, gate_row_, from, r1, xg, m, out, g, I);
+        rows_to(up_fmt_, H, uw, up_row_, from, r1, xu, m, out, u, I);
     }
 }
 

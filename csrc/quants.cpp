@@ -1420,13 +1420,15 @@ const Dot16Fn<Kind> (*dot16_table())[4] {
 }
 
 // Rows r0..r1 against `count` tokens, four rows (in L1) against each four tokens in turn (the
-// R, T <= 4 kernels above): the weights stream from memory once a call, the activations from L2; BF16 rows take AMX tiles first where the build
-// and the call allow (amx_bf16_rows, bf16.cpp), the rest of the rows the vector kernels.
+// R, T <= 4 kernels above): the weights stream from memory once a call, the activations from L2.
+// BF16 rows take AMX tiles first where the build and the call allow (amx_bf16_rows, bf16.cpp),
+// the rest of the rows the vector kernels.
 template <typename Kind>
 void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
                 float* out, size_t stride) {
     if constexpr (std::is_same<Kind, BF16Kind>::value) {
-        r0 = amx_bf16_rows(n, w, row_bytes, r0, r1, a, count, out, stride);
+        const Bf16Matrix mat{w, out};
+        r0 = amx_bf16_rows(n, &mat, 1, row_bytes, r0, r1, a, count, stride);
         if (r0 >= r1) return;
     }
     using Act16 = typename Kind::act;

@@ -88,12 +88,18 @@ void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, 
 // check the paths against each other; bf16_kernels() says which would run (dot, amx).
 void set_bf16_kernels(bool dot, bool amx);
 std::pair<bool, bool> bf16_kernels();
-// The AMX part of a BF16 rows call (same arguments as Format::rows): the whole 16-row blocks from
-// r0, when there are >= 32 rows, >= kAmxBf16MinTokens tokens and n % 32 == 0; returns the first
-// row not done (r0 when it did nothing).
+// The AMX part of BF16 rows calls: rows r0..r1 of each of `mats` matrices (rows of row_bytes,
+// n values) against the same `count` tokens' activations, out[t * stride + r] as Format::rows
+// writes them. The tokens are packed once for all the matrices (an MoE's gate and up). It does the
+// whole 16-row blocks from r0 when there are >= 32 rows, >= kAmxBf16MinTokens tokens and
+// n % 32 == 0, and returns the first row not done (r0 when it did nothing).
 constexpr int kAmxBf16MinTokens = 4;
-int amx_bf16_rows(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
-                  float* out, size_t stride);
+struct Bf16Matrix {
+    const uint8_t* w;
+    float* out;
+};
+int amx_bf16_rows(int n, const Bf16Matrix* mats, int count_mats, size_t row_bytes, int r0, int r1,
+                  const void* const* a, int count, size_t stride);
 
 // nullptr when `type` is not computed on directly.
 const Format* find_format(int type);
