@@ -229,33 +229,49 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
     """The two hand-offs of CPU experts fed from a GPU stream (kernels/cuda_host.py), with their
-    inputs copied or packed by one kernel into pinned memory, give the same logits, eagerly and
-    replayed from CUDA graphs; the doorbell and the pack are what the stream used."""
+    inputs copied or packed by one kernel into pinned memory, or stored by the router's launch
+    and y read back by the launch that also adds and normalizes for the next layer
+    (KT_CUDA_FUSE), give the same logits, eagerly and replayed from CUDA graphs; the doorbell,
+    the pack and the fused launches are what the stream used."""
+    from ktransformers.kernels.triton import handoff
     hf = tiny_model(family, layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
     ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(10)).tolist()
     results = {}
-    for mode, pack in (("host", "0"), ("doorbell", "0"), ("doorbell", "1")):
+    spied = {"pack": [], "back": []}
+    real_pack, real_back = handoff.pack_moe_inputs, handoff.copy_rows_add_norm
+    monkeypatch.setattr(handoff, "pack_moe_inputs", lambda x, *a, **k: spied["pack"].append(x.shape[0]) or real_pack(x, *a, **k))
+    monkeypatch.setattr(handoff, "copy_rows_add_norm", lambda y, *a, **k: spied["back"].append(y.shape[0]) or real_back(y, *a, **k))
+    for mode, pack, fuse in (("host", "0", "0"), ("doorbell", "0", "0"), ("doorbell", "1", "0"), ("doorbell", "1", "1")):
         monkeypatch.setenv("KT_CUDA_HANDOFF", mode)
         monkeypatch.setenv("KT_CUDA_PACK", pack)
+        monkeypatch.setenv("KT_CUDA_FUSE", fuse)
         model = build_skeleton(hf.config, torch.bfloat16)
         optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
         for graphs in (False, True):
             engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
             seq = engine.new_sequence()
+            for calls in spied.values():
+                calls.clear()
             out = [engine.prefill(seq, ids[:9])[0]] + [engine.decode(seq, t)[0] for t in ids[9:]]
-            results[mode, pack, graphs] = torch.stack(out).float().cpu()
+            results[mode, pack + fuse, graphs] = torch.stack(out).float().cpu()
+            if not graphs:  # (eager: every step's launches made from Python, so spied on)
+                decode_packs = spied["pack"].count(1)
+                if fuse == "1" and family == "qwen3_moe":  # the softmax router packs; layer 0 adds + norms
+                    assert decode_packs == 0 and spied["back"].count(1) == len(ids) - 9
+                else:
+                    assert (decode_packs > 0) == (pack == "1") and not spied["back"]
         staging = engine.context._staging
         assert set(staging.mode.values()) == {mode}
-        assert set(staging._packs.values()) == {pack == "1"}
+        assert set(staging._packs.values()) == {pack == "1"} and staging.runtime.fuse_handoff == (fuse == "1")
         assert (staging.doorbell is not None) == (mode == "doorbell")
         if mode == "doorbell":
             assert staging.doorbell.served >= len(ids) and staging.doorbell.bad_rings == 0
             assert staging.doorbell.busy_ns > 0
             assert staging.doorbell.betweens > 0 or family == "deepseek_v3"  # (its tiny model: one MoE layer)
     for graphs in (False, True):
-        for other in (("doorbell", "0"), ("doorbell", "1")):
-            assert torch.equal(results["host", "0", graphs], results[(*other, graphs)]), (other, graphs)
+        for other in (("doorbell", "00"), ("doorbell", "10"), ("doorbell", "11")):
+            assert torch.equal(results["host", "00", graphs], results[(*other, graphs)]), (other, graphs)
 
 
 @pytest.mark.gpu

@@ -180,7 +180,7 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
     """The GPU rule files wrap each decoder layer in KDecoderLayer, whose forward runs the
     attention's residual add and the post-attention norm in one launch: the same logits, to the
     bit, as transformers' own layer forward on the same children (prefill and cached decode)."""
-    from ktransformers.kernels.triton import norm_rope
+    from ktransformers.kernels.triton import handoff, norm_rope
     from ktransformers.operators.layer import KDecoderLayer
     hf = tiny_model(family, layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
@@ -191,6 +191,9 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
         m.post_attention_layernorm.ext = m.input_layernorm.ext = None
     calls, real = [], norm_rope.add_rms_norm
     monkeypatch.setattr(norm_rope, "add_rms_norm", lambda *a: calls.append(a) or real(*a))
+    # (on CUDA, a layer's last add and the next input norm are made by the read-back of CPU experts)
+    back, real_back = [], handoff.copy_rows_add_norm
+    monkeypatch.setattr(handoff, "copy_rows_add_norm", lambda *a, **k: back.append(a) or real_back(*a, **k))
     handed, rms = [], norm_rope.rms_norm
     for m in layers:  # the norm kernel each input norm runs by itself (not when handed its input)
         m.input_layernorm.triton_norm = lambda x, w, eps, m=m: handed.append(m) or rms(x, w, eps)
@@ -205,13 +208,14 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
     fused = run()
     # the full forward and the prefill (decode replays graphs on CUDA): two post-attention norms
     # and layer 0's last add with layer 1's input norm each; layer 1's input norm never alone
-    assert len(calls) >= 2 * 3
+    assert len(calls) + len(back) >= 2 * 3
     assert layers[1] not in handed and handed.count(layers[0]) >= 2
     for m in layers:
         m.fused_add_norm = False
     calls.clear()
+    back.clear()
     handed.clear()
     plain = run()
-    assert not calls and layers[1] in handed
+    assert not calls and not back and layers[1] in handed
     for a, b, what in zip(fused, plain, ("full forward", "prefill and decode")):
         assert torch.equal(a, b), f"{family} {what}: {(a - b).abs().max().item():.2e}"

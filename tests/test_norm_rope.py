@@ -178,6 +178,24 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
             # (relative to the largest weight: one bf16 ulp of a weight in its binade is up to 2^-7)
             assert rel_max(weights, ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -7)
         assert int(common.split_counters(x.device).abs().sum()) == 0
+    # the pack in passing: what handoff.pack_moe_inputs would store from the same outputs
+    from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs
+    for cpu_k, xdt in ((K, torch.bfloat16), (K // 2, torch.float32)):
+        views = [torch.full((T, H), -5.0, dtype=xdt), torch.full((T, K), 99, dtype=torch.int64),
+                 torch.full((T, K), -5.0)]
+        want = [t.clone() for t in views]
+        pack = PinnedInputs(*(t.to(dev) for t in views), cpu_k)
+        _, weights, index = router_topk(x, w, K, True, torch.bfloat16, torch.bfloat16, pack=pack)
+        ref = [t.to(dev) for t in want]
+        pack_moe_inputs(x, index, weights, *ref, cpu_k=cpu_k)
+        assert all(torch.equal(a, b) for a, b in zip((pack.x, pack.ids, pack.weights), ref))
+        assert (pack.ids[:, cpu_k:] == -1).all() and (pack.ids[:, :cpu_k] >= 0).all()
+        views = (pack.x, pack.ids, pack.weights)
+        assert pack.holds(x, index, weights, views, cpu_k) and not pack.holds(x, index.clone(), weights, views, cpu_k)
+        assert not pack.holds(x, index, weights, views, cpu_k - 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        router_topk(x, w, K + 1 if K < E else K - 1, True, torch.bfloat16, torch.bfloat16, pack=pack)
+    assert int(common.split_counters(x.device).abs().sum()) == 0
     assert router_topk(torch.randn(5, H).to(dev), w, K, True, torch.float32, torch.float32) is None
 
 

@@ -157,6 +157,37 @@ def test_copy_rows(dev, T, H, src, dst):
         copy_rows(x.to(dev), out, add=add.to(dev, torch.bfloat16))
 
 
+@pytest.mark.parametrize("T,H,src,dst,wdt", [(1, 2048, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                                             (3, 7168, torch.float32, torch.bfloat16, torch.float32),
+                                             (2, 300, torch.bfloat16, torch.float32, torch.float32)])
+def test_copy_rows_add_norm(dev, T, H, src, dst, wdt):
+    """The read-back fused with the layer's last residual add and the next input norm: the same
+    bits as copy_rows then add_rms_norm, with and without the GPU's share added."""
+    from ktransformers.kernels.triton.handoff import copy_rows, copy_rows_add_norm
+    from ktransformers.kernels.triton.norm_rope import add_rms_norm, rms_norm_reference
+    g = gen(T * H + 5)
+    x = (torch.randn(T, H, generator=g) * 4).to(src).to(dev)
+    residual = (torch.randn(T, H, generator=g) * 8).to(dst).to(dev)
+    w = (torch.randn(H, generator=g) * 0.3 + 1).to(wdt).to(dev)
+    add = (torch.randn(T, H, generator=g) * 2).to(dev)
+    for extra in (None, add):
+        y, s, n = copy_rows_add_norm(x, residual, w, 1e-6, dst, add=extra)
+        y_ref = torch.empty(T, H, dtype=dst, device=dev)
+        copy_rows(x, y_ref, add=extra)
+        s_ref, n_ref = add_rms_norm(residual, y_ref, w, 1e-6)
+        assert torch.equal(y, y_ref) and torch.equal(s, s_ref) and torch.equal(n, n_ref)
+        assert s.dtype == s_ref.dtype and n.dtype == n_ref.dtype
+        torch_y = x.float() + (0 if extra is None else extra)
+        assert torch.equal(y.cpu(), torch_y.to(dst).cpu())
+        assert rel_err(n.cpu(), rms_norm_reference(residual + torch_y.to(dst), w, 1e-6).cpu()) < 1e-2
+    with pytest.raises(ValueError, match="one \\[T, H\\] shape"):
+        copy_rows_add_norm(x, residual[:, :-1], w, 1e-6, dst)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        copy_rows_add_norm(x, residual, w[:-1], 1e-6, dst)
+    with pytest.raises(ValueError, match="add must be"):
+        copy_rows_add_norm(x, residual, w, 1e-6, dst, add=add.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
     """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype

@@ -17,7 +17,9 @@ kernel BF16 weights may take (default amx: AMX-BF16 tiles for blocks of >= 4 tok
 them, else AVX512-BF16 dot products, else every bf16 widened to float32); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
 experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
 host functions where the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs
-to the pinned buffer (a cast and three copies) instead of one kernel storing them there.
+to the pinned buffer (a cast and three copies) instead of one kernel storing them there;
+KT_CUDA_FUSE=0 keeps that kernel and the one reading y back launches of their own (default 1: the
+router stores the inputs, and the read-back also makes the layer's last add and the next norm).
 """
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ class CPURuntime:
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
         self.pack_handoff = os.environ.get("KT_CUDA_PACK", "1").strip() != "0"
+        self.fuse_handoff = os.environ.get("KT_CUDA_FUSE", "1").strip() != "0"
         self.handoff = os.environ.get("KT_CUDA_HANDOFF", "doorbell").strip().lower()
         if self.handoff not in HANDOFFS:
             raise ValueError(f"KT_CUDA_HANDOFF={self.handoff!r}: valid values are {', '.join(HANDOFFS)}")

@@ -147,6 +147,33 @@ class _HostCall:
     number: int = 0
 
 
+@dataclass
+class MoEEpilogue:
+    """What a decoder layer does next with the output y of a MoE call fed from its GPU stream:
+    s = residual + y, then rms_norm(s) with (weight, eps), for the next layer. Handed to the call
+    through HostStaging.epilogue; where the call reads y back by a kernel, that kernel does both
+    (triton.handoff.copy_rows_add_norm) and leaves (y, s, norm) in `result`. The layer takes
+    them only when the y it gets is that y (`done_for`); else it adds and normalizes itself."""
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    result: tuple | None = None
+
+    def fits(self, y_shape: tuple, device: torch.device) -> bool:
+        r = self.residual
+        return (r.device == device and self.weight.device == device and r.numel() == y_shape[0] * y_shape[1]
+                and r.shape[-1] == y_shape[1] and r.is_contiguous())
+
+    def done_for(self, y: torch.Tensor) -> tuple | None:
+        """(s, norm) shaped as y where `result` was made for this y, else None."""
+        if self.result is None:
+            return None
+        y0, s, norm = self.result
+        if y.data_ptr() != y0.data_ptr() or y.dtype != y0.dtype or y.numel() != y0.numel() or not y.is_contiguous():
+            return None
+        return s.view(y.shape), norm.view(y.shape)
+
+
 class HostStaging:
     """Pinned buffers for one MoE call at a time (x, ids, weights, y), the extension's MoEHostCall
     objects pointing at them, one per (kernel, token count, dtype), and in doorbell mode each
@@ -170,6 +197,10 @@ class HostStaging:
         self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
         self._packs: dict[int, bool] = {}  # CUDA device index -> inputs written by one kernel (packs())
         self._bad_rings = 0  # the doorbell's count of rings naming no call, as last checked
+        # set for the next submit_on_stream, which takes them (KT_CUDA_FUSE, fuses()): the pinned
+        # inputs a router launch stored already, and what the layer does next with y
+        self.packed = None  # a triton.handoff.PinnedInputs
+        self.epilogue: MoEEpilogue | None = None
         self._rest = os.environ.get("KT_POOL_REST", "1") != "0"
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
@@ -240,6 +271,20 @@ class HostStaging:
                     warnings.warn(f"CPU experts on cuda:{index}: inputs copied, not packed ({why})", stacklevel=3)
             self._packs[index] = self.pinned and self.runtime.pack_handoff and why is None
         return self._packs[index]
+
+    def fuses(self, device: torch.device) -> bool:
+        """Whether launches around a call fed from this GPU may do its pack and read-back in
+        passing (packs(), and KT_CUDA_FUSE is not 0)."""
+        return self.runtime.fuse_handoff and self.packs(device)
+
+    def pinned_inputs(self, kernel, x: torch.Tensor, cpu_k: int):
+        """The pinned views a call of `kernel` on x [T, H] reads its inputs from, for a launch
+        before it to store them (triton.handoff.PinnedInputs), recorded as `packed`."""
+        from .triton.handoff import PinnedInputs
+        dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        xp, idp, wp, _, _ = self.prepare(kernel, x.shape[0], dtype)
+        self.packed = PinnedInputs(xp, idp, wp, cpu_k)
+        return self.packed
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
         """The doorbell number of the call prepare() made for these (registered on first use)."""
@@ -329,12 +374,15 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
                          f"[T, {kernel.top_k}], got {tuple(x.shape)}, {tuple(ids.shape)} {ids.dtype}, "
                          f"{tuple(weights.shape)}")
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    packed, staging.packed = staging.packed, None
+    epilogue, staging.epilogue = staging.epilogue, None
     xp, idp, wp, yp, call = staging.prepare(kernel, T, dtype)
     packs = staging.packs(x.device)
     if packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
-        from .triton.handoff import pack_moe_inputs
-        # one launch, stores straight into pinned memory
-        pack_moe_inputs(x, ids, weights, xp, idp, wp, cpu_k=None if share is None else share[0])
+        cpu_k = kernel.top_k if share is None else share[0]
+        if packed is None or not packed.holds(x, ids, weights, (xp, idp, wp), cpu_k):
+            from .triton.handoff import pack_moe_inputs
+            pack_moe_inputs(x, ids, weights, xp, idp, wp, cpu_k=cpu_k)  # one launch, stores straight into pinned memory
     else:
         share = None
         xp.copy_(x.to(dtype), non_blocking=True)
@@ -360,7 +408,11 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
             launch_host_func(ext.moe_host_wait, call.address, stream)
         with torch.cuda.stream(stream):  # after the wait above, whichever stream the caller is on now
             if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-                from .triton.handoff import copy_rows
+                from .triton.handoff import copy_rows, copy_rows_add_norm
+                if epilogue is not None and staging.fuses(x.device) and epilogue.fits(yp.shape, x.device):
+                    epilogue.result = copy_rows_add_norm(yp, epilogue.residual.view(yp.shape), epilogue.weight,
+                                                         epilogue.eps, out_dtype, add=extra)
+                    return epilogue.result[0]
                 y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
                 copy_rows(yp, y, add=extra)  # one kernel reading the pinned buffer
                 return y

@@ -136,6 +136,20 @@ class RunContext:
             self._pinned_slots = PinnedSlots()
         return self._pinned_slots
 
+    def offer_moe_epilogue(self, residual: torch.Tensor, norm):
+        """Ask the next MoE call fed from residual's GPU stream to compute s = residual + y and
+        norm(s) (a KRMSNorm) in the launch that reads its y back (kernels.cuda_host.MoEEpilogue,
+        returned; None where no such read-back fuses here). Withdraw it after the call."""
+        if self._staging is None or not residual.is_cuda or not self._staging.fuses(residual.device):
+            return None
+        from ..kernels.cuda_host import MoEEpilogue
+        self._staging.epilogue = MoEEpilogue(residual, norm.weight, norm.eps)
+        return self._staging.epilogue
+
+    def withdraw_moe_epilogue(self) -> None:
+        if self._staging is not None:
+            self._staging.epilogue = None
+
     def check_host_errors(self) -> None:
         """Raise what a CPU job run from a CUDA stream failed with (call after the stream ran)."""
         if self._staging is not None:

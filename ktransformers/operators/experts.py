@@ -287,11 +287,28 @@ class KExpertsCPU:
             return y.to(self.dtype)
         return wait
 
+    def stage_inputs(self, x: torch.Tensor):
+        """Where a launch before a call fed from x's GPU stream may store the call's inputs in
+        passing (the router: HostStaging.pinned_inputs), or None where those launches do not fuse."""
+        if self.kernel is None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        staging = self.context.host_staging()
+        if not staging.fuses(x.device):
+            return None
+        col0 = self._share_col0(x)
+        return staging.pinned_inputs(self.kernel, x, self.spec.top_k if col0 is None else col0)
+
+    def _share_col0(self, x: torch.Tensor) -> int | None:
+        """The first of the columns pcie_experts computes on the GPU for a step like x, or None."""
+        from ..kernels.triton.pcie_experts import MAX_TOKENS
+        if self.pcie is None or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
+            return None
+        return self.pcie.col0
+
     def _share(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """submit_on_stream's `share` for a decode step with pcie_experts, else None."""
-        from ..kernels.triton.pcie_experts import MAX_TOKENS, pcie_experts
-        if self.pcie is None or x.shape[0] > MAX_TOKENS or x.dim() != 2 or \
-                any(t.stride(-1) != 1 for t in (x, ids, weights)):
+        from ..kernels.triton.pcie_experts import pcie_experts
+        if self._share_col0(x) is None or any(t.stride(-1) != 1 for t in (x, ids, weights)):
             return None
         share, E, I = self.pcie, self.spec.experts, self.spec.intermediate
         return share.col0, lambda: pcie_experts(x, ids, weights, share.col0, *share.tiles, share.types, E, I)
@@ -593,6 +610,18 @@ class KTransformersExperts(BaseInjectedModule):
         """y [T, H] on out_device, nothing to overlap: a CPU op runs on the calling thread with
         the pool (no hand-off to its task thread and back)."""
         return self.submit(hidden_states, top_k_index, top_k_weights, overlap=False)()
+
+    def stage_inputs(self, hidden_states: torch.Tensor):
+        """The pinned views (triton.handoff.PinnedInputs) a router launch may store this step's
+        inputs in, where the op is the CPU experts fed from this GPU stream and nothing comes
+        between the router and them (no hot-expert split, no layer-wise prefill); else None."""
+        op = self.ops[self.phase]
+        if self.hot is not None or not hasattr(op, "stage_inputs"):
+            return None
+        threshold = self._threshold() if self.layerwise is not None else 0
+        if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
+            return None
+        return op.stage_inputs(hidden_states)
 
     def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                overlap: bool = True):

@@ -134,11 +134,16 @@ class KMoEGateSoftmax(_Router):
         super().unload()
         self.triton_route = None
 
-    def forward(self, hidden_states: torch.Tensor):
+    stores_inputs = True  # forward's `pack` (KMoEBlock._route)
+
+    def forward(self, hidden_states: torch.Tensor, pack=None):
+        """`pack`: a triton.handoff.PinnedInputs where the experts' inputs go; the one-launch
+        route stores them there in passing (recorded in it), other paths leave it untouched."""
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
         if self.triton_route is not None and self.gemv is not None and x.shape[0] <= self.gemv_rows:
             from ..kernels.triton.router import router_topk  # logits and routing in one launch
-            routed = router_topk(x, self.weight, self.top_k, self.norm, x.dtype, x.dtype if self.cast_back else torch.float32)
+            routed = router_topk(x, self.weight, self.top_k, self.norm, x.dtype,
+                                 x.dtype if self.cast_back else torch.float32, pack=pack)
             if routed is not None:
                 return routed
         logits = self.logits(x, x.dtype)

@@ -7,8 +7,9 @@ own forward, run on this module, except for two cases. Where the post-attention 
 Triton kernel (the GPU rule files), the forward is the same steps with the attention's residual
 add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS), and the layer's last
 residual add fused with the next layer's input norm, which it hands over through the model's
-RunContext (one launch where an add and a norm were two, a layer). And a decode step of
-one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
+RunContext (one launch where an add and a norm were two, a layer; where CPU experts fed from the
+GPU stream compute the MoE, the launch reading their output back makes that add and norm too).
+And a decode step of one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
 files) takes a path of its own: the kernels called back to back on buffers held by the layer
 — the same kernels with the same inputs as the module-by-module path, so the result is the same
 to the bit — instead of through the ~25 module calls, argument checks and small torch ops
@@ -143,11 +144,22 @@ class KDecoderLayer(BaseInjectedModule):
             x1 = x + h
             return x1 + self.mlp(post(x1))
         x1, h = add_rms_norm(x, h, post.weight, post.eps)
-        y = self.mlp(h)
+        # the add and the norm below, done by the launch that reads CPU experts' y back where it can
+        norm = self._next_input_norm(ctx, x1, x1)
+        epilogue = ctx.offer_moe_epilogue(x1, norm) if norm is not None else None
+        try:
+            y = self.mlp(h)
+        finally:
+            if epilogue is not None:
+                ctx.withdraw_moe_epilogue()
         norm = self._next_input_norm(ctx, x1, y)
         if norm is None:
             return x1 + y
-        x2, normed_next = add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y is)
+        done = epilogue.done_for(y) if epilogue is not None else None
+        if done is not None:
+            x2, normed_next = done
+        else:
+            x2, normed_next = add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y is)
         ctx.prenormed = (x2, norm, normed_next)
         return x2
 

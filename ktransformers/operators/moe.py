@@ -29,7 +29,7 @@ class KMoEBlock(BaseInjectedModule):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        _, top_k_weights, top_k_index = self.gate(x)
+        _, top_k_weights, top_k_index = self._route(x)
         submit = getattr(self.experts, "submit", None)
         if not self._has_shared():  # nothing to overlap with (and no `+ 0` launch)
             return self.experts(x, top_k_index, top_k_weights).reshape(shape)
@@ -42,6 +42,18 @@ class KMoEBlock(BaseInjectedModule):
             wait()  # a started CPU call is always waited for (on a GPU stream: its `done` word cleared)
             raise
         return (wait().to(x.device, x.dtype) + shared).reshape(shape)
+
+    def _route(self, x: torch.Tensor):
+        """The gate's (logits, weights, index). Where the gate can store the experts' inputs in
+        passing and the experts are CPU experts fed from this GPU stream, its launch also writes
+        x, the index and the weights into their pinned buffer (the hand-off's pack: one launch
+        less a layer)."""
+        stage = getattr(self.experts, "stage_inputs", None)
+        if stage is not None and getattr(self.gate, "stores_inputs", False) and x.is_cuda:
+            pinned = stage(x)
+            if pinned is not None:
+                return self.gate(x, pack=pinned)
+        return self.gate(x)
 
     def _has_shared(self) -> bool:
         return hasattr(self, "shared_experts") or hasattr(self, "shared_expert")

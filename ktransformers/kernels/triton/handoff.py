@@ -5,7 +5,10 @@ A decode step's MoE block hands the CPU x [T, H], top_k_index [T, K] and top_k_w
 and three device-to-host copies, four graph nodes a layer; `pack_moe_inputs` is one kernel that
 stores the three, converted, straight into the pinned host buffer (pinned memory is addressable
 from the GPU under unified addressing: the stores cross the bus, no copy engine is involved).
-`copy_rows` brings the output y back the same way, one kernel instead of a host-to-device copy.
+`copy_rows` brings the output y back the same way, one kernel instead of a host-to-device copy;
+`copy_rows_add_norm` also adds y to the residual and normalizes the sum for the next layer (the
+decoder layer's last add and the next input norm: one launch where the read-back and that
+add + norm were two).
 On the H200 host the copy-engine transfers were the slow part of the hand-off: packing cut the
 GPU side of a Qwen3 decode layer from ~106 to ~87 us. The torch references are the `copy_` calls
 they replace.
@@ -13,13 +16,53 @@ they replace.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .norm_rope import round_to
+from .norm_rope import normalize_row, round_to
 from .pdl import gdc_enter, pdl
+
+
+@dataclass
+class PinnedInputs:
+    """Where a MoE call fed from a GPU stream reads its inputs (pack_moe_inputs' outputs: x
+    [T, H], ids int64 [T, K], weights float32 [T, K], pinned), for a launch before it that stores
+    them in passing (router.router_topk's `pack`), with ids of columns >= cpu_k stored as -1.
+    That launch records in `written` the (x, weights, index) it stored from; the call then skips
+    its own pack where its inputs are those very tensors (`holds`)."""
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    cpu_k: int
+    written: tuple | None = None
+
+    def check(self, x: torch.Tensor, top_k: int) -> None:
+        """Raise unless the views fit a pack of x [T, H] with top_k picks."""
+        T, H = x.shape
+        if (tuple(self.x.shape) != (T, H) or tuple(self.ids.shape) != (T, top_k)
+                or tuple(self.weights.shape) != (T, top_k)):
+            raise ValueError(f"PinnedInputs: views {tuple(self.x.shape)}, {tuple(self.ids.shape)}, "
+                             f"{tuple(self.weights.shape)} do not fit x {tuple(x.shape)} with top_k {top_k}")
+        if (self.ids.dtype != torch.int64 or self.weights.dtype != torch.float32
+                or self.x.dtype not in (torch.float32, torch.bfloat16)
+                or not all(t.is_contiguous() for t in (self.x, self.ids, self.weights))):
+            raise ValueError("PinnedInputs: contiguous (float32|bfloat16, int64, float32) views expected, got "
+                             f"{self.x.dtype}, {self.ids.dtype}, {self.weights.dtype}")
+        if not 0 <= self.cpu_k <= top_k:
+            raise ValueError(f"PinnedInputs: cpu_k must lie in [0, {top_k}], got {self.cpu_k}")
+
+    def holds(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: tuple, cpu_k: int) -> bool:
+        """Whether the stored values are x, ids and weights, in these views, with this cpu_k."""
+        if self.written is None or self.cpu_k != cpu_k:
+            return False
+        wx, ww, wi = self.written
+        return (ww is weights and wi is ids and wx.data_ptr() == x.data_ptr() and wx.shape == x.shape
+                and wx.dtype == x.dtype and wx.stride() == x.stride()
+                and all(a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+                        for a, b in zip((self.x, self.ids, self.weights), views)))
 
 
 @triton.jit
@@ -104,6 +147,58 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, add: torch.Tensor | None = N
         return
     _copy_rows_kernel[(T,)](src, dst if add is None else add, dst, H, src.stride(0), dst.stride(0),
                             BLOCK_H=min(8192, triton.next_power_of_2(H)), ADD=add is not None, num_warps=8)
+
+
+@triton.jit
+def _copy_add_norm_kernel(src_ptr, add_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_ptr, H, s_src, s_r, eps,
+                          BLOCK_H: tl.constexpr, ADD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    m = h < H
+    w = tl.load(w_ptr + h, mask=m, other=0.0).to(tl.float32)
+    # volatile: pinned words the CPU rewrites between launches (see _copy_rows_kernel)
+    v = tl.load(src_ptr + t * s_src + h, mask=m, other=0.0, volatile=True).to(tl.float32)
+    if ADD:
+        v += tl.load(add_ptr + t * H + h, mask=m, other=0.0)
+    y_ty = y_ptr.dtype.element_ty
+    y = round_to(v, y_ty)
+    tl.store(y_ptr + t * H + h, y.to(y_ty), mask=m)
+    s_ty = s_ptr.dtype.element_ty
+    s = round_to(tl.load(r_ptr + t * s_r + h, mask=m, other=0.0).to(tl.float32) + y, s_ty)
+    tl.store(s_ptr + t * H + h, s.to(s_ty), mask=m)
+    n = normalize_row(s, w, H, eps, s_ty, n_ptr.dtype.element_ty)
+    tl.store(n_ptr + t * H + h, n.to(n_ptr.dtype.element_ty), mask=m)
+
+
+def copy_rows_add_norm(src: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype, add: torch.Tensor | None = None):
+    """(y, s, norm) in one launch, as copy_rows then norm_rope.add_rms_norm bit for bit:
+    y [T, H] = src (+ add) in out_dtype (float32/bf16/fp16, rounded once), s = residual + y in
+    torch's promoted dtype of the two, norm = rms_norm_reference(s, weight, eps). src may be
+    pinned host memory the CPU rewrote since the last launch (read, never cached); residual
+    [T, H] on the GPU with contiguous rows, weight [H] contiguous."""
+    if src.dim() != 2 or src.stride(-1) != 1 or residual.shape != src.shape or residual.stride(-1) != 1:
+        raise ValueError(f"copy_rows_add_norm: src and residual of one [T, H] shape with contiguous rows, got "
+                         f"{tuple(src.shape)} {src.stride()} and {tuple(residual.shape)} {residual.stride()}")
+    T, H = src.shape
+    if weight.shape != (H,) or not weight.is_contiguous() or weight.device != residual.device:
+        raise ValueError(f"copy_rows_add_norm: weight must be a contiguous [{H}] on {residual.device}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    if not src.dtype.is_floating_point or out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"copy_rows_add_norm: float rows into float32/bfloat16/float16, got {src.dtype} -> {out_dtype}")
+    if add is not None and (add.shape != src.shape or add.dtype != torch.float32 or not add.is_contiguous()):
+        raise ValueError(f"copy_rows_add_norm: add must be a contiguous float32 {tuple(src.shape)}, got "
+                         f"{tuple(add.shape)} {add.dtype}")
+    dev = residual.device
+    y = torch.empty(T, H, device=dev, dtype=out_dtype)
+    s = torch.empty(T, H, device=dev, dtype=torch.promote_types(residual.dtype, out_dtype))
+    n = torch.empty(T, H, device=dev, dtype=torch.promote_types(s.dtype, weight.dtype))
+    if T and H:
+        block = triton.next_power_of_2(H)
+        _copy_add_norm_kernel[(T,)](src, y if add is None else add, residual, weight, y, s, n, H, src.stride(0),
+                                    residual.stride(0), float(eps), BLOCK_H=block, ADD=add is not None,
+                                    num_warps=max(1, min(16, block // 512)))
+    return y, s, n
 
 
 def pack_moe_inputs_reference(x, ids, weights, x_out, ids_out, w_out) -> None:

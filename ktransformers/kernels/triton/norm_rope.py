@@ -49,7 +49,7 @@ def round_to(x, TY: tl.constexpr):
 
 
 @triton.jit
-def _normalize(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
+def normalize_row(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
     """float32 row x (zero past D) -> weight * (x * rsqrt(mean(x^2) + eps) as ROUND_TY), as OUT_TY."""
     r = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
     return round_to(w * round_to(x * r, ROUND_TY), OUT_TY)
@@ -71,7 +71,7 @@ def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_
         x_ty = s_ptr.dtype.element_ty
         x = round_to(x + tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32), x_ty)
         tl.store(s_ptr + row * D + d, x.to(x_ty), mask=m)
-    y = _normalize(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
+    y = normalize_row(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 

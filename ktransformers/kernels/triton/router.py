@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import MAX_SPLIT_TILES, split_counters
+from .handoff import PinnedInputs, _copy_row
 from .norm_rope import round_to
 from .pdl import pdl
 from .quant_linear import GEMV_ROWS, _dense_rows, gemv_plan, split_reduce
@@ -48,8 +49,10 @@ def _route_row(x, e, valid, w_ptr, idx_ptr, K: tl.constexpr, BLOCK_E: tl.constex
     if NORM:
         weights = weights / tl.sum(weights, 0)  # slots past K hold 0
     out = kk < K
-    tl.store(w_ptr + kk, round_to(weights, w_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty), mask=out)
+    weights = round_to(weights, w_ptr.dtype.element_ty)
+    tl.store(w_ptr + kk, weights.to(w_ptr.dtype.element_ty), mask=out)
     tl.store(idx_ptr + kk, index.to(tl.int64), mask=out)
+    return weights, index.to(tl.int64), kk, out
 
 
 @triton.jit
@@ -63,13 +66,16 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
 
 
 @triton.jit
-def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, M, E, H, stride_xm, k_per_split,
+def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_ptr, io_ptr, wo_ptr, cpu_k,
+                   M, E, H, stride_xm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                   GDC: tl.constexpr):
+                   PACK: tl.constexpr, PACK_BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Router logits y [M, E] = x [M, H] Gᵀ (quant_linear's dense GEMV: program_id 1 a tile of
     BLOCK_N experts, 2 a split of H added in the launch), then, by the program that completes
-    the last tile (a counter past the tiles' own), every token's top-K routing from y."""
+    the last tile (a counter past the tiles' own), every token's top-K routing from y. PACK: that
+    program also stores what handoff.pack_moe_inputs would (x rows converted, the ids with those
+    of columns >= cpu_k as -1, the weights as float32) at xo/io/wo."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, g_ptr, rm, rn, M, E, H, stride_xm, H, tl.program_id(2) * k_per_split, k_per_split,
@@ -89,7 +95,12 @@ def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, M, 
             valid = e < E
             for m in range(0, M):
                 x = tl.load(y_ptr + m * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-                _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E, BLOCK_K, NORM)
+                weights, index, kk, out = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E,
+                                                     BLOCK_K, NORM)
+                if PACK:
+                    _copy_row(x_ptr + m * stride_xm, xo_ptr + m * H, H, PACK_BLOCK, False, x_ptr, False)
+                    tl.store(io_ptr + m * K + kk, tl.where(kk < cpu_k, index, -1), mask=out)
+                    tl.store(wo_ptr + m * K + kk, weights, mask=out)
             tl.atomic_xchg(count_ptr + tiles, 0)
 
 
@@ -115,11 +126,13 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, logits_dtype: torch.dtype,
-                weights_dtype: torch.dtype):
+                weights_dtype: torch.dtype, pack: PinnedInputs | None = None):
     """(logits, weights, index) of a softmax top-k router in one launch for up to GEMV_ROWS tokens:
     logits [T, E] = x [T, H] weightᵀ (float32 sums rounded to logits_dtype, as dense_gemv), then
     softmax_topk on those rounded logits (weights rounded to weights_dtype). None where it does
-    not apply (more tokens, experts or picks than the kernels take, no tile counters now)."""
+    not apply (more tokens, experts or picks than the kernels take, no tile counters now).
+    `pack`: the same launch also stores x, the index and the weights where a MoE call fed from
+    this stream reads them, as handoff.pack_moe_inputs would (and records what it stored)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
         raise ValueError(f"router_topk: x [T, H] and a row-major weight [E, H], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
@@ -136,11 +149,17 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
         return None
     weights = torch.empty(T, top_k, device=x.device, dtype=weights_dtype)
     index = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
+    if pack is not None:
+        pack.check(x, top_k)
     part = plan.scratch()[0]
     block_e = max(16, triton.next_power_of_2(E))
-    _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, T, E, x.shape[1], x.stride(0),
+    xo, io, wo = (pack.x, pack.ids, pack.weights) if pack is not None else (x, index, weights)  # (unread without PACK)
+    _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, xo, io, wo,
+                              top_k if pack is None else pack.cpu_k, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
-                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), num_warps=4,
-                              **pdl(x.device))
+                              BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), PACK=pack is not None,
+                              PACK_BLOCK=min(1024, triton.next_power_of_2(x.shape[1])), num_warps=4, **pdl(x.device))
+    if pack is not None:
+        pack.written = (x, weights, index)
     return plan.y, weights, index
