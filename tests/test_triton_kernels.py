@@ -586,3 +586,41 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(outs + caches + list(pinned), ref))
+
+
+
+# Run in a process of its own: this one's kernels are the interpreter's (TRITON_INTERPRET=1).
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ktransformers.kernels.triton import handoff, router
+
+def compile_(fn, types, consts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
+    print("compiled", fn.__name__)
+
+ptrs = {"x_ptr": "*bf16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+        "w_ptr": "*bf16", "idx_ptr": "*i64", "xo_ptr": "*bf16", "io_ptr": "*i64", "wo_ptr": "*fp32"}
+for pack in (False, True):
+    compile_(router._router_kernel, ptrs, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_H=256, REDUCE=True, K=8, BLOCK_E=128,
+                                               BLOCK_K=8, NORM=True, PACK=pack, PACK_BLOCK=1024, GDC=True))
+compile_(handoff._copy_add_norm_kernel, {"src_ptr": "*bf16", "add_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16",
+                                         "y_ptr": "*bf16", "s_ptr": "*bf16", "n_ptr": "*bf16", "eps": "fp32"},
+         dict(BLOCK_H=2048, ADD=True))
+"""
+
+
+def test_handoff_kernels_compile_for_hopper():
+    """The router with and without the pack in passing, and the fused read-back, compile to an
+    sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the interpreter lets
+    through (a loop-carried variable changing type, say) fail here, not on the GPU machine."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.count("compiled") == 3, done.stderr[-3000:]

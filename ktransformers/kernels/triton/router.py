@@ -95,12 +95,12 @@ def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_
             valid = e < E
             for m in range(0, M):
                 x = tl.load(y_ptr + m * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-                weights, index, kk, out = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E,
-                                                     BLOCK_K, NORM)
+                weights, index, kk, picked = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E,
+                                                        BLOCK_K, NORM)
                 if PACK:
                     _copy_row(x_ptr + m * stride_xm, xo_ptr + m * H, H, PACK_BLOCK, False, x_ptr, False)
-                    tl.store(io_ptr + m * K + kk, tl.where(kk < cpu_k, index, -1), mask=out)
-                    tl.store(wo_ptr + m * K + kk, weights, mask=out)
+                    tl.store(io_ptr + m * K + kk, tl.where(kk < cpu_k, index, -1), mask=picked)
+                    tl.store(wo_ptr + m * K + kk, weights, mask=picked)
             tl.atomic_xchg(count_ptr + tiles, 0)
 
 
