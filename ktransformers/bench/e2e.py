@@ -11,7 +11,8 @@ CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one
 runs them (Engine.decode_tokens: each step issued before the previous one's token is read back;
 KT_DECODE_AHEAD=0, one step at a time).
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
-bandwidth measured in the same run) and every other tensor once from GPU memory (at the GPU's
+bandwidth measured in the same run: the mean of the probes right before and after each timed
+decode) and every other tensor once from GPU memory (at the GPU's
 device-copy bandwidth); the floor time is the sum, and `ratio` = measured / roofline tok/s.
 llama.cpp: `llama-bench -ngl 99 -ot exps=CPU -fa 1 -ub 2048 -b 2048` on the same file and threads.
 """
@@ -28,6 +29,9 @@ from pathlib import Path
 import torch
 
 from .decode import layer_bytes
+from .moe import stream_gbps
+
+PROBE_GIB = 2.0  # each stream probe's buffer (best of five reads)
 
 
 def gpu_copy_gbps() -> float:
@@ -119,6 +123,8 @@ def measure_ours(args, config) -> dict:
         prefill[P] = P / statistics.median(times)
     decode, issue = [], []  # tok/s; us a step from its start until its work is enqueued
     split = []  # per repeat: (us in a CPU experts call, us from a call's end to the next ring)
+    probes = []  # the stream probe (GB/s) right before and right after each repeat's timed decode
+    runtime = loaded.model.kt_context.cpu_runtime()
     for _ in range(args.repeats):
         seq = engine.new_sequence()
         engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
@@ -132,11 +138,13 @@ def measure_ours(args, config) -> dict:
         sync()
         bell = loaded.model.kt_context.host_staging().doorbell  # (made when a graph first rings it)
         before = doorbell_counts(bell)
+        probes.append(stream_gbps(runtime, PROBE_GIB))
         engine.step_times.reset()
         t0 = time.perf_counter()
         made = sum(1 for _ in engine.decode_tokens(seq, steps[1], args.decode - 1, sampler))  # as generation decodes
         sync()
         decode.append(made / (time.perf_counter() - t0))
+        probes.append(stream_gbps(runtime, PROBE_GIB))
         times = engine.step_times
         issue.append(times.issue_s / max(times.steps, 1) * 1e6)
         if bell is not None:
@@ -145,7 +153,7 @@ def measure_ours(args, config) -> dict:
                           (busy + between) / max(made, 1) / 1e3))
         engine.release(seq)
     out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded,
-           "issue_us": statistics.median(issue)}
+           "issue_us": statistics.median(issue), "probes": probes}
     if split:
         out["cpu_call_us"] = statistics.median(s[0] for s in split)
         out["between_us"] = statistics.median(s[1] for s in split)
@@ -209,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
     from .decode import step_bytes
-    from .moe import stream_gbps
     files = GGUFFileSet(args.gguf_path)
     config = load_config(args.model_path, args.gguf_path, files)
     all_cpu = step_bytes(files, config)  # experts from RAM, the rest from the GPU (llama.cpp's -ot exps=CPU)
@@ -217,7 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     model = ours.pop("loaded").model
     hot = hot_experts_per_layer(model)
     cpu_bytes, gpu_bytes = hot_split(files, config, hot) if hot else all_cpu
-    cpu_bw = stream_gbps(model.kt_context.cpu_runtime(), 2.0)
+    # The RAM's rate for the roofline: the mean of the stream probes taken right before and right
+    # after each timed decode (the host's memory drifts within a call: one probe after each run
+    # read 113-160 GB/s over three runs of one call, 2026-12-01)
+    probes = ours.pop("probes")
+    cpu_bw = statistics.mean(probes)
     gpu_bw = gpu_copy_gbps()
 
     def roofline(ram: float, gpu: float) -> float:
@@ -240,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     peer = measure_llama(args)
     rows = [dict(engine="ktransformers", **ours)] + ([dict(engine="llama.cpp", **peer)] if peer else [])
     head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
-            f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s) + {gpu_bytes / 1e6:.0f} MB from the GPU "
+            f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s: the mean of the probes "
+            f"{', '.join(f'{b:.0f}' for b in probes)} around the decode) + {gpu_bytes / 1e6:.0f} MB from the GPU "
             f"({gpu_bw:.0f} GB/s): roofline {roof:.1f} tok/s")
     if hot:
         head += (f" (hot experts on the GPU: {min(hot.values())}-{max(hot.values())} a layer in {len(hot)} layers; "
@@ -248,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
-                              "cpu_gbps": cpu_bw, "gpu_gbps": gpu_bw, "hot_experts": hot,
+                              "cpu_gbps": cpu_bw, "cpu_probes_gbps": probes, "gpu_gbps": gpu_bw, "hot_experts": hot,
                               "pcie_experts": shares,
                               "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
                               "pcie_auto_rates": model.kt_context.pcie_rates,
