@@ -411,7 +411,7 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
     """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
     (next layer prefetched) and give what the CPU experts give. The staging chunk is made small
     and a size no GGML block divides, so every tensor crosses several chunks at odd offsets."""
-    from ktransformers.operators.experts import LayerwisePrefill
+    from ktransformers.operators.experts import LayerwisePrefill, expert_groups
     monkeypatch.setattr(LayerwisePrefill, "CHUNK", 1000)
     hf, model = _gpu_qwen3(tmp_path, layers=3)
     engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
@@ -426,3 +426,14 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
         engine.release(seq)
     err = ((results[0] - results[1]).norm() / results[0].norm()).item()
     assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
+    # A layer too large for GROUP_BYTES goes in groups of experts (three here, of 3, 3 and 2),
+    # each staged while the one before computes: the same logits to the bit
+    spec = layers[0].layerwise.spec
+    for m in layers:
+        assert m.layerwise.groups == [(0, spec.experts)]
+        m.layerwise.groups = expert_groups(spec.experts, 3 * spec.hidden * spec.intermediate * 2,
+                                           3 * 3 * spec.hidden * spec.intermediate * 2)
+    assert len(layers[0].layerwise.groups) == 3
+    seq = engine.new_sequence()
+    assert torch.equal(engine.prefill(seq, ids).float().cpu(), results[1])
+    engine.release(seq)

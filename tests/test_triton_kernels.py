@@ -386,6 +386,48 @@ def test_fused_moe(dev, fmt, T, E, K):
     assert rel_err(y, ref) < tol(dev)
 
 
+@pytest.mark.parametrize("T,E,K,groups", [(1, 8, 2, [(0, 3), (3, 8)]), (17, 7, 3, [(0, 2), (2, 4), (4, 7)]),
+                                           (70, 5, 2, [(0, 1), (1, 5)])])
+def test_fused_moe_in_expert_groups_equals_one_call(dev, T, E, K, groups):
+    """Layer-wise prefill of a large layer: the experts in groups, each call with the others' ids
+    as -1 writing its pairs' rows into one buffer, summed once: the bits of one call over all of
+    them (block_m of all the experts), whichever group a token's experts fall in."""
+    from ktransformers.kernels.triton import fused_moe as fm
+    H, I = 128, 192
+    g = gen(T + E * K)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    gu = (0.05 * torch.randn(E, 2 * I, H, generator=g)).bfloat16()
+    dn = (0.05 * torch.randn(E, H, I, generator=g)).bfloat16()
+    x, ids, w, gu, dn = x.to(dev), ids.to(dev), w.to(dev), gu.to(dev), dn.to(dev)
+    whole = fm.fused_moe(x, ids, w, gu, dn)
+    pairs = torch.zeros(T * K, H, device=dev)
+    block_m = fm.fused_moe_block_m(T, K, E)
+    for e0, e1 in groups:
+        local = torch.where((ids >= e0) & (ids < e1), ids - e0, -1)
+        assert fm.fused_moe(x, local, w, gu[e0:e1], dn[e0:e1], pairs=pairs, block_m=block_m) is pairs
+    assert torch.equal(pairs.view(T, K, H).sum(1), whole)
+    with pytest.raises(ValueError, match="pairs must be"):
+        fm.fused_moe(x, ids, w, gu, dn, pairs=torch.zeros(T * K, H + 1, device=dev))
+    with pytest.raises(ValueError, match="block_m must be"):
+        fm.fused_moe(x, ids, w, gu, dn, pairs=pairs, block_m=32)
+
+
+def test_expert_groups_and_layerwise_gpu_bytes():
+    """Layer-wise prefill's groups: every expert once, in order, each group's bf16 within the
+    budget (one expert at least); the GPU holds one group in bf16 and two groups' stored bytes."""
+    from ktransformers.operators.experts import LayerwisePrefill, expert_groups
+    assert expert_groups(128, 3 * 2048 * 768 * 2, 2 << 30) == [(0, 128)]  # a Qwen3-30B-A3B layer: one group
+    per = 3 * 7168 * 2048 * 2  # a DeepSeek-V3 expert in bf16 (88 MB)
+    groups = expert_groups(256, per, 2 << 30)
+    assert groups[0] == (0, 24) and groups[-1] == (240, 256) and len(groups) == 11
+    assert [e for a, b in groups for e in range(a, b)] == list(range(256))
+    assert expert_groups(4, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # an expert over the budget: alone
+    stored = 256 * 25_000_000
+    assert LayerwisePrefill.gpu_bytes(256, per, stored) == 24 * per + 2 * 24 * 25_000_000
+
+
 def test_dequantize_for_cublas(dev):
     """The many-row path's one-pass dequantization (int4/int8 and FP8) to bf16 Wᵀ."""
     from ktransformers.kernels.triton import fp8

@@ -375,54 +375,84 @@ EXPERT_OPS.register("KExpertsMarlin")(KExpertsGPU)  # upstream's name for GPU ex
 
 
 class PinnedSlots:
-    """Two page-locked host buffers that layer-wise prefill stages a layer's stored experts in,
-    alternately: the CPU pool copies the next layer's bytes from the mapped file into one while
-    the other's copy to the GPU (from pinned memory: at the bus's speed, and asynchronous) may
-    still be in flight. Shared by a model's MoE layers (RunContext.pinned_slots)."""
+    """A ring of page-locked chunks that layer-wise prefill stages stored experts in on their way
+    to the GPU: the CPU pool copies the next chunk from the mapped file into the next slot while
+    the copies of the slots before it to the GPU (from pinned memory: at the bus's speed, and
+    asynchronous) may still be in flight; a slot is refilled once its last copy is done. Shared by
+    a model's MoE layers (RunContext.pinned_slots): SLOTS x the chunk of page-locked RAM in all,
+    whatever the size of a layer."""
+
+    SLOTS = 8
 
     def __init__(self):
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.events: list = [None, None]  # the CUDA event of each buffer's last copy to the GPU
+        self.buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self.events: list = [None] * self.SLOTS  # the CUDA event of each slot's last copy to the GPU
         self.turn = 0
-        self.size = 0  # bytes a buffer: the largest layer's (need() at load, before the first take)
 
-    def need(self, nbytes: int) -> None:
-        """A layer of nbytes will be staged here (torch keeps freed pinned memory cached, so the
-        buffers are allocated once, at the largest layer's size)."""
-        self.size = max(self.size, nbytes)
+    @classmethod
+    def nbytes(cls, chunk: int) -> int:
+        """Page-locked bytes the ring holds at `chunk` bytes a slot (torch's pinned allocator rounds
+        each up to a power of two)."""
+        return cls.SLOTS * (1 << (max(1, chunk) - 1).bit_length())
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """(index, a pinned uint8 buffer of at least nbytes) whose previous copy has finished."""
-        i, self.turn = self.turn, 1 - self.turn
+        """(index, a pinned uint8 buffer of at least nbytes) whose previous copy has finished;
+        give the copy that reads it to done()."""
+        i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
         if self.events[i] is not None:
             self.events[i].synchronize()
+            self.events[i] = None
         if self.buffers[i] is None or self.buffers[i].numel() < nbytes:
-            self.size = max(self.size, nbytes)
-            self.buffers[i] = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
+            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return i, self.buffers[i]
+
+    def done(self, i: int, event) -> None:
+        """Slot i is free again once `event` (recorded after its copy was enqueued) has passed."""
+        self.events[i] = event
+
+
+def expert_groups(experts: int, bf16_bytes_per_expert: int, budget: int) -> list[tuple[int, int]]:
+    """[e0, e1) ranges of a layer's experts that layer-wise prefill dequantizes and computes at
+    once: as many experts as `budget` bytes of bf16 weights hold (at least one)."""
+    n = max(1, min(experts, budget // max(1, bf16_bytes_per_expert)))
+    return [(e0, min(experts, e0 + n)) for e0 in range(0, experts, n)]
 
 
 class LayerwisePrefill:
     """Long prompts on the GPU although the experts live in RAM: the layer's expert tensors, as
     stored (GGML blocks, 4-6 bits a weight), are copied to the GPU, dequantized there to bf16 and
     run by the fused-MoE kernel. Worth it when the prompt is long enough that compute, not the
-    copy, is the cost (`prefill_gpu_threshold` tokens). The bytes go mapped file -> pinned staging
-    (PinnedSlots, copied by the CPU pool) -> GPU on a copy stream: pageable memory reached the GPU
-    at ~5 GB/s, one driver thread staging it. Once a layer's compute is enqueued the CPU stages
-    the next layer's bytes in chunks of CHUNK bytes, each chunk's copy to the GPU enqueued as soon
-    as it is staged: the bus moves one chunk while the pool fills the next, and both overlap the
-    compute already on the GPU (the copy stream does not wait for it; the GPU buffers are marked
-    used by the compute stream, so the allocator reuses them only after it)."""
+    copy, is the cost (`prefill_gpu_threshold` tokens).
+
+    A layer goes in groups of experts whose bf16 weights fit GROUP_BYTES (all of a Qwen3-30B-A3B
+    layer's 128 in one; a DeepSeek-V3 layer's 256, 22 GB in bf16, in groups of 24), so the GPU
+    holds one group dequantized and two groups' stored bytes, not a layer's. The bytes go mapped
+    file -> pinned staging (PinnedSlots, chunks copied by the CPU pool) -> GPU on a copy stream:
+    pageable memory reached the GPU at ~5 GB/s, one driver thread staging it. Once a group's
+    compute is enqueued the CPU stages the following group's bytes (the layer's next, else the
+    next layer's first) chunk by chunk, each chunk's copy to the GPU enqueued as soon as it is
+    staged: the bus moves one chunk while the pool fills the next, and both overlap the compute
+    already on the GPU (the copy stream does not wait for it; the GPU buffers are marked used by
+    the compute stream, so the allocator reuses them only after it)."""
 
     CHUNK = 32 << 20
+    GROUP_BYTES = 2 << 30  # bf16 weights of the experts dequantized at once
 
     def __init__(self, spec: ExpertSpec, device: torch.device):
         self.spec, self.key, self.device = spec, spec.key, device
         self.parts: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []  # (bytes, ggml type, shape)
+        self.groups: list[tuple[int, int]] = []
         self.next: LayerwisePrefill | None = None  # the following MoE layer, prefetched while this one runs
-        self._pending = None  # (event, gpu byte tensors) of a copy in flight
+        self._pending = None  # (group, event, gpu byte tensors) of a copy in flight
         self._stream = None
         self._context = None
+
+    @staticmethod
+    def gpu_bytes(experts: int, bf16_bytes_per_expert: int, stored_bytes: int) -> int:
+        """The GPU memory a layer's prefill holds at once: one group in bf16, two groups' stored
+        bytes (one computing, the next arriving)."""
+        n = expert_groups(experts, bf16_bytes_per_expert, LayerwisePrefill.GROUP_BYTES)[0][1]
+        return n * bf16_bytes_per_expert + 2 * -(-stored_bytes * n // experts)
 
     def load(self, weights, context) -> None:
         self._context = context
@@ -432,55 +462,86 @@ class LayerwisePrefill:
             if stored is None or stored[1].shape != shape:
                 raise ValueError(f"{self.key}: layer-wise prefill needs the {proj} experts stored as one GGML tensor")
             data = torch.as_tensor(np.asarray(stored[0]).reshape(-1))
+            if data.numel() % E:
+                raise ValueError(f"{self.key}: the stored {proj} experts ({data.numel()} bytes) do not split into "
+                                 f"{E} experts")
             self.parts.append((data, int(stored[1].ggml_type), shape))
-        context.pinned_slots().need(sum(data.numel() for data, _, _ in self.parts))
+        self.groups = expert_groups(E, 3 * I * H * 2, self.GROUP_BYTES)
 
-    def _copy(self):
-        """Stage this layer's bytes chunk by chunk (CPU pool, blocking) and enqueue each chunk's
-        copy to the GPU on the copy stream once it is staged; (event, GPU byte tensors)."""
+    def _copy(self, group: int):
+        """Stage group `group`'s bytes chunk by chunk (CPU pool, blocking) and enqueue each chunk's
+        copy to the GPU on the copy stream once it is staged; (group, event, GPU byte tensors)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
-        sizes = [data.numel() for data, _, _ in self.parts]
-        slot, buffer = slots.take(sum(sizes))
+        e0, e1 = self.groups[group]
+        E = self.spec.experts
+        sources = [data[data.numel() // E * e0:data.numel() // E * e1] for data, _, _ in self.parts]
         event = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
-            on_gpu = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            on_gpu = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device) for src in sources]
             try:
-                at = 0
-                for (data, _, _), n, dst in zip(self.parts, sizes, on_gpu):
+                for src, dst in zip(sources, on_gpu):
+                    n = src.numel()
                     for c in range(0, n, self.CHUNK):
                         e = min(n, c + self.CHUNK)
-                        runtime.copy(buffer[at + c:at + e], data[c:e])
-                        dst[c:e].copy_(buffer[at + c:at + e], non_blocking=True)
-                    at += n
-            finally:  # (also after a failed chunk: the copies enqueued from the buffer are waited for)
+                        slot, buffer = slots.take(self.CHUNK)
+                        runtime.copy(buffer[:e - c], src[c:e])
+                        dst[c:e].copy_(buffer[:e - c], non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
+                        slots.done(slot, done)  # the slot may be refilled once this copy is done
+            finally:  # (after a failed chunk too: what was enqueued is waited for through the event)
                 event.record(self._stream)
-                slots.events[slot] = event  # the buffer may be refilled once this copy is done
-        return event, on_gpu
+        return group, event, on_gpu
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group `group`'s (gate_up [n, 2I, H], down [n, H, I]) in bf16 on the GPU, for the compute
+        stream (its bytes from the copy in flight, else copied now)."""
         from ..kernels.triton.dequant import dequantize  # one launch a tensor (Q4_K, Q6_K, Q8_0)
-        event, on_gpu = self._pending or self._copy()
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] != group:  # (a prefetch this call does not use: let it land)
+            pending[1].synchronize()
+            pending = None
+        _, event, on_gpu = pending or self._copy(group)
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
         for t in on_gpu:  # allocated on the copy stream, read on this one: freed after this one's use
             t.record_stream(stream)
-        (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, sh) for b, (_, t, sh) in zip(on_gpu, self.parts)]
-        E, I, H = sg
-        gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
+        e0, e1 = self.groups[group]
+        (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, (e1 - e0, *sh[1:])) for b, (_, t, sh) in zip(on_gpu, self.parts)]
+        n, I, H = sg
+        gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
         dequantize(g, tg, sg, out=gate_up[:, :I])
         dequantize(u, tu, su, out=gate_up[:, I:])
         return gate_up, dequantize(d, td, sd, torch.bfloat16)
 
+    def _prefetch_after(self, group: int) -> None:
+        """Stage and send what runs after group `group`: the layer's next group, else the next
+        layer's first."""
+        if group + 1 < len(self.groups):
+            self._pending = self._copy(group + 1)
+        elif self.next is not None:
+            self.next._pending = self.next._copy(0)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from ..kernels.triton.fused_moe import fused_moe
-        gate_up, down = self._weights()
-        y = fused_moe(x.to(self.device), ids.to(self.device), weights.to(self.device), gate_up, down)
-        if self.next is not None:  # the next layer's bytes are staged and copied while this one computes
-            self.next._pending = self.next._copy()
-        return y
+        from ..kernels.triton.fused_moe import fused_moe, fused_moe_block_m
+        x, ids, weights = x.to(self.device), ids.to(self.device), weights.to(self.device)
+        if len(self.groups) == 1:
+            gate_up, down = self._weights(0)
+            y = fused_moe(x, ids, weights, gate_up, down)
+            self._prefetch_after(0)
+            return y
+        (T, K), H = ids.shape, x.shape[1]
+        pairs = torch.zeros(T * K, H, dtype=torch.float32, device=self.device)
+        block_m = fused_moe_block_m(T, K, self.spec.experts)
+        for group, (e0, e1) in enumerate(self.groups):
+            gate_up, down = self._weights(group)
+            local = torch.where((ids >= e0) & (ids < e1), ids - e0, -1)
+            fused_moe(x, local, weights, gate_up, down, pairs=pairs, block_m=block_m)
+            del gate_up, down  # (freed on the compute stream: the next group's dequantize reuses them)
+            self._prefetch_after(group)
+        return pairs.view(T, K, H).sum(1)
 
 
 @dataclass(frozen=True)

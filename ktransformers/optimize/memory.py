@@ -194,11 +194,11 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
                 gpu = kw.get("gpu_experts_device") or (out_device if out_device.startswith("cuda") else "cuda")
                 mem.add(gpu, "hot experts", _experts_bytes("KExpertsGPU", stored, numel, dbytes, types) * hot / experts)
             if kw.get("prefill_gpu_threshold") and out_device.startswith("cuda"):
-                # transient, the largest layer: one layer dequantized to bf16 + two layers' stored bytes in flight
-                need = numel * 2 + 2 * (stored or numel * 2)
+                from ..operators.experts import LayerwisePrefill, PinnedSlots
+                # transient, the largest layer's: a group of its experts in bf16 + two groups' stored bytes
+                need = LayerwisePrefill.gpu_bytes(experts, numel * 2 // experts, int(stored or numel * 2))
                 layerwise[out_device] = max(layerwise.get(out_device, 0), need)
-                # two buffers of the largest layer's bytes in pinned RAM (torch rounds each up to a power of two)
-                staging = max(staging, 2 * (1 << (int(stored or numel * 2) - 1).bit_length()))
+                staging = PinnedSlots.nbytes(LayerwisePrefill.CHUNK)  # the ring of page-locked chunks
         elif op_name in ("KMoEGate", "KMoEGateSoftmax") and device.startswith("cuda"):
             mem.add(device, "weights", numel * 4)  # routers on a GPU keep their weight in float32
         else:

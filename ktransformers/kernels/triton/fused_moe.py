@@ -188,9 +188,21 @@ def _weight_args(w) -> tuple:
     return w, w, w, 16, False, w.stride(0), 0, w.shape[1], w.shape[2]
 
 
-def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down) -> torch.Tensor:
+def fused_moe_block_m(tokens: int, top_k: int, experts: int) -> int:
+    """Pairs a program of fused_moe computes: 16 while experts get few tokens each, else 64."""
+    return 16 if tokens * top_k <= 64 * experts else 64
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
+              pairs: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
     """x [T, H] (bf16 or float32), ids [T, K] (expert index, or -1: not here), weights [T, K];
-    gate_up [E, 2I, H] and down [E, H, I], each dense bf16 or a StackedGroupWeight. -> [T, H] float32."""
+    gate_up [E, 2I, H] and down [E, H, I], each dense bf16 or a StackedGroupWeight. -> [T, H] float32.
+
+    A layer's experts in groups (layer-wise prefill of a layer too large to hold at once): each
+    call gets one group's weights, the ids of the others as -1, `pairs` [T*K, H] float32 zeros
+    (each call writes its pairs' weighted rows there and returns it unsummed) and `block_m` =
+    fused_moe_block_m over all the experts; pairs.view(T, K, H).sum(1) after the last group is
+    then, to the bit, the one call over all of them."""
     T, H = x.shape
     K = ids.shape[1]
     gu = _weight_args(gate_up)
@@ -199,22 +211,28 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     if gu[8] != H or dn[7] != H or dn[8] != I:
         raise ValueError(f"fused_moe: gate_up [E, {gu[7]}, {gu[8]}] and down [E, {dn[7]}, {dn[8]}] do not fit "
                          f"x [T, {H}]")
-    BLOCK_M = 16 if T * K <= 64 * E else 64
-    pairs, block_expert = align(ids, E, BLOCK_M)
+    if pairs is not None and (pairs.shape != (T * K, H) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
+                              or pairs.device != x.device):
+        raise ValueError(f"fused_moe: pairs must be a contiguous float32 [{T * K}, {H}] on {x.device}, got "
+                         f"{tuple(pairs.shape)} {pairs.dtype} on {pairs.device}")
+    BLOCK_M = block_m or fused_moe_block_m(T, K, E)
+    if BLOCK_M not in (16, 64):
+        raise ValueError(f"fused_moe: block_m must be 16 or 64 (fused_moe_block_m), got {block_m}")
+    pair_ids, block_expert = align(ids, E, BLOCK_M)
     x = x.contiguous()
     act_dtype = torch.float32 if x.device.type == "cpu" else torch.bfloat16
     inter = torch.empty(T * K, I, device=x.device, dtype=act_dtype)
-    out = torch.zeros(T * K, H, device=x.device, dtype=torch.float32)
+    out = torch.zeros(T * K, H, device=x.device, dtype=torch.float32) if pairs is None else pairs
     route = weights.reshape(-1).to(torch.float32).contiguous()
     common = dict(BLOCK_M=BLOCK_M, GROUP_SIZE=GROUP, DOT_F32=dot_f32(), num_warps=4,
                   num_stages=3 if x.device.type == "cuda" else 1)
     blocks = block_expert.numel()
     BN, BK = 64, (64 if H % 64 == 0 else 32)
     _expert_gemm_kernel[(blocks, triton.cdiv(I, BN))](
-        x, pairs, block_expert, gu[0], gu[1], gu[2], route, inter, T * K, E, K, I, H, x.stride(0), inter.stride(0),
+        x, pair_ids, block_expert, gu[0], gu[1], gu[2], route, inter, T * K, E, K, I, H, x.stride(0), inter.stride(0),
         gu[5], gu[6], GATED=True, A_BY_TOKEN=True, BITS=gu[3], HAS_OFFSET=gu[4], BLOCK_N=BN, BLOCK_K=BK, **common)
     BK = 64 if I % 64 == 0 else 32
     _expert_gemm_kernel[(blocks, triton.cdiv(H, BN))](
-        inter, pairs, block_expert, dn[0], dn[1], dn[2], route, out, T * K, E, K, H, I, inter.stride(0), out.stride(0),
+        inter, pair_ids, block_expert, dn[0], dn[1], dn[2], route, out, T * K, E, K, H, I, inter.stride(0), out.stride(0),
         dn[5], dn[6], GATED=False, A_BY_TOKEN=False, BITS=dn[3], HAS_OFFSET=dn[4], BLOCK_N=BN, BLOCK_K=BK, **common)
-    return out.view(T, K, H).sum(1)
+    return out if pairs is not None else out.view(T, K, H).sum(1)
