@@ -407,16 +407,21 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch):
-    """Prefill chunks above prefill_gpu_threshold stream each layer's stored experts to the GPU
-    (next layer prefetched) and give what the CPU experts give. The staging chunk is made small
-    and a size no GGML block divides, so every tensor crosses several chunks at odd offsets."""
+@pytest.mark.parametrize("path", ["tiles", "staged"])
+def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch, path):
+    """Prefill chunks above prefill_gpu_threshold stream each layer's experts to the GPU (next
+    layer prefetched) and give what the CPU experts give: read in place from the CPU kernel's
+    tiles, or (staged) the GGUF's bytes through pinned chunks, made small and of a size no GGML
+    block divides, so every tensor crosses several chunks at odd offsets."""
     from ktransformers.operators.experts import LayerwisePrefill, expert_groups
     monkeypatch.setattr(LayerwisePrefill, "CHUNK", 1000)
+    if path == "staged":
+        monkeypatch.setattr(LayerwisePrefill, "_tiles", lambda self, cpu_op: None)
     hf, model = _gpu_qwen3(tmp_path, layers=3)
     engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
     layers = [m for m in model.modules() if getattr(m, "layerwise", None) is not None]
     assert len(layers) == 3 and layers[0].layerwise.next is layers[1].layerwise
+    assert all((m.layerwise.tiles is not None) == (path == "tiles") for m in layers)
     ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     results = []
     for threshold in (0, 8):

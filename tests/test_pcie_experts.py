@@ -225,3 +225,33 @@ def test_auto_is_quietly_off_without_cuda(tmp_path, monkeypatch):
         model = load()
     ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
     assert ops and all(op.pcie is None for op in ops)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("E,R,C", [(1, 16, 256), (3, 48, 512), (2, 32, 768)])
+def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
+    """The CPU kernel's 16-row tiles dequantized where they lie (layer-wise prefill's path): the
+    values of the GGUF blocks they were made from, as dequant.dequantize gives them, to the bit;
+    into a strided view (gate into gate_up's first rows) and past a group's first expert too."""
+    from ktransformers.kernels.triton.dequant import dequantize
+    from ktransformers.kernels.triton.pcie_experts import TILE_BYTES, dequantize_tiles
+    dev = kernel_device()
+    t = gq.ggml_type(name)
+    raw = gq.random_blocks(t, E * R * C // 256, torch.Generator().manual_seed(E * R + C)).reshape(-1)
+    w = tile_weights(runtime, ExpertWeights(raw, int(t)), E * R, C)
+    if not w.tiled:
+        pytest.skip(f"this build ({runtime.isa}) has no 16-row tiles of {name}")
+    want = dequantize(raw.to(dev), t, (E, R, C), torch.bfloat16).cpu()
+    assert torch.equal(want.float(), gq.dequantize(raw, t, (E, R, C)).bfloat16().float())
+    both = torch.full((E, 2 * R, C), float("nan"), dtype=torch.bfloat16, device=dev)
+    got = dequantize_tiles(w.data.to(dev), int(t), (E, R, C), both[:, :R])
+    assert torch.equal(got.cpu(), want) and torch.isnan(both[:, R:].float()).all()
+    per = w.data.numel() // E  # the last expert alone, from its own bytes
+    last = dequantize_tiles(w.data[per * (E - 1):].to(dev), int(t), (1, R, C),
+                            torch.empty(1, R, C, dtype=torch.float32, device=dev))
+    assert torch.equal(last.cpu().bfloat16(), want[E - 1:])
+    with pytest.raises(ValueError, match="tiles of"):
+        dequantize_tiles(w.data[:-1].to(dev), int(t), (E, R, C), both[:, :R])
+    with pytest.raises(ValueError, match="Q4_K and Q6_K only"):
+        dequantize_tiles(w.data.to(dev), int(gq.ggml_type("Q8_0")), (E, R, C), both[:, :R])
+    assert TILE_BYTES[int(t)] * (R // 16) * (C // 256) == per

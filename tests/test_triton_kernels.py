@@ -425,7 +425,8 @@ def test_expert_groups_and_layerwise_gpu_bytes():
     assert [e for a, b in groups for e in range(a, b)] == list(range(256))
     assert expert_groups(4, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # an expert over the budget: alone
     stored = 256 * 25_000_000
-    assert LayerwisePrefill.gpu_bytes(256, per, stored) == 24 * per + 2 * 24 * 25_000_000
+    assert LayerwisePrefill.gpu_bytes(256, per, stored) == 24 * per + 24 * per  # the next group: bf16 is larger
+    assert LayerwisePrefill.gpu_bytes(8, 10, 800) == 80 + 2 * 800  # (its stored bytes larger: counted twice)
 
 
 def test_dequantize_for_cublas(dev):

@@ -433,7 +433,12 @@ class LayerwisePrefill:
     next layer's first) chunk by chunk, each chunk's copy to the GPU enqueued as soon as it is
     staged: the bus moves one chunk while the pool fills the next, and both overlap the compute
     already on the GPU (the copy stream does not wait for it; the GPU buffers are marked used by
-    the compute stream, so the allocator reuses them only after it)."""
+    the compute stream, so the allocator reuses them only after it).
+
+    Where the CPU experts hold their weights in 16-row tiles of Q4_K/Q6_K (RAM copies the GPU can
+    read once page-locked: pcie_experts' registration, else one of its own), nothing is staged: a
+    kernel on the copy stream reads the next group's tiles in place over the bus and writes them
+    in bf16 (pcie_experts.dequantize_tiles), each byte crossing once, while this group computes."""
 
     CHUNK = 32 << 20
     GROUP_BYTES = 2 << 30  # bf16 weights of the experts dequantized at once
@@ -443,18 +448,21 @@ class LayerwisePrefill:
         self.parts: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []  # (bytes, ggml type, shape)
         self.groups: list[tuple[int, int]] = []
         self.next: LayerwisePrefill | None = None  # the following MoE layer, prefetched while this one runs
-        self._pending = None  # (group, event, gpu byte tensors) of a copy in flight
+        self._pending = None  # (group, event, GPU tensors) of a copy in flight
         self._stream = None
         self._context = None
+        self.tiles = None  # ((gate, up, down) tile buffers the GPU reads in place, their ggml types)
+        self._registration = None  # a HostRegistration of those tiles made here (None: pcie_experts' own)
 
     @staticmethod
     def gpu_bytes(experts: int, bf16_bytes_per_expert: int, stored_bytes: int) -> int:
-        """The GPU memory a layer's prefill holds at once: one group in bf16, two groups' stored
-        bytes (one computing, the next arriving)."""
+        """The GPU memory a layer's prefill holds at once: one group in bf16 computing, and the
+        next arriving: two groups' stored bytes (staged) or the next in bf16 (read from tiles)."""
         n = expert_groups(experts, bf16_bytes_per_expert, LayerwisePrefill.GROUP_BYTES)[0][1]
-        return n * bf16_bytes_per_expert + 2 * -(-stored_bytes * n // experts)
+        return n * bf16_bytes_per_expert + max(n * bf16_bytes_per_expert, 2 * -(-stored_bytes * n // experts))
 
-    def load(self, weights, context) -> None:
+    def load(self, weights, context, cpu_op=None) -> None:
+        """`cpu_op`: the layer's CPU experts, whose tiles (where it has them) are read in place."""
         self._context = context
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
@@ -467,12 +475,42 @@ class LayerwisePrefill:
                                  f"{E} experts")
             self.parts.append((data, int(stored[1].ggml_type), shape))
         self.groups = expert_groups(E, 3 * I * H * 2, self.GROUP_BYTES)
+        self.tiles = self._tiles(cpu_op)
+
+    def _tiles(self, cpu_op):
+        """(tile buffers, types) of the CPU experts where the GPU can read them in place, else None."""
+        from ..kernels.triton.pcie_experts import HostRegistration, supports
+        kernel = getattr(cpu_op, "kernel", None)
+        w = getattr(kernel, "_weights", None)
+        if not w or kernel.copies_only or not all(isinstance(p.data, torch.Tensor) for p in w):
+            return None
+        types = tuple(p.ggml_type for p in w)
+        if supports(types, tuple(p.tiled for p in w), self.spec.hidden, self.spec.intermediate) is not None:
+            return None
+        tiles = tuple(p.data for p in w)
+        if cpu_op.pcie is None:  # (pcie_experts registers them itself; twice would fail)
+            try:
+                self._registration = HostRegistration(tiles)
+            except RuntimeError as e:  # e.g. the locked-memory limit: stage the GGUF's bytes instead
+                warnings.warn(f"{self.key}: layer-wise prefill stages its experts through pinned buffers: {e}",
+                              stacklevel=3)
+                return None
+        return tiles, types
+
+    def unload(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        self.tiles = None
 
     def _copy(self, group: int):
-        """Stage group `group`'s bytes chunk by chunk (CPU pool, blocking) and enqueue each chunk's
-        copy to the GPU on the copy stream once it is staged; (group, event, GPU byte tensors)."""
+        """Send group `group` to the GPU on the copy stream; (group, event, GPU tensors). From
+        tiles: the group in bf16 (gate_up, down), read in place. Else its stored bytes, staged
+        chunk by chunk (CPU pool, blocking), each chunk's copy to the GPU enqueued once staged."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
+        if self.tiles is not None:
+            return self._read_tiles(group)
         slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
         e0, e1 = self.groups[group]
         E = self.spec.experts
@@ -495,6 +533,25 @@ class LayerwisePrefill:
                 event.record(self._stream)
         return group, event, on_gpu
 
+    def _read_tiles(self, group: int):
+        from ..kernels.triton.pcie_experts import dequantize_tiles
+        (gate, up, down), (tg, tu, td) = self.tiles
+        e0, e1 = self.groups[group]
+        n, E, H, I = e1 - e0, self.spec.experts, self.spec.hidden, self.spec.intermediate
+
+        def own(t: torch.Tensor) -> torch.Tensor:  # experts e0..e1 of a tile buffer
+            per = t.numel() // E
+            return t[per * e0:per * e1]
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
+            down_w = torch.empty(n, H, I, dtype=torch.bfloat16, device=self.device)
+            dequantize_tiles(own(gate), tg, (n, I, H), gate_up[:, :I])
+            dequantize_tiles(own(up), tu, (n, I, H), gate_up[:, I:])
+            dequantize_tiles(own(down), td, (n, H, I), down_w)
+            event.record(self._stream)
+        return group, event, [gate_up, down_w]
+
     def _weights(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Group `group`'s (gate_up [n, 2I, H], down [n, H, I]) in bf16 on the GPU, for the compute
         stream (its bytes from the copy in flight, else copied now)."""
@@ -508,6 +565,8 @@ class LayerwisePrefill:
         stream.wait_event(event)
         for t in on_gpu:  # allocated on the copy stream, read on this one: freed after this one's use
             t.record_stream(stream)
+        if self.tiles is not None:  # (already the group in bf16)
+            return on_gpu[0], on_gpu[1]
         e0, e1 = self.groups[group]
         (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, (e1 - e0, *sh[1:])) for b, (_, t, sh) in zip(on_gpu, self.parts)]
         n, I, H = sg
@@ -659,9 +718,11 @@ class KTransformersExperts(BaseInjectedModule):
             self.hot.load(self.weights, self.run_context())
             self.hot_mask = self.hot_mask.to(self.hot.device)
         if self.layerwise is not None:
-            self.layerwise.load(self.weights, self.run_context())
+            self.layerwise.load(self.weights, self.run_context(), self.ops["generate"])
 
     def unload(self) -> None:
+        if self.layerwise is not None:  # (its registration of the CPU op's tiles first)
+            self.layerwise.unload()
         for op in self.ops.values():
             op.unload()
         if self.hot is not None:

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType
 from .dequant import _f16_at
+from .norm_rope import round_to
 
 # ggml type -> bytes of one 16-row tile of 256 values (16 blocks)
 TILE_BYTES = {int(GGMLType.Q4_K): 16 * 144, int(GGMLType.Q6_K): 16 * 210}
@@ -280,3 +281,83 @@ def bus_read_gbps(device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
             end.synchronize()
             best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
     return best
+
+
+@triton.jit
+def _dequant_tiles_kernel(tiles, out, n_tiles, row_groups, nb, s_oe, s_or,
+                          TYPE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr):
+    """Program: TILES tiles in a row (tile t: expert t // (row_groups * nb), its rows 16 (t // nb
+    % row_groups) ..+16, columns 256 (t % nb) ..+256) -> out[e, row, col] (row stride s_or, expert
+    stride s_oe), each value with dequant.dequantize's float32 arithmetic, rounded to out's dtype.
+    Element (a, c) of a tile's qs rows (a = 4j + q, lane byte c = 4r + i) holds values
+    32j + 4q + i (low nibble) and +16 (high) of row r: Q4_K as d*sc*q - dmin*m, Q6_K as d*sc*(q-32)."""
+    a = tl.arange(0, 32)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    j = a // 4
+    q = a % 4
+    r = c // 4
+    lo_col = 32 * j + 4 * q + c % 4  # [32, 64]: the column (in the block) of the low nibble's value
+    for k in tl.static_range(TILES):
+        t = tl.program_id(0).to(tl.int64) * TILES + k
+        if t < n_tiles:
+            tile = tiles + t * TILE
+            e = t // (row_groups * nb)
+            row = (t // nb) % row_groups * 16 + r
+            dst = out + e * s_oe + row * s_or + (t % nb) * 256 + lo_col
+            if TYPE == 12:  # Q4_K: d[16] f16 | dmin[16] f16 | sc[3][16] u32 | qs[32][64]
+                qs = tl.load(tile + 256 + a * 64 + c).to(tl.int32)
+                jl = j % 4
+                lo = tl.load(tile + 64 + 4 * r + jl).to(tl.int32)  # packed scale bytes 0-3 of row r
+                mid = tl.load(tile + 128 + 4 * r + jl).to(tl.int32)  # bytes 4-7
+                hi = tl.load(tile + 192 + 4 * r + jl).to(tl.int32)  # bytes 8-11
+                first = j < 4
+                sc = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4))
+                mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4))
+                d = _f16_at(tile + 2 * r, r < 16)
+                dmin = _f16_at(tile + 32 + 2 * r, r < 16)
+                scale = d * sc.to(tl.float32)
+                low = dmin * mn.to(tl.float32)
+                vlo = scale * (qs & 15).to(tl.float32) - low
+                vhi = scale * (qs >> 4).to(tl.float32) - low
+            else:  # Q6_K: part[4] {sc[2][16][2] i8 | half[2] {qh[2][64] | ql[4][64]}} | d[16] f16
+                half = tile + 832 * (j // 2) + 64 + 384 * (j % 2)
+                ql = tl.load(half + 128 + 64 * q + c).to(tl.int32)
+                qh = tl.load(half + 64 * (q // 2) + c).to(tl.int32)
+                shift = 4 * (q % 2)
+                sc_at = tile + 832 * (j // 2) + 32 * (j % 2) + 2 * r
+                d = _f16_at(tile + 3328 + 2 * r, r < 16)
+                s0 = d * tl.load(sc_at).to(tl.int8, bitcast=True).to(tl.float32)  # sub-block 2j: the low half
+                s1 = d * tl.load(sc_at + 1).to(tl.int8, bitcast=True).to(tl.float32)  # 2j + 1: the high half
+                vlo = s0 * (((ql & 15) | (((qh >> shift) & 3) << 4)) - 32).to(tl.float32)
+                vhi = s1 * (((ql >> 4) | (((qh >> (shift + 2)) & 3) << 4)) - 32).to(tl.float32)
+            ty = out.dtype.element_ty
+            tl.store(dst, round_to(vlo, ty).to(ty))
+            tl.store(dst + 16, round_to(vhi, ty).to(ty))
+
+
+def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int, int], out: torch.Tensor) -> torch.Tensor:
+    """Experts [n, R, C] in the CPU kernel's 16-row tiles (uint8, where the GPU can read them:
+    page-locked host memory is read in place over the bus) -> out [n, R, C] (bf16/f16/f32 on the
+    GPU; rows of C contiguous, the rows and experts at any stride: gate into gate_up[:, :I]), the
+    values dequant.dequantize gives for the same blocks as stored in the GGUF, to the bit.
+    Layer-wise prefill's path when the experts are tiled: no copy to stage, one read of each byte."""
+    n, R, C = (int(s) for s in shape)
+    t = int(ggml_type)
+    if t not in TILE_BYTES:
+        raise ValueError(f"dequantize_tiles: tiles of Q4_K and Q6_K only, got ggml type {t}")
+    if R % TILE_ROWS or C % TILE_COLS:
+        raise ValueError(f"dequantize_tiles: rows {R} must be a multiple of {TILE_ROWS} and columns {C} of {TILE_COLS}")
+    n_tiles = n * R // TILE_ROWS * (C // TILE_COLS)
+    if tiles.dtype != torch.uint8 or not tiles.is_contiguous() or tiles.numel() != n_tiles * TILE_BYTES[t]:
+        raise ValueError(f"dequantize_tiles: {n_tiles} tiles of {TILE_BYTES[t]} bytes expected, got "
+                         f"{tiles.numel()} {tiles.dtype}")
+    if tuple(out.shape) != (n, R, C) or out.stride(2) != 1 or out.dtype not in (torch.bfloat16, torch.float16,
+                                                                               torch.float32):
+        raise ValueError(f"dequantize_tiles: out must be a float [{n}, {R}, {C}] with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    TILES = 4
+    if n_tiles:
+        _dequant_tiles_kernel[(triton.cdiv(n_tiles, TILES),)](tiles, out, n_tiles, R // TILE_ROWS, C // TILE_COLS,
+                                                              out.stride(0), out.stride(1), TYPE=t,
+                                                              TILE=TILE_BYTES[t], TILES=TILES, num_warps=4)
+    return out
