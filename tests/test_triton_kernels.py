@@ -637,7 +637,7 @@ _HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ktransformers.kernels.triton import handoff, router
+from ktransformers.kernels.triton import handoff, pcie_experts, router
 
 def compile_(fn, types, consts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -653,12 +653,15 @@ for pack in (False, True):
 compile_(handoff._copy_add_norm_kernel, {"src_ptr": "*bf16", "add_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16",
                                          "y_ptr": "*bf16", "s_ptr": "*bf16", "n_ptr": "*bf16", "eps": "fp32"},
          dict(BLOCK_H=2048, ADD=True))
+for t, size in pcie_experts.TILE_BYTES.items():
+    compile_(pcie_experts._dequant_tiles_kernel, {"tiles": "*u8", "out": "*bf16", "n_tiles": "i64"},
+             dict(TYPE=t, TILE=size, TILES=4))
 """
 
 
 def test_handoff_kernels_compile_for_hopper():
-    """The router with and without the pack in passing, and the fused read-back, compile to an
-    sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the interpreter lets
+    """The router with and without the pack in passing, the fused read-back and the tiles'
+    dequantization (Q4_K, Q6_K) compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the interpreter lets
     through (a loop-carried variable changing type, say) fail here, not on the GPU machine."""
     import os
     import subprocess
@@ -666,4 +669,4 @@ def test_handoff_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("compiled") == 3, done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.count("compiled") == 5, done.stderr[-3000:]
