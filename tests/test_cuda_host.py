@@ -431,7 +431,7 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch, path):
         engine.release(seq)
     err = ((results[0] - results[1]).norm() / results[0].norm()).item()
     assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
-    # A layer too large for GROUP_BYTES goes in groups of experts (three here, of 3, 3 and 2),
+    # A layer too large for prefill_gpu_group_mb goes in groups of experts (three here, of 3, 3 and 2),
     # each staged while the one before computes: the same logits to the bit
     spec = layers[0].layerwise.spec
     for m in layers:

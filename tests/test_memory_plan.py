@@ -69,6 +69,29 @@ def test_gpu_rules_put_dense_parts_and_cache_on_the_gpu(qwen3):
     assert gpu["weights"] >= sum(math.prod(t.shape) * 0.75 for t in q4)
 
 
+def test_layerwise_groups_set_its_gpu_share(qwen3, tmp_path):
+    """prefill_gpu_group_mb (an experts rule option) bounds what layer-wise prefill holds on the
+    GPU: a group of experts in bf16 and the next one arriving; the rule file with a value under 1
+    is refused."""
+    path, config = qwen3
+    text = (RULES_DIR / GPU_RULES["qwen3_moe"]).read_text()
+    assert "prefill_gpu_threshold: 512" in text
+    expert_mib = 3 * config.hidden_size * config.moe_intermediate_size * 2 / 2**20  # 0.375 MiB in bf16
+    small = tmp_path / "small.yaml"
+    small.write_text(text.replace("prefill_gpu_threshold: 512", "prefill_gpu_threshold: 512\n      prefill_gpu_group_mb: 1"))
+    model = build_skeleton(config, torch.bfloat16)
+    rows = plan(model, load_rules(small))
+    got = plan_memory(model, rows, GGUFSource(path), config, torch.bfloat16, cache_lens=1000).per_device_kind()
+    group = int(1 / expert_mib) * expert_mib * 2**20  # two experts a group
+    assert got["cuda:0"]["layer-wise prefill buffers"] == group + group  # the next group, in bf16, is larger
+    default = memory(path, config, GPU_RULES["qwen3_moe"]).per_device_kind()["cuda:0"]["layer-wise prefill buffers"]
+    assert default > 2 * group
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("prefill_gpu_threshold: 512", "prefill_gpu_threshold: 512\n      prefill_gpu_group_mb: 0"))
+    with pytest.raises(ValueError, match=r"bad\.yaml.*prefill_gpu_group_mb: must be at least 1, got 0"):
+        load_rules(bad)
+
+
 def test_budget_refusal_names_the_device_and_what_to_do(qwen3):
     path, config = qwen3
     mem = memory(path, config, GPU_RULES["qwen3_moe"])

@@ -78,6 +78,8 @@ def option_errors(options_cls: type, kwargs: dict) -> list[tuple[str, str]]:
                 errors.append((key, str(e)))
         elif "choices" in meta and value not in meta["choices"]():
             errors.append((key, f"{value!r} is not one of: {', '.join(meta['choices']())}"))
+        elif "min" in meta and value < meta["min"]:
+            errors.append((key, f"must be at least {meta['min']}, got {value!r}"))
     return errors
 
 

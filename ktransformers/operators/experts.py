@@ -411,6 +411,9 @@ class PinnedSlots:
         self.events[i] = event
 
 
+LAYERWISE_GROUP_MB = 2048  # layer-wise prefill's default group of experts, MiB of bf16 weights
+
+
 def expert_groups(experts: int, bf16_bytes_per_expert: int, budget: int) -> list[tuple[int, int]]:
     """[e0, e1) ranges of a layer's experts that layer-wise prefill dequantizes and computes at
     once: as many experts as `budget` bytes of bf16 weights hold (at least one)."""
@@ -424,9 +427,10 @@ class LayerwisePrefill:
     run by the fused-MoE kernel. Worth it when the prompt is long enough that compute, not the
     copy, is the cost (`prefill_gpu_threshold` tokens).
 
-    A layer goes in groups of experts whose bf16 weights fit GROUP_BYTES (all of a Qwen3-30B-A3B
-    layer's 128 in one; a DeepSeek-V3 layer's 256, 22 GB in bf16, in groups of 24), so the GPU
-    holds one group dequantized and two groups' stored bytes, not a layer's. The bytes go mapped
+    A layer goes in groups of experts whose bf16 weights fit the rule's prefill_gpu_group_mb (2 GiB
+    by default: all of a Qwen3-30B-A3B layer's 128 in one; a DeepSeek-V3 layer's 256, 22 GB in
+    bf16, in groups of 24), so the GPU holds one group dequantized and the next arriving, not a
+    layer. The bytes go mapped
     file -> pinned staging (PinnedSlots, chunks copied by the CPU pool) -> GPU on a copy stream:
     pageable memory reached the GPU at ~5 GB/s, one driver thread staging it. Once a group's
     compute is enqueued the CPU stages the following group's bytes (the layer's next, else the
@@ -441,10 +445,10 @@ class LayerwisePrefill:
     in bf16 (pcie_experts.dequantize_tiles), each byte crossing once, while this group computes."""
 
     CHUNK = 32 << 20
-    GROUP_BYTES = 2 << 30  # bf16 weights of the experts dequantized at once
 
-    def __init__(self, spec: ExpertSpec, device: torch.device):
+    def __init__(self, spec: ExpertSpec, device: torch.device, group_mb: int = 0):
         self.spec, self.key, self.device = spec, spec.key, device
+        self.group_bytes = (group_mb or LAYERWISE_GROUP_MB) << 20  # bf16 weights of the experts dequantized at once
         self.parts: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []  # (bytes, ggml type, shape)
         self.groups: list[tuple[int, int]] = []
         self.next: LayerwisePrefill | None = None  # the following MoE layer, prefetched while this one runs
@@ -455,10 +459,10 @@ class LayerwisePrefill:
         self._registration = None  # a HostRegistration of those tiles made here (None: pcie_experts' own)
 
     @staticmethod
-    def gpu_bytes(experts: int, bf16_bytes_per_expert: int, stored_bytes: int) -> int:
+    def gpu_bytes(experts: int, bf16_bytes_per_expert: int, stored_bytes: int, group_mb: int = 0) -> int:
         """The GPU memory a layer's prefill holds at once: one group in bf16 computing, and the
         next arriving: two groups' stored bytes (staged) or the next in bf16 (read from tiles)."""
-        n = expert_groups(experts, bf16_bytes_per_expert, LayerwisePrefill.GROUP_BYTES)[0][1]
+        n = expert_groups(experts, bf16_bytes_per_expert, (group_mb or LAYERWISE_GROUP_MB) << 20)[0][1]
         return n * bf16_bytes_per_expert + max(n * bf16_bytes_per_expert, 2 * -(-stored_bytes * n // experts))
 
     def load(self, weights, context, cpu_op=None) -> None:
@@ -474,7 +478,7 @@ class LayerwisePrefill:
                 raise ValueError(f"{self.key}: the stored {proj} experts ({data.numel()} bytes) do not split into "
                                  f"{E} experts")
             self.parts.append((data, int(stored[1].ggml_type), shape))
-        self.groups = expert_groups(E, 3 * I * H * 2, self.GROUP_BYTES)
+        self.groups = expert_groups(E, 3 * I * H * 2, self.group_bytes)
         self.tiles = self._tiles(cpu_op)
 
     def _tiles(self, cpu_op):
@@ -624,6 +628,9 @@ class ExpertsOptions(Placement):
     # prefill chunks of at least this many tokens stream the layer's stored experts to the GPU and
     # compute there (LayerwisePrefill; 0: never); --prefill_gpu_threshold overrides it
     prefill_gpu_threshold: int = 0
+    # layer-wise prefill dequantizes a layer's experts in groups of at most this many MiB of bf16
+    # (the GPU holds about twice that for it; one expert at least)
+    prefill_gpu_group_mb: int = field(default=LAYERWISE_GROUP_MB, metadata={"min": 1})
     # KExpertsCPU decoding from a GPU: of each token's top-k experts, the GPU computes this many
     # from the CPU's own tiles, read in place over PCIe while the CPU threads compute the rest
     # (kernels/triton/pcie_experts.py; 0: all on the CPU; "auto": auto_pcie_experts).
@@ -690,7 +697,7 @@ class KTransformersExperts(BaseInjectedModule):
             self.hot_mask[ids] = True
         self.layerwise = None  # LayerwisePrefill, when prefill chunks may run on the GPU
         if o.prefill_gpu_threshold and o.out_device.startswith("cuda"):
-            self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device))
+            self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device), o.prefill_gpu_group_mb)
 
     def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
         """ExpertSpec.int4_group from the options (0 without int4_prefill or int4_decode), checked

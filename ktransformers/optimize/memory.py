@@ -196,7 +196,8 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
             if kw.get("prefill_gpu_threshold") and out_device.startswith("cuda"):
                 from ..operators.experts import LayerwisePrefill, PinnedSlots
                 # transient, the largest layer's: a group of its experts in bf16 + two groups' stored bytes
-                need = LayerwisePrefill.gpu_bytes(experts, numel * 2 // experts, int(stored or numel * 2))
+                need = LayerwisePrefill.gpu_bytes(experts, numel * 2 // experts, int(stored or numel * 2),
+                                                  int(kw.get("prefill_gpu_group_mb") or 0))
                 layerwise[out_device] = max(layerwise.get(out_device, 0), need)
                 staging = PinnedSlots.nbytes(LayerwisePrefill.CHUNK)  # the ring of page-locked chunks
         elif op_name in ("KMoEGate", "KMoEGateSoftmax") and device.startswith("cuda"):
