@@ -430,13 +430,12 @@ class LayerwisePrefill:
     A layer goes in groups of experts whose bf16 weights fit the rule's prefill_gpu_group_mb (2 GiB
     by default: all of a Qwen3-30B-A3B layer's 128 in one; a DeepSeek-V3 layer's 256, 22 GB in
     bf16, in groups of 24), so the GPU holds one group dequantized and the next arriving, not a
-    layer. The bytes go mapped
-    file -> pinned staging (PinnedSlots, chunks copied by the CPU pool) -> GPU on a copy stream:
-    pageable memory reached the GPU at ~5 GB/s, one driver thread staging it. Once a group's
-    compute is enqueued the CPU stages the following group's bytes (the layer's next, else the
-    next layer's first) chunk by chunk, each chunk's copy to the GPU enqueued as soon as it is
-    staged: the bus moves one chunk while the pool fills the next, and both overlap the compute
-    already on the GPU (the copy stream does not wait for it; the GPU buffers are marked used by
+    layer. The bytes go mapped file -> pinned staging (PinnedSlots, chunks copied by the CPU pool)
+    -> GPU on a copy stream: pageable memory reached the GPU at ~5 GB/s, one driver thread staging
+    it. Once a group's compute is enqueued the CPU stages the following group's bytes (the layer's
+    next, else the next layer's first) chunk by chunk, each chunk's copy to the GPU enqueued as
+    soon as it is staged: the bus moves one chunk while the pool fills the next, and both overlap
+    the compute already on the GPU (the copy stream does not wait for it; the GPU buffers are marked used by
     the compute stream, so the allocator reuses them only after it).
 
     Where the CPU experts hold their weights in 16-row tiles of Q4_K/Q6_K (RAM copies the GPU can
