@@ -83,6 +83,15 @@ def hot_experts_per_layer(model) -> dict[int, int]:
             if isinstance(m, KTransformersExperts) and m.options.num_gpu_experts}
 
 
+def layerwise_path(model) -> str | None:
+    """How layer-wise prefill sends the experts to the GPU: "tiles" (the CPU kernel's tiles read in
+    place), "staged" (the GGUF's bytes through pinned chunks), "mixed", or None (off)."""
+    from ..operators.experts import KTransformersExperts
+    paths = {"tiles" if m.layerwise.tiles is not None else "staged" for m in model.modules()
+             if isinstance(m, KTransformersExperts) and m.layerwise is not None}
+    return None if not paths else paths.pop() if len(paths) == 1 else "mixed"
+
+
 def pcie_shares(model) -> dict[int, int]:
     """{layer: experts of each decode token the GPU computes over the bus} (pcie_experts in use)."""
     from ..operators.experts import KExpertsCPU, KTransformersExperts
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
                               "cpu_gbps": cpu_bw, "cpu_probes_gbps": probes, "gpu_gbps": gpu_bw, "hot_experts": hot,
-                              "pcie_experts": shares,
+                              "pcie_experts": shares, "layerwise": layerwise_path(model),
                               "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
                               "pcie_auto_rates": model.kt_context.pcie_rates,
                               "layers": config.num_hidden_layers, "threads": args.threads,
@@ -281,6 +290,11 @@ def main(argv: list[str] | None = None) -> None:
         rates = model.kt_context.pcie_rates
         if rates:  # (what "auto" chose from, measured at load)
             head += f" (auto chose at bus {rates[0]:.0f}, CPU {rates[1]:.0f} GB/s)"
+    path = layerwise_path(model)
+    if path:
+        threshold = model.kt_context.prefill_gpu_threshold
+        where = "the rule file's threshold" if threshold is None else f"{threshold} tokens"
+        head += f"; layer-wise prefill ({path}) from {where}"
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"
     print(head)
