@@ -255,3 +255,34 @@ def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     with pytest.raises(ValueError, match="Q4_K and Q6_K only"):
         dequantize_tiles(w.data.to(dev), int(gq.ggml_type("Q8_0")), (E, R, C), both[:, :R])
     assert TILE_BYTES[int(t)] * (R // 16) * (C // 256) == per
+
+
+def test_layerwise_group_from_tiles_equals_from_the_blocks(runtime):
+    """Layer-wise prefill's two ways of making a group of experts bf16 (tiles read in place, or
+    the GGUF's blocks) give the same weights, to the bit, for every group of a layer."""
+    from ktransformers.kernels.triton.dequant import dequantize
+    from ktransformers.kernels.triton.pcie_experts import dequantize_tiles
+    from ktransformers.operators.experts import ExpertSpec, LayerwisePrefill, expert_groups
+    dev = kernel_device()
+    E, H, I = 5, 256, 512
+    g = torch.Generator().manual_seed(21)
+    raws, tiles, types = [], [], []
+    for name, (rows, cols) in zip(("Q4_K", "Q4_K", "Q6_K"), ((I, H), (I, H), (H, I))):
+        t = gq.ggml_type(name)
+        raw = gq.random_blocks(t, E * rows * cols // 256, g).reshape(-1)
+        w = tile_weights(runtime, ExpertWeights(raw, int(t)), E * rows, cols)
+        if not w.tiled:
+            pytest.skip(f"this build ({runtime.isa}) has no 16-row tiles of {name}")
+        raws.append(raw.to(dev))
+        tiles.append(w.data.to(dev))
+        types.append(int(t))
+    lw = LayerwisePrefill(ExpertSpec("blk.0", E, H, I, 2, torch.bfloat16), torch.device(dev))
+    lw.groups = expert_groups(E, 1, 2)  # groups of two experts: (0, 2), (2, 4), (4, 5)
+    whole = [dequantize(r, t, s, torch.bfloat16) for r, t, s in zip(raws, types, ((E, I, H), (E, I, H), (E, H, I)))]
+    for group, (e0, e1) in enumerate(lw.groups):
+        from_blocks = lw._to_bf16(group, [(lw._own(r, group), t) for r, t in zip(raws, types)],
+                                  lambda raw, t, shape, out: dequantize(raw, t, shape, out=out))
+        from_tiles = lw._to_bf16(group, [(lw._own(x, group), t) for x, t in zip(tiles, types)], dequantize_tiles)
+        assert torch.equal(from_blocks[0], from_tiles[0]) and torch.equal(from_blocks[1], from_tiles[1])
+        assert torch.equal(from_blocks[0], torch.cat([whole[0][e0:e1], whole[1][e0:e1]], 1))
+        assert torch.equal(from_blocks[1], whole[2][e0:e1])

@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                  "decode": ours["decode"] / roof * roof_n}
     peer = measure_llama(args)
     rows = [dict(engine="ktransformers", **ours)] + ([dict(engine="llama.cpp", **peer)] if peer else [])
+    path = layerwise_path(model)
     head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
             f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s: the mean of the probes "
             f"{', '.join(f'{b:.0f}' for b in probes)} around the decode) + {gpu_bytes / 1e6:.0f} MB from the GPU "
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
                               "cpu_gbps": cpu_bw, "cpu_probes_gbps": probes, "gpu_gbps": gpu_bw, "hot_experts": hot,
-                              "pcie_experts": shares, "layerwise": layerwise_path(model),
+                              "pcie_experts": shares, "layerwise": path,
                               "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
                               "pcie_auto_rates": model.kt_context.pcie_rates,
                               "layers": config.num_hidden_layers, "threads": args.threads,
@@ -290,7 +291,6 @@ def main(argv: list[str] | None = None) -> None:
         rates = model.kt_context.pcie_rates
         if rates:  # (what "auto" chose from, measured at load)
             head += f" (auto chose at bus {rates[0]:.0f}, CPU {rates[1]:.0f} GB/s)"
-    path = layerwise_path(model)
     if path:
         threshold = model.kt_context.prefill_gpu_threshold
         where = "the rule file's threshold" if threshold is None else f"{threshold} tokens"

@@ -481,14 +481,13 @@ class LayerwisePrefill:
         self.tiles = self._tiles(cpu_op)
 
     def _tiles(self, cpu_op):
-        """(tile buffers, types) of the CPU experts where the GPU can read them in place, else None."""
-        from ..kernels.triton.pcie_experts import HostRegistration, supports
-        kernel = getattr(cpu_op, "kernel", None)
-        w = getattr(kernel, "_weights", None)
-        if not w or kernel.copies_only or not all(isinstance(p.data, torch.Tensor) for p in w):
+        """(tile buffers, types) of the CPU experts where the GPU can read them in place (what
+        pcie_experts reads: KExpertsCPU._pcie_unsupported says where not), else None."""
+        from ..kernels.triton.pcie_experts import HostRegistration
+        if not isinstance(cpu_op, KExpertsCPU) or cpu_op.kernel is None:
             return None
-        types = tuple(p.ggml_type for p in w)
-        if supports(types, tuple(p.tiled for p in w), self.spec.hidden, self.spec.intermediate) is not None:
+        w = cpu_op.kernel._weights
+        if cpu_op._pcie_unsupported(w) is not None:
             return None
         tiles = tuple(p.data for p in w)
         if cpu_op.pcie is None:  # (pcie_experts registers them itself; twice would fail)
@@ -498,7 +497,7 @@ class LayerwisePrefill:
                 warnings.warn(f"{self.key}: layer-wise prefill stages its experts through pinned buffers: {e}",
                               stacklevel=3)
                 return None
-        return tiles, types
+        return tiles, tuple(p.ggml_type for p in w)
 
     def unload(self) -> None:
         if self._registration is not None:
@@ -515,9 +514,7 @@ class LayerwisePrefill:
         if self.tiles is not None:
             return self._read_tiles(group)
         slots, runtime = self._context.pinned_slots(), self._context.cpu_runtime()
-        e0, e1 = self.groups[group]
-        E = self.spec.experts
-        sources = [data[data.numel() // E * e0:data.numel() // E * e1] for data, _, _ in self.parts]
+        sources = [self._own(data, group) for data, _, _ in self.parts]
         event = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             on_gpu = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device) for src in sources]
@@ -536,24 +533,34 @@ class LayerwisePrefill:
                 event.record(self._stream)
         return group, event, on_gpu
 
+    def _own(self, data: torch.Tensor, group: int) -> torch.Tensor:
+        """Group `group`'s experts of a tensor of all the layer's (its bytes split evenly by expert)."""
+        e0, e1 = self.groups[group]
+        per = data.numel() // self.spec.experts
+        return data[per * e0:per * e1]
+
+    def _to_bf16(self, group: int, parts, decode) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [n, 2I, H], down [n, H, I]) in bf16 from the group's (gate, up, down) `parts`
+        as (bytes, ggml type), each written by decode(bytes, type, shape, out)."""
+        e0, e1 = self.groups[group]
+        n, H, I = e1 - e0, self.spec.hidden, self.spec.intermediate
+        (g, tg), (u, tu), (d, td) = parts
+        gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
+        down = torch.empty(n, H, I, dtype=torch.bfloat16, device=self.device)
+        decode(g, tg, (n, I, H), gate_up[:, :I])
+        decode(u, tu, (n, I, H), gate_up[:, I:])
+        decode(d, td, (n, H, I), down)
+        return gate_up, down
+
     def _read_tiles(self, group: int):
         from ..kernels.triton.pcie_experts import dequantize_tiles
-        (gate, up, down), (tg, tu, td) = self.tiles
-        e0, e1 = self.groups[group]
-        n, E, H, I = e1 - e0, self.spec.experts, self.spec.hidden, self.spec.intermediate
-
-        def own(t: torch.Tensor) -> torch.Tensor:  # experts e0..e1 of a tile buffer
-            per = t.numel() // E
-            return t[per * e0:per * e1]
+        tiles, types = self.tiles
         event = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
-            gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
-            down_w = torch.empty(n, H, I, dtype=torch.bfloat16, device=self.device)
-            dequantize_tiles(own(gate), tg, (n, I, H), gate_up[:, :I])
-            dequantize_tiles(own(up), tu, (n, I, H), gate_up[:, I:])
-            dequantize_tiles(own(down), td, (n, H, I), down_w)
+            weights = self._to_bf16(group, [(self._own(t, group), ty) for t, ty in zip(tiles, types)],
+                                    dequantize_tiles)
             event.record(self._stream)
-        return group, event, [gate_up, down_w]
+        return group, event, list(weights)
 
     def _weights(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Group `group`'s (gate_up [n, 2I, H], down [n, H, I]) in bf16 on the GPU, for the compute
@@ -570,13 +577,8 @@ class LayerwisePrefill:
             t.record_stream(stream)
         if self.tiles is not None:  # (already the group in bf16)
             return on_gpu[0], on_gpu[1]
-        e0, e1 = self.groups[group]
-        (g, tg, sg), (u, tu, su), (d, td, sd) = [(b, t, (e1 - e0, *sh[1:])) for b, (_, t, sh) in zip(on_gpu, self.parts)]
-        n, I, H = sg
-        gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
-        dequantize(g, tg, sg, out=gate_up[:, :I])
-        dequantize(u, tu, su, out=gate_up[:, I:])
-        return gate_up, dequantize(d, td, sd, torch.bfloat16)
+        return self._to_bf16(group, [(b, t) for b, (_, t, _) in zip(on_gpu, self.parts)],
+                             lambda raw, t, shape, out: dequantize(raw, t, shape, out=out))
 
     def _prefetch_after(self, group: int) -> None:
         """Stage and send what runs after group `group`: the layer's next group, else the next
