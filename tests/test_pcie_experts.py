@@ -246,6 +246,10 @@ def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     both = torch.full((E, 2 * R, C), float("nan"), dtype=torch.bfloat16, device=dev)
     got = dequantize_tiles(w.data.to(dev), int(t), (E, R, C), both[:, :R])
     assert torch.equal(got.cpu(), want) and torch.isnan(both[:, R:].float()).all()
+    for programs in (1, 3):  # fewer programs than runs of tiles: each takes every programs-th run
+        capped = dequantize_tiles(w.data.to(dev), int(t), (E, R, C),
+                                  torch.full((E, R, C), float("nan"), dtype=torch.bfloat16, device=dev), programs)
+        assert torch.equal(capped.cpu(), want), programs
     per = w.data.numel() // E  # the last expert alone, from its own bytes
     last = dequantize_tiles(w.data[per * (E - 1):].to(dev), int(t), (1, R, C),
                             torch.empty(1, R, C, dtype=torch.float32, device=dev))

@@ -21,11 +21,14 @@ The torch reference is `moe_reference` on the dequantized weights (tests).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType
+from .common import sm_count
 from .dequant import _f16_at
 from .norm_rope import round_to
 
@@ -286,9 +289,10 @@ def bus_read_gbps(device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
 @triton.jit
 def _dequant_tiles_kernel(tiles, out, n_tiles, row_groups, nb, s_oe, s_or,
                           TYPE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr):
-    """Program: TILES tiles in a row (tile t: expert t // (row_groups * nb), its rows 16 (t // nb
-    % row_groups) ..+16, columns 256 (t % nb) ..+256) -> out[e, row, col] (row stride s_or, expert
-    stride s_oe), each value with dequant.dequantize's float32 arithmetic, rounded to out's dtype.
+    """Program p: runs of TILES tiles in a row, from tile p * TILES on, every programs * TILES
+    tiles (tile t: expert t // (row_groups * nb), its rows 16 (t // nb % row_groups) ..+16, columns
+    256 (t % nb) ..+256) -> out[e, row, col] (row stride s_or, expert stride s_oe), each value with
+    dequant.dequantize's float32 arithmetic, rounded to out's dtype.
     Element (a, c) of a tile's qs rows (a = 4j + q, lane byte c = 4r + i) holds values
     32j + 4q + i (low nibble) and +16 (high) of row r: Q4_K as d*sc*q - dmin*m, Q6_K as d*sc*(q-32)."""
     a = tl.arange(0, 32)[:, None]
@@ -297,50 +301,57 @@ def _dequant_tiles_kernel(tiles, out, n_tiles, row_groups, nb, s_oe, s_or,
     q = a % 4
     r = c // 4
     lo_col = 32 * j + 4 * q + c % 4  # [32, 64]: the column (in the block) of the low nibble's value
-    for k in tl.static_range(TILES):
-        t = tl.program_id(0).to(tl.int64) * TILES + k
-        if t < n_tiles:
-            tile = tiles + t * TILE
-            e = t // (row_groups * nb)
-            row = (t // nb) % row_groups * 16 + r
-            dst = out + e * s_oe + row * s_or + (t % nb) * 256 + lo_col
-            if TYPE == 12:  # Q4_K: d[16] f16 | dmin[16] f16 | sc[3][16] u32 | qs[32][64]
-                qs = tl.load(tile + 256 + a * 64 + c).to(tl.int32)
-                jl = j % 4
-                lo = tl.load(tile + 64 + 4 * r + jl).to(tl.int32)  # packed scale bytes 0-3 of row r
-                mid = tl.load(tile + 128 + 4 * r + jl).to(tl.int32)  # bytes 4-7
-                hi = tl.load(tile + 192 + 4 * r + jl).to(tl.int32)  # bytes 8-11
-                first = j < 4
-                sc = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4))
-                mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4))
-                d = _f16_at(tile + 2 * r, r < 16)
-                dmin = _f16_at(tile + 32 + 2 * r, r < 16)
-                scale = d * sc.to(tl.float32)
-                low = dmin * mn.to(tl.float32)
-                vlo = scale * (qs & 15).to(tl.float32) - low
-                vhi = scale * (qs >> 4).to(tl.float32) - low
-            else:  # Q6_K: part[4] {sc[2][16][2] i8 | half[2] {qh[2][64] | ql[4][64]}} | d[16] f16
-                half = tile + 832 * (j // 2) + 64 + 384 * (j % 2)
-                ql = tl.load(half + 128 + 64 * q + c).to(tl.int32)
-                qh = tl.load(half + 64 * (q // 2) + c).to(tl.int32)
-                shift = 4 * (q % 2)
-                sc_at = tile + 832 * (j // 2) + 32 * (j % 2) + 2 * r
-                d = _f16_at(tile + 3328 + 2 * r, r < 16)
-                s0 = d * tl.load(sc_at).to(tl.int8, bitcast=True).to(tl.float32)  # sub-block 2j: the low half
-                s1 = d * tl.load(sc_at + 1).to(tl.int8, bitcast=True).to(tl.float32)  # 2j + 1: the high half
-                vlo = s0 * (((ql & 15) | (((qh >> shift) & 3) << 4)) - 32).to(tl.float32)
-                vhi = s1 * (((ql >> 4) | (((qh >> (shift + 2)) & 3) << 4)) - 32).to(tl.float32)
-            ty = out.dtype.element_ty
-            tl.store(dst, round_to(vlo, ty).to(ty))
-            tl.store(dst + 16, round_to(vhi, ty).to(ty))
+    for start in range(tl.program_id(0).to(tl.int64) * TILES, n_tiles, tl.num_programs(0) * TILES):  # (int64: offsets)
+        for k in tl.static_range(TILES):
+            t = start + k
+            if t < n_tiles:
+                tile = tiles + t * TILE
+                e = t // (row_groups * nb)
+                row = (t // nb) % row_groups * 16 + r
+                dst = out + e * s_oe + row * s_or + (t % nb) * 256 + lo_col
+                if TYPE == 12:  # Q4_K: d[16] f16 | dmin[16] f16 | sc[3][16] u32 | qs[32][64]
+                    qs = tl.load(tile + 256 + a * 64 + c).to(tl.int32)
+                    jl = j % 4
+                    lo = tl.load(tile + 64 + 4 * r + jl).to(tl.int32)  # packed scale bytes 0-3 of row r
+                    mid = tl.load(tile + 128 + 4 * r + jl).to(tl.int32)  # bytes 4-7
+                    hi = tl.load(tile + 192 + 4 * r + jl).to(tl.int32)  # bytes 8-11
+                    first = j < 4
+                    sc = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4))
+                    mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4))
+                    d = _f16_at(tile + 2 * r, r < 16)
+                    dmin = _f16_at(tile + 32 + 2 * r, r < 16)
+                    scale = d * sc.to(tl.float32)
+                    low = dmin * mn.to(tl.float32)
+                    vlo = scale * (qs & 15).to(tl.float32) - low
+                    vhi = scale * (qs >> 4).to(tl.float32) - low
+                else:  # Q6_K: part[4] {sc[2][16][2] i8 | half[2] {qh[2][64] | ql[4][64]}} | d[16] f16
+                    half = tile + 832 * (j // 2) + 64 + 384 * (j % 2)
+                    ql = tl.load(half + 128 + 64 * q + c).to(tl.int32)
+                    qh = tl.load(half + 64 * (q // 2) + c).to(tl.int32)
+                    shift = 4 * (q % 2)
+                    sc_at = tile + 832 * (j // 2) + 32 * (j % 2) + 2 * r
+                    d = _f16_at(tile + 3328 + 2 * r, r < 16)
+                    s0 = d * tl.load(sc_at).to(tl.int8, bitcast=True).to(tl.float32)  # sub-block 2j: the low half
+                    s1 = d * tl.load(sc_at + 1).to(tl.int8, bitcast=True).to(tl.float32)  # 2j + 1: the high half
+                    vlo = s0 * (((ql & 15) | (((qh >> shift) & 3) << 4)) - 32).to(tl.float32)
+                    vhi = s1 * (((ql >> 4) | (((qh >> (shift + 2)) & 3) << 4)) - 32).to(tl.float32)
+                ty = out.dtype.element_ty
+                tl.store(dst, round_to(vlo, ty).to(ty))
+                tl.store(dst + 16, round_to(vhi, ty).to(ty))
 
 
-def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int, int], out: torch.Tensor) -> torch.Tensor:
+def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int, int], out: torch.Tensor,
+                     programs: int | None = None) -> torch.Tensor:
     """Experts [n, R, C] in the CPU kernel's 16-row tiles (uint8, where the GPU can read them:
     page-locked host memory is read in place over the bus) -> out [n, R, C] (bf16/f16/f32 on the
     GPU; rows of C contiguous, the rows and experts at any stride: gate into gate_up[:, :I]), the
     values dequant.dequantize gives for the same blocks as stored in the GGUF, to the bit.
-    Layer-wise prefill's path when the experts are tiled: no copy to stage, one read of each byte."""
+    Layer-wise prefill's path when the experts are tiled: no copy to stage, one read of each byte.
+    `programs`: at most this many programs, each taking every programs-th run of tiles (0: one
+    program a run); by default KT_TILES_PROGRAMS, else one a streaming multiprocessor. Programs
+    reading over the bus mostly wait: one a run of tiles (12,288 for one Qwen3 projection) filled
+    the SMs beside the MoE computing on the other stream, and prefill@8192 ran 1.17-1.19x faster
+    with one a SM (H200 host, scripts/gpu_tiles_programs.py, docs/benchmarks.md)."""
     n, R, C = (int(s) for s in shape)
     t = int(ggml_type)
     if t not in TILE_BYTES:
@@ -356,8 +367,13 @@ def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int,
         raise ValueError(f"dequantize_tiles: out must be a float [{n}, {R}, {C}] with unit column stride, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     TILES = 4
+    runs = triton.cdiv(n_tiles, TILES)
+    if programs is None:
+        programs = int(os.environ.get("KT_TILES_PROGRAMS", "-1"))
+        if programs < 0:
+            programs = sm_count(out.device)
     if n_tiles:
-        _dequant_tiles_kernel[(triton.cdiv(n_tiles, TILES),)](tiles, out, n_tiles, R // TILE_ROWS, C // TILE_COLS,
-                                                              out.stride(0), out.stride(1), TYPE=t,
-                                                              TILE=TILE_BYTES[t], TILES=TILES, num_warps=4)
+        grid = (min(runs, programs) if programs > 0 else runs,)
+        _dequant_tiles_kernel[grid](tiles, out, n_tiles, R // TILE_ROWS, C // TILE_COLS, out.stride(0), out.stride(1),
+                                    TYPE=t, TILE=TILE_BYTES[t], TILES=TILES, num_warps=4)
     return out
