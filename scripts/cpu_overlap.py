@@ -1,6 +1,6 @@
 """How much of the T=1 MoE kernel's arithmetic hides under its reads from RAM, by thread count:
 the kernel, then the same tasks reading the same bytes with no arithmetic (the read-only mode), in
-turns, on a Qwen3-30B-A3B-shaped Q4_K_M layer cycled through 3 copies (as bench.moe does), with
+turns, on a Qwen3-30B-A3B-shaped layer (Q4_K_M, or --format) cycled through 3 copies (as bench.moe does), with
 a 1 GiB stream probe before each pair. Noisy machines move all three together; the ratios of a
 pair move much less than any one figure (the dev VM reads 27-67 GB/s by the minute).
     python scripts/cpu_overlap.py [THREADS ...] [--rounds N] [--prefetch BYTES:HINT ...]
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=80)
     p.add_argument("--prefetch", nargs="*", default=[], metavar="BYTES:HINT")
+    p.add_argument("--format", default="Q4_K_M", help="a bench.moe format (default Q4_K_M)")
     args = p.parse_args()
     shape = SHAPES["qwen3"]
     print(f"{'threads':>7} {'prefetch':>9} {'probe GB/s':>10} {'read-only GB/s':>14} {'kernel GB/s':>11} "
@@ -45,7 +46,7 @@ def main() -> None:
         runtime = CPURuntime(threads)
         default = runtime.ext.tile_prefetch()
         gen = torch.Generator().manual_seed(0)
-        layers = build_layers(runtime, shape, "Q4_K_M", 3, shape["experts"], gen)
+        layers = build_layers(runtime, shape, args.format, 3, shape["experts"], gen)
         calls = make_calls(args.calls, 1, shape["experts"], shape["top_k"], shape["hidden"], gen)
         buf = np.empty(1 << 30, dtype=np.uint8)
         buf.fill(7)
