@@ -284,8 +284,7 @@ def test_layerwise_group_from_tiles_equals_from_the_blocks(runtime):
     lw.groups = expert_groups(E, 1, 2)  # groups of two experts: (0, 2), (2, 4), (4, 5)
     whole = [dequantize(r, t, s, torch.bfloat16) for r, t, s in zip(raws, types, ((E, I, H), (E, I, H), (E, H, I)))]
     for group, (e0, e1) in enumerate(lw.groups):
-        from_blocks = lw._to_bf16(group, [(lw._own(r, group), t) for r, t in zip(raws, types)],
-                                  lambda raw, t, shape, out: dequantize(raw, t, shape, out=out))
+        from_blocks = lw._to_bf16(group, [(lw._own(r, group), t) for r, t in zip(raws, types)], dequantize)
         from_tiles = lw._to_bf16(group, [(lw._own(x, group), t) for x, t in zip(tiles, types)], dequantize_tiles)
         assert torch.equal(from_blocks[0], from_tiles[0]) and torch.equal(from_blocks[1], from_tiles[1])
         assert torch.equal(from_blocks[0], torch.cat([whole[0][e0:e1], whole[1][e0:e1]], 1))

@@ -541,15 +541,16 @@ class LayerwisePrefill:
 
     def _to_bf16(self, group: int, parts, decode) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [n, 2I, H], down [n, H, I]) in bf16 from the group's (gate, up, down) `parts`
-        as (bytes, ggml type), each written by decode(bytes, type, shape, out)."""
+        as (bytes, ggml type), each written by decode(bytes, type, shape, out=...): dequant.dequantize
+        (GGUF blocks) or pcie_experts.dequantize_tiles."""
         e0, e1 = self.groups[group]
         n, H, I = e1 - e0, self.spec.hidden, self.spec.intermediate
         (g, tg), (u, tu), (d, td) = parts
         gate_up = torch.empty(n, 2 * I, H, dtype=torch.bfloat16, device=self.device)  # gate rows, then up rows
         down = torch.empty(n, H, I, dtype=torch.bfloat16, device=self.device)
-        decode(g, tg, (n, I, H), gate_up[:, :I])
-        decode(u, tu, (n, I, H), gate_up[:, I:])
-        decode(d, td, (n, H, I), down)
+        decode(g, tg, (n, I, H), out=gate_up[:, :I])
+        decode(u, tu, (n, I, H), out=gate_up[:, I:])
+        decode(d, td, (n, H, I), out=down)
         return gate_up, down
 
     def _read_tiles(self, group: int):
@@ -577,8 +578,7 @@ class LayerwisePrefill:
             t.record_stream(stream)
         if self.tiles is not None:  # (already the group in bf16)
             return on_gpu[0], on_gpu[1]
-        return self._to_bf16(group, [(b, t) for b, (_, t, _) in zip(on_gpu, self.parts)],
-                             lambda raw, t, shape, out: dequantize(raw, t, shape, out=out))
+        return self._to_bf16(group, [(b, t) for b, (_, t, _) in zip(on_gpu, self.parts)], dequantize)
 
     def _prefetch_after(self, group: int) -> None:
         """Stage and send what runs after group `group`: the layer's next group, else the next
@@ -591,11 +591,6 @@ class LayerwisePrefill:
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from ..kernels.triton.fused_moe import fused_moe, fused_moe_block_m
         x, ids, weights = x.to(self.device), ids.to(self.device), weights.to(self.device)
-        if len(self.groups) == 1:
-            gate_up, down = self._weights(0)
-            y = fused_moe(x, ids, weights, gate_up, down)
-            self._prefetch_after(0)
-            return y
         (T, K), H = ids.shape, x.shape[1]
         pairs = torch.zeros(T * K, H, dtype=torch.float32, device=self.device)
         block_m = fused_moe_block_m(T, K, self.spec.experts)
