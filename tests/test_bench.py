@@ -19,6 +19,19 @@ def test_bench_moe_json_rows():
     assert rows[0]["format"].startswith("Q4_K_M") and rows[2]["format"].startswith("BF16")
 
 
+def test_stream_probe_buffer_kept():
+    """bench.moe's probe reads one buffer a size for the whole process (written once, every page
+    real), never a new one a probe."""
+    from ktransformers.bench import moe
+    from ktransformers.kernels.cpu import CPURuntime
+    runtime, size = CPURuntime(1), int(0.01 * 2**30)
+    assert moe.stream_gbps(runtime, 0.01, 2) > 0
+    kept = moe._PROBE_BUFFERS[size]
+    assert moe.stream_gbps(runtime, 0.01, 1) > 0 and moe._PROBE_BUFFERS[size] is kept
+    assert kept.nbytes == size and (kept == 7).all()
+    assert runtime.stream_gbps(buffer=kept, repeats=1) > 0
+
+
 def test_bench_moe_int4_copies():
     from ktransformers.kernels.cpu import load_extension
     out = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--shapes", "tiny", "--formats", "Q4_K_M",
@@ -29,6 +42,8 @@ def test_bench_moe_int4_copies():
     both = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--int8", "--int4"], capture_output=True,
                           text=True)
     assert both.returncode == 2 and "alternatives" in both.stderr
+    none = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--rounds", "0"], capture_output=True, text=True)
+    assert none.returncode == 2 and "--rounds must be at least 1" in none.stderr
 
 
 DECODE_KEYS = {"engine", "version", "gguf", "threads", "prompt_tokens", "decode_tokens", "prefill_tok_s", "decode_tok_s",

@@ -153,12 +153,20 @@ class CPURuntime:
         finally:
             self._keep.clear()
 
-    def stream_gbps(self, gib: float = 2.0, repeats: int = 5) -> float:
-        """Best-of-N rate (GB/s) at which the pool's threads read a buffer much larger than the
-        caches, its pages made as the weights' are (the CPU's memory-bandwidth probe)."""
-        import time
+    def probe_buffer(self, gib: float = 2.0):
+        """A buffer of `gib` GiB for stream_gbps, its pages made as the weights' are, every one
+        written (real)."""
         buf = weight_buffer(self.ext, int(gib * 2**30)).numpy()
-        buf.fill(7)  # written once, so every page is real
+        buf.fill(7)
+        return buf
+
+    def stream_gbps(self, gib: float = 2.0, repeats: int = 5, buffer=None) -> float:
+        """Best-of-N rate (GB/s) at which the pool's threads read a buffer much larger than the
+        caches (the CPU's memory-bandwidth probe): `buffer` (from probe_buffer), else a new one of
+        `gib` GiB, freed after. Benchmarks that probe again and again keep one buffer: on the dev
+        VM the calls right after a fresh 2 GiB buffer was written and freed ran at half speed."""
+        import time
+        buf = self.probe_buffer(gib) if buffer is None else buffer
         best = 0.0
         for _ in range(repeats):
             start = time.perf_counter()
