@@ -189,7 +189,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
-    from .moe import stream_gbps
     files = GGUFFileSet(args.gguf_path)
     config = load_config(args.model_path, args.gguf_path, files)
     step_bytes = decode_bytes(files, config)
@@ -200,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(loaded.model, None, cache_lens=args.prompt + 64, chunk_size=512)
         for label, ms in decode_breakdown(loaded, engine, config, prompt=args.prompt):
             print(f"{label:<45} {ms:8.3f} ms/token", file=sys.stderr)
-    stream = stream_gbps(loaded.model.kt_context.cpu_runtime(), args.stream_gib)
+    # one probe, after every timed run: a buffer of its own, freed before the peers run
+    stream = loaded.model.kt_context.cpu_runtime().stream_gbps(args.stream_gib)
     floor = stream * 1e9 / step_bytes
     del loaded
     rows = [summarise("ktransformers", runs, args, floor, stream)]
