@@ -6,8 +6,8 @@
 For each shape, format and token count T: median microseconds per call, the bytes of expert
 weights the call must read (the experts its random routing touches), the effective GB/s and
 TFLOP/s, the streaming read bandwidth of this machine measured in the same run (right before and
-after each round of a row's calls, the higher of the two; a row is the round, of --rounds, with the
-median in-kernel ratio), and the ratio
+after each round of a row's calls, the higher of the two; a row of T <= 32 is the round, of
+--rounds, with the median in-kernel ratio), and the ratio
 of the two (1.0 = at the bandwidth floor). "median us" is a call from Python (the wrapper's checks
 and the pybind11 crossing included, as kt-kernel's figure is); "kernel us" and "k.ratio" time the
 same calls inside the kernel, which is what a decode step fed from a GPU stream pays (the
@@ -191,7 +191,7 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
         calls = make_calls(iters + 2, T, experts, shape["top_k"], shape["hidden"], gen)
         flops = 2 * 3 * shape["hidden"] * shape["intermediate"] * T * shape["top_k"]
         measured = []
-        for _ in range(args.rounds):
+        for _ in range(args.rounds if T <= 32 else 1):  # (prefill rows: long calls, one round)
             # the probe right before and right after the round's calls, the higher of the two:
             # this machine's stream at the time of the round (the dev VM moves between ~30 and
             # ~70 GB/s by the minute, so one probe at the start could miss a row's time by 2x)
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="copies of the layer cycled to defeat the caches (default: >= 3 and 8x the L3, RAM allowing)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (probe, calls, probe) a row; the row printed is the round of median in-kernel ratio")
+                   help="rounds of (probe, calls, probe) a row of T <= 32 (the longer rows take one); "
+                        "the row printed is the round of median in-kernel ratio")
     p.add_argument("--stream-gib", type=float, default=2.0, help="size of the bandwidth probe's buffer")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--int8", action="store_true",
