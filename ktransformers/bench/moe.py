@@ -87,8 +87,8 @@ _PROBE_BUFFERS: dict = {}  # size in bytes -> the probe's buffer, made once a pr
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches, the same
     buffer every probe of the process (a new one a probe, written and freed around every row's
-    calls, halved the speed of the calls after it on the dev VM: 0.39-0.65 of the stream where
-    the same kernel read 0.96-1.0 of it beside a kept buffer)."""
+    calls, slowed the calls after it by up to half on the dev VM: T=1 Q4_K_M read 0.39-0.65 of
+    the stream in seven runs where the same kernel read 0.79-0.97 beside a kept buffer)."""
     size = int(gib * 2**30)
     if size not in _PROBE_BUFFERS:
         _PROBE_BUFFERS[size] = runtime.probe_buffer(gib)
