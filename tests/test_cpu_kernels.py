@@ -495,9 +495,9 @@ def test_avx2_build_has_no_avx512_instructions():
 def test_tiled_kernels_prefetch():
     """Every tiled kernel of every build on disk issues its software prefetches (KT_CPU_PREFETCH):
     GCC 12 once deleted _mm_prefetch from all of them without a word, and the T=1 kernel read
-    0.81 as fast as the same tasks reading alone on the dev VM (1 thread) where it reads 0.99 with them. A function of the tile kernels
-    (tile_*_rows, or tiles_* with the T=1 kernel inlined) that computes (dpbusd or maddubs) must
-    hold a prefetch instruction."""
+    0.81 as fast as the same tasks reading alone on the dev VM (1 thread), where it reads 0.99
+    with them. A function of the tile kernels (tile_*_rows, or tiles_* with the T=1 kernel
+    inlined) that computes (dpbusd or maddubs) must hold a prefetch instruction."""
     import glob
     import re
     import shutil
