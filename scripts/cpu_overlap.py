@@ -8,9 +8,7 @@ pair move much less than any one figure (the dev VM reads 27-67 GB/s by the minu
 bytes and hint index 0-3: t0, t1, t2, nta) to the turns, each against the same read-only runs."""
 import argparse
 import statistics
-import time
 
-import numpy as np
 import torch
 
 from ktransformers.bench.moe import SHAPES, build_layers, make_calls
@@ -48,14 +46,11 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         layers = build_layers(runtime, shape, args.format, 3, shape["experts"], gen)
         calls = make_calls(args.calls, 1, shape["experts"], shape["top_k"], shape["hidden"], gen)
-        buf = np.empty(1 << 30, dtype=np.uint8)
-        buf.fill(7)
+        buf = runtime.probe_buffer(1.0)
         settings = [None] + [tuple(int(v) for v in s.split(":")) for s in args.prefetch]
         rows = {s: [] for s in settings}
         for _ in range(args.rounds):
-            start = time.perf_counter()
-            runtime._rt.stream_checksum(buf.ctypes.data, buf.nbytes)
-            probe = buf.nbytes / (time.perf_counter() - start) / 1e9
+            probe = runtime.stream_gbps(repeats=1, buffer=buf)
             read = median_gbps(runtime, layers, calls, True)
             for s in settings:
                 if s is not None:
