@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import CacheFullError, PagedCache, Sequence, make_cache
-from ..operators.base import RunContext, set_phase
+from ..operators.base import set_phase
+from ..operators.context import RunContext
+from ..operators.experts import link_layerwise_prefill
 from .sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
+from .devices import indexed_device, module_device
 from .streaming import StopMatcher, StreamDecoder
 
 
@@ -192,26 +195,6 @@ class Generation:
                     engine.release(seq)
 
 
-def _indexed(device) -> torch.device:
-    """`cuda` as `cuda:N` (the current GPU), as tensors report their device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def module_device(module: torch.nn.Module, default: torch.device) -> torch.device:
-    """Where `module` computes: an operator's device for the current phase, else its first
-    parameter's or buffer's, else `default`."""
-    from ..operators.base import BaseInjectedModule
-    if isinstance(module, BaseInjectedModule):
-        return _indexed(module.device)
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else default
-
-
 @dataclass
 class _Ahead:
     """A decode step issued ahead (Engine.decode_tokens): where its token went in the cache, its
@@ -246,7 +229,7 @@ class Engine:
         attention = self._attention_layers()
         self.embed = model.get_input_embeddings()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        devices = [_indexed(a.device) for a in attention]  # every layer's device (its attention's)
+        devices = [indexed_device(a.device) for a in attention]  # every layer's device (its attention's)
         # layers spread over several devices: hidden states (and RoPE tables) move at the boundaries
         self.layer_devices, self.pipelined = devices, len(set(devices)) > 1
         self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
@@ -266,7 +249,7 @@ class Engine:
         self._ahead_active = False  # a decode_tokens iterator has steps in flight
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
-        self._chain_layerwise_prefill()
+        link_layerwise_prefill(self.model)
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
         # (graphs replay what capture saw: only attention that reads the step's slot table from
@@ -291,16 +274,6 @@ class Engine:
             m.context = self.context
         return layers
 
-    def _chain_layerwise_prefill(self) -> None:
-        """Each MoE layer that may stream its experts to the GPU prefetches the next one's."""
-        from ..operators.experts import KTransformersExperts
-        chain = [m.layerwise for m in self.model.modules()
-                 if isinstance(m, KTransformersExperts) and m.layerwise is not None]
-        for a, b in zip(chain, chain[1:]):
-            a.next = b
-        for m in self.model.modules():
-            if isinstance(m, KTransformersExperts):
-                m.context = self.context
 
     def _set_phase(self, phase: str) -> None:
         if phase != self._phase:
@@ -458,7 +431,7 @@ class Engine:
         the history on the host), its draw; it ends early when the cache cannot grow. With CUDA
         graphs (one GPU) each step is issued before the previous one's token is read back: its
         input is the token the GPU picked, so neither the GPU nor the CPU experts wait for Python
-        between steps (KT_DECODE_AHEAD=0: not). Closing the iterator early waits for the step
+        between steps. Closing the iterator early waits for the step
         issued ahead and drops its cache entry (its draw was made: a sampler used again after an
         early close is a draw further on than step by step). Otherwise each step is decode() and
         the pick (the same tokens: the sampler draws on the logits' device either way). Logits
@@ -505,8 +478,7 @@ class Engine:
                 self._drop_ahead(seq, pending, report=failing is None or isinstance(failing, GeneratorExit))
 
     def _decodes_ahead(self) -> bool:
-        return (self.graphs is not None and len(self.graphs.segments) == 1
-                and os.environ.get("KT_DECODE_AHEAD", "1").strip() != "0")
+        return self.graphs is not None and len(self.graphs.segments) == 1
 
     @torch.inference_mode()
     def _issue_ahead(self, seq: Sequence, token, fed: int | None, sampler: Sampler | None) -> _Ahead:
@@ -546,7 +518,7 @@ class Engine:
         step.event.synchronize()
         if last:
             self.context.rest_host_calls()
-        staging = self.context._staging
+        staging = self.context.staging
         if staging is not None:
             staging.check_calls(step.calls)
         token = int(step.host[0])
@@ -564,7 +536,7 @@ class Engine:
             step.event.synchronize()
         self.cache.truncate(seq, pending[0].start)
         self.context.rest_host_calls()
-        staging = self.context._staging
+        staging = self.context.staging
         if staging is None:
             return
         try:

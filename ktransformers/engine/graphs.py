@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import ForwardBatch
-from .generate import module_device
+from .devices import module_device
 
 
 @dataclass
@@ -160,7 +160,7 @@ class DecodeGraphs:
         return (hidden, *rope)
 
     def _take_host_calls(self) -> list:
-        staging = self.engine.context._staging
+        staging = self.engine.context.staging
         if staging is None:
             return []
         calls = list(staging.used)
@@ -212,7 +212,7 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
         """Logits [B, V] of a decode step whose cache room `batch` has reserved."""
         logits, calls = self._replay(batch, tokens)
-        staging = self.engine.context._staging
+        staging = self.engine.context.staging
         if staging is not None:
             staging.used.extend(calls)
         return logits.clone()
@@ -227,7 +227,7 @@ class DecodeGraphs:
             self.ids[:B].copy_(device_ids.reshape(-1)[:B])  # (after _fill's copy on the stream)
         if B not in self.segments[0].graphs:
             self._capture(batch, B)
-        staging = self.engine.context._staging
+        staging = self.engine.context.staging
         if staging is not None:
             staging.wake()  # CPU experts rung from the graph: their doorbell spins from now
         previous, host_calls = (), []

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .context import RunContext
+
 PHASES = ("prefill", "generate")
 
 
@@ -88,80 +90,6 @@ def make_options(options_cls: type, kwargs: dict, owner: str):
     if errors:
         raise ValueError(f"{owner}: " + "; ".join(f"{k}: {m}" for k, m in errors))
     return options_cls(**kwargs)
-
-
-class RunContext:
-    """What the operators of one loaded model share: the CPU runtime (thread pool), made on first
-    use with `cpu_threads` threads, and — set by the engine around each forward — the KV cache
-    and the step's `ForwardBatch` that attention operators read and write. Owned by the model,
-    not by a module global. With no batch set, attention runs cache-free over its input (plain
-    HF-style `model(input_ids)` calls)."""
-
-    def __init__(self, cpu_threads: int | None = None, cpu_tiles: bool = True):
-        self.cpu_threads = cpu_threads
-        # the CPU kernels' weights repacked into 16-row tiles (RAM copies, faster) or computed on in
-        # the mapped file (load_model decides by what fits: optimize.memory.tiles_fit)
-        self.cpu_tiles = cpu_tiles
-        self._cpu = None
-        self.pcie_rates = None  # (bus, CPU) read rates in GB/s for pcie_experts "auto", measured once
-        self._staging = None
-        self._pinned_slots = None
-        self.prefill_gpu_threshold: int | None = None  # overrides the experts rules' option (--prefill_gpu_threshold)
-        self.cache = None  # a cache.PagedCache
-        self.batch = None  # the cache.ForwardBatch of the forward in flight
-        # decoder layers by index (operators/layer.py: a layer ends with the next one's input norm)
-        self.decoder_layers: dict[int, nn.Module] = {}
-        # (x, norm, norm(x)) left by a decoder layer for the next one, whose input norm it computed
-        self.prenormed: tuple | None = None
-
-    def cpu_runtime(self):
-        if self._cpu is None:
-            from ..kernels.cpu import CPURuntime
-            self._cpu = CPURuntime(self.cpu_threads)
-        return self._cpu
-
-    def cpu_pool_threads(self) -> int:
-        """Threads of the CPU runtime, once it exists (0 before)."""
-        return self._cpu.threads if self._cpu is not None else 0
-
-    def host_staging(self):
-        """Pinned buffers and host calls that run CPU experts in order with a CUDA stream."""
-        if self._staging is None:
-            from ..kernels.cuda_host import HostStaging
-            self._staging = HostStaging(self.cpu_runtime(), pinned=torch.cuda.is_available())
-        return self._staging
-
-    def pinned_slots(self):
-        """The page-locked buffers layer-wise prefill stages experts in (operators/experts.py)."""
-        if self._pinned_slots is None:
-            from .experts import PinnedSlots
-            self._pinned_slots = PinnedSlots()
-        return self._pinned_slots
-
-    def offer_moe_epilogue(self, residual: torch.Tensor, norm):
-        """Ask the next MoE call fed from residual's GPU stream to compute s = residual + y and
-        norm(s) (a KRMSNorm) in the launch that reads its y back (kernels.cuda_host.MoEEpilogue,
-        returned; None where no such read-back fuses here). Withdraw it after the call."""
-        if self._staging is None or not residual.is_cuda or not self._staging.fuses(residual.device):
-            return None
-        from ..kernels.cuda_host import MoEEpilogue
-        self._staging.epilogue = MoEEpilogue(residual, norm.weight, norm.eps)
-        return self._staging.epilogue
-
-    def withdraw_moe_epilogue(self) -> None:
-        if self._staging is not None:
-            self._staging.epilogue = None
-
-    def check_host_errors(self) -> None:
-        """Raise what a CPU job run from a CUDA stream failed with (call after the stream ran)."""
-        if self._staging is not None:
-            self._staging.check_errors()
-
-    def rest_host_calls(self) -> None:
-        """The CPU jobs fed from the CUDA streams are done (call after the streams ran): their
-        threads stop spinning until the next step wakes them."""
-        if self._staging is not None:
-            self._staging.rest()
 
 
 class BaseInjectedModule(nn.Module):

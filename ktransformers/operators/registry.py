@@ -47,8 +47,3 @@ EXPERT_OPS: Registry[type] = Registry("experts op")
 
 def register_operator(name: str):
     return OPERATORS.register(name)
-
-
-def ensure_builtin_operators_loaded() -> None:
-    """Import the operator modules so their @register_operator decorators have run."""
-    from . import attention, experts, gate, layernorm, linear, moe, rope  # noqa: F401

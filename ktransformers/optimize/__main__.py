@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..loader import build_skeleton, default_rule_file, load_config
+from .skeleton import build_skeleton, default_rule_file, load_config
 from .inject import format_plan, plan
 from .rules import RuleError, load_rules
 

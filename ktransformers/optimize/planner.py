@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="where to write the rule file")
     p.add_argument("--dry-run", action="store_true", help="print the byte budget per device, write nothing")
     a = p.parse_args(argv)
-    from ..loader import RULES_DIR, build_skeleton, default_rule_file, load_config
+    from .skeleton import RULES_DIR, build_skeleton, default_rule_file, load_config
     try:
         config = load_config(a.model_path, a.gguf_path)
         budgets = available_memory() if a.gpu_memory == "free" else parse_memory(a.gpu_memory)

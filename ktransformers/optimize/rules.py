@@ -19,7 +19,8 @@ import yaml
 from torch import nn
 
 from ..operators.base import BaseInjectedModule, Placement, option_errors
-from ..operators.registry import OPERATORS, ensure_builtin_operators_loaded
+from .. import operators  # noqa: F401  (importing the package registers every operator)
+from ..operators.registry import OPERATORS
 
 SAFE_PREFIXES = ("ktransformers.", "transformers.", "torch.")
 RULE_KEYS = {"match", "replace", "recursive"}
@@ -95,7 +96,6 @@ def resolve_match_class(path: str, allow_prefixes: tuple[str, ...] = ()) -> type
 
 def resolve_operator(name: str, allow_prefixes: tuple[str, ...] = ()) -> type | None:
     """A registered name, `ktransformers.operators.<module>.<Name>` (ours or upstream's), or a dotted path."""
-    ensure_builtin_operators_loaded()
     if name == DEFAULT:
         return None
     short = name.rpartition(".")[2]

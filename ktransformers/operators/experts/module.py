@@ -1,0 +1,194 @@
+"""KTransformersExperts: replaces HF's fused experts module; dispatches by phase to an experts op
+(EXPERT_OPS: reference, CPU, GPU), splits off hot experts, and runs long prefill chunks layer-wise
+on the GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..base import BaseInjectedModule, Placement, choices, device_field
+from ..registry import EXPERT_OPS, register_operator
+from .gpu import KExpertsGPU
+from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots
+from .placement import ExpertPlacement
+from .reference import ExpertSpec, check_routing
+
+
+@dataclass(frozen=True)
+class ExpertsOptions(Placement):
+    prefill_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
+    generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
+    out_device: str = device_field()
+    int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
+    # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): 0.53 bytes a
+    # weight at 128, against int8's 1 (2 with its AMX tiles)
+    int4_prefill: bool = False
+    int4_group: int = 128
+    # KExpertsCPU: the int4 copies are the experts' only weights, for decode too (implies int4_prefill):
+    # for BF16/FP8 checkpoints, whose experts would otherwise be kept in bf16 (0.53 bytes a weight, not 2)
+    int4_decode: bool = False
+    # hot experts: this many of the layer's experts also live on a GPU (KExpertsGPU) and the
+    # router's choices are split between it and the CPU op (when the phase's op runs on the CPU)
+    num_gpu_experts: int = 0
+    gpu_experts_device: str | None = device_field(None)  # default: out_device when CUDA, else cuda
+    expert_counts_file: str | None = None  # JSON of routing counts (bench/calibrate); without it: uniform
+    # prefill chunks of at least this many tokens stream the layer's stored experts to the GPU and
+    # compute there (LayerwisePrefill; 0: never); --prefill_gpu_threshold overrides it
+    prefill_gpu_threshold: int = 0
+    # layer-wise prefill dequantizes a layer's experts in groups of at most this many MiB of bf16
+    # (the GPU holds about twice that for it; one expert at least)
+    prefill_gpu_group_mb: int = field(default=LAYERWISE_GROUP_MB, metadata={"min": 1})
+    # KExpertsCPU decoding from a GPU: of each token's top-k experts, the GPU computes this many
+    # from the CPU's own tiles, read in place over PCIe while the CPU threads compute the rest
+    # (kernels/triton/pcie_experts.py; 0: all on the CPU; "auto": the cost model's choice, placement.py)
+    pcie_experts: int | str = 0
+
+
+@register_operator("KTransformersExperts")
+class KTransformersExperts(BaseInjectedModule):
+    """HF experts' forward(hidden_states, top_k_index, top_k_weights) -> [T, H] on out_device."""
+
+    Options = ExpertsOptions
+
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        E, two_i, H = orig_module.gate_up_proj.shape
+        self.n_experts = E
+        top_k = getattr(config, "num_experts_per_tok", None) or E
+        o = self.options
+        self.placement = ExpertPlacement(key, E, o.num_gpu_experts, o.expert_counts_file, o.pcie_experts)
+        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill,
+                          self.placement.pcie, int4_group=self._int4_group(key, H, two_i // 2),
+                          int4_decode=o.int4_decode)
+        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
+        same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
+        self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
+            spec, torch.device(o.generate_device))
+        self.hot = None  # KExpertsGPU over the hot experts, with their mask [E] on its device
+        if self.placement.hot is not None:
+            device = o.gpu_experts_device or (o.out_device if o.out_device.startswith("cuda") else "cuda")
+            self.hot = KExpertsGPU(spec, torch.device(device), only=self.placement.hot)
+            self.hot_mask = torch.zeros(E, dtype=torch.bool)
+            self.hot_mask[self.placement.hot] = True
+        self.layerwise = None  # LayerwisePrefill, when prefill chunks may run on the GPU
+        self.prefill_gpu_threshold: int | None = None  # set_prefill_gpu_threshold's, over the option's
+        if o.prefill_gpu_threshold and o.out_device.startswith("cuda"):
+            self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device), o.prefill_gpu_group_mb)
+
+    def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
+        """ExpertSpec.int4_group from the options (0 without int4_prefill or int4_decode), checked
+        against the shapes."""
+        o = self.options
+        if not (o.int4_prefill or o.int4_decode):
+            return 0
+        if o.int8_prefill:
+            raise ValueError(f"{key}: int8_prefill and int4_prefill/int4_decode are alternatives; set one")
+        g = o.int4_group
+        if g <= 0 or g % 64 or hidden % g or intermediate % g or intermediate % 16:
+            raise ValueError(f"{key}: int4_group must be a multiple of 64 dividing hidden ({hidden}) and "
+                             f"intermediate ({intermediate}), got {g}")
+        return g
+
+    def _threshold(self) -> int:
+        return self.options.prefill_gpu_threshold if self.prefill_gpu_threshold is None else self.prefill_gpu_threshold
+
+    def load(self) -> None:
+        for op in {id(op): op for op in self.ops.values()}.values():
+            op.load(self.weights, self.run_context())
+        if self.hot is not None:
+            self.hot.load(self.weights, self.run_context())
+            self.hot_mask = self.hot_mask.to(self.hot.device)
+        if self.layerwise is not None:
+            self.layerwise.load(self.weights, self.run_context(), self.ops["generate"])
+
+    def unload(self) -> None:
+        if self.layerwise is not None:  # (its registration of the CPU op's tiles first)
+            self.layerwise.unload()
+        for op in self.ops.values():
+            op.unload()
+        if self.hot is not None:
+            self.hot.unload()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """y [T, H] on out_device, nothing to overlap: a CPU op runs on the calling thread with
+        the pool (no hand-off to its task thread and back)."""
+        return self.submit(hidden_states, top_k_index, top_k_weights, overlap=False)()
+
+    def stage_inputs(self, hidden_states: torch.Tensor):
+        """The pinned views (triton.handoff.PinnedInputs) a router launch may store this step's
+        inputs in, where the op is the CPU experts fed from this GPU stream and nothing comes
+        between the router and them (no hot-expert split, no layer-wise prefill); else None."""
+        op = self.ops[self.phase]
+        if self.hot is not None or not hasattr(op, "stage_inputs"):
+            return None
+        threshold = self._threshold() if self.layerwise is not None else 0
+        if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
+            return None
+        return op.stage_inputs(hidden_states)
+
+    def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               overlap: bool = True):
+        """Start the experts and return a function that waits for y [T, H] on out_device. A CPU op
+        runs on its threads meanwhile (the caller computes shared experts, the hot experts run
+        on the GPU); other ops finish before this returns. `overlap=False`: the caller has nothing
+        to do meanwhile, so a CPU op fed from the CPU runs inline."""
+        op = self.ops[self.phase]
+        threshold = self._threshold() if self.layerwise is not None else 0
+        if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
+            y = self.layerwise.forward(hidden_states, top_k_index, top_k_weights)
+            out_y = y.to(self.options.out_device, hidden_states.dtype)
+            return lambda: out_y
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not getattr(op, "checks_routing", False) and not capturing:  # (C++ ops check ids; a graph may not sync)
+            check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+        out, dtype = torch.device(self.options.out_device), hidden_states.dtype
+        split = self.hot is not None and op.device.type == "cpu"
+        ids = top_k_index
+        if split:  # pairs of hot experts go to the GPU; the CPU op skips them (id -1)
+            if hidden_states.device.type != "cuda":  # (on a GPU stream the C++ kernel checks the ids)
+                check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+            on_gpu = self.hot_mask[top_k_index.to(self.hot.device)]
+            ids = top_k_index.masked_fill(on_gpu.to(top_k_index.device), -1)
+        # a CPU op fed from a GPU stream takes the GPU tensors (it stages them itself)
+        where = hidden_states.device if op.device.type == "cpu" and hidden_states.device.type == "cuda" else op.device
+        args = (hidden_states.to(where), ids.to(where), top_k_weights.to(where))
+        if hasattr(op, "submit") and (overlap or split or where.type == "cuda"):
+            pending = op.submit(*args)
+        else:
+            y = op.forward(*args)
+            pending = lambda: y  # noqa: E731
+        gpu_y = None
+        if split:
+            dev = self.hot.device
+            try:
+                gpu_y = self.hot.forward(hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+            except BaseException:
+                pending()  # the CPU call started above is waited for (see KMoEBlock.forward)
+                raise
+
+        def wait() -> torch.Tensor:
+            y = pending().to(out, dtype)
+            return y if gpu_y is None else y + gpu_y.to(out, dtype)
+        return wait
+
+
+def set_prefill_gpu_threshold(model: nn.Module, tokens: int) -> None:
+    """Prefill chunks of at least `tokens` tokens run the experts on the GPU (layer-wise prefill)
+    in every layer that can, over the rule file's prefill_gpu_threshold (0: never); the CLI's
+    --prefill_gpu_threshold."""
+    if tokens < 0:
+        raise ValueError(f"prefill_gpu_threshold must be at least 0, got {tokens}")
+    for module in model.modules():
+        if isinstance(module, KTransformersExperts):
+            module.prefill_gpu_threshold = tokens
+
+
+def link_layerwise_prefill(model: nn.Module) -> None:
+    """Each MoE layer that may stream its experts to the GPU prefetches the next one's, and all of
+    them stage through one ring of page-locked buffers."""
+    chain = [m.layerwise for m in model.modules() if isinstance(m, KTransformersExperts) and m.layerwise is not None]
+    slots = PinnedSlots()
+    for a, b in zip(chain, chain[1:] + [None]):
+        a.next, a.slots = b, slots
