@@ -352,7 +352,7 @@ def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     seq = engine.new_sequence()
     engine.prefill(seq, ids[:5])
     engine.decode(seq, ids[5])
-    assert all(m._plan is None for m in reference.modules() if isinstance(m, KDecoderLayer))
+    assert all(m.plan.cpu_decode is None for m in reference.modules() if isinstance(m, KDecoderLayer))
     with pytest.raises(ValueError, match="not a pre-norm decoder layer"):
         KDecoderLayer("model.layers.0", None, hf.config, nn.Linear(2, 2))
 

@@ -24,6 +24,7 @@ from ..cache import CacheFullError, PagedCache, Sequence, make_cache
 from ..operators.base import set_phase
 from ..operators.context import RunContext
 from ..operators.experts import link_layerwise_prefill
+from ..operators.layer import KDecoderLayer, link_decoder_layers
 from .sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from .devices import indexed_device, module_device
 from .streaming import StopMatcher, StreamDecoder
@@ -195,6 +196,14 @@ class Generation:
                     engine.release(seq)
 
 
+def _run_layer(layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor | None, kwargs: dict):
+    """(the layer's output, the next layer's input norm of it or None)."""
+    if isinstance(layer, KDecoderLayer):
+        return layer.step(hidden, normed, **kwargs)
+    out = layer(hidden, **kwargs)
+    return (out[0] if isinstance(out, tuple) else out), None  # (layers of older releases return tuples)
+
+
 @dataclass
 class _Ahead:
     """A decode step issued ahead (Engine.decode_tokens): where its token went in the cache, its
@@ -250,6 +259,7 @@ class Engine:
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         link_layerwise_prefill(self.model)
+        link_decoder_layers(self.model.model.layers)
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None
         # (graphs replay what capture saw: only attention that reads the step's slot table from
@@ -352,25 +362,24 @@ class Engine:
                    layers: range) -> torch.Tensor:
         """Decoder layers `layers` on `hidden`; with layers on several GPUs the hidden states (and
         positions, RoPE tables) move to the next GPU at a boundary, each layer running with its
-        GPU current (its kernels and host functions on that GPU's stream)."""
+        GPU current (its kernels and host functions on that GPU's stream). A KDecoderLayer may
+        hand the next layer its input norm, computed with its own last add (LayerPlan)."""
         tables = {hidden.device: position_embeddings}
+        normed = None
         for i in layers:
             layer = self.model.model.layers[i]
             if self.pipelined and hidden.device != self.layer_devices[i]:
                 device = self.layer_devices[i]  # a pipeline boundary: the next GPU takes over
-                hidden = hidden.to(device)
+                hidden, normed = hidden.to(device), None
                 if device not in tables:
                     tables[device] = tuple(t.to(device) for t in position_embeddings)
                 positions = positions.to(device)
+            kwargs = dict(attention_mask=None, position_ids=positions, position_embeddings=tables[hidden.device])
             if self.pipelined and hidden.device.type == "cuda":
                 with torch.cuda.device(hidden.device):
-                    hidden = layer(hidden, attention_mask=None, position_ids=positions,
-                                   position_embeddings=tables[hidden.device])
+                    hidden, normed = _run_layer(layer, hidden, normed, kwargs)
             else:
-                hidden = layer(hidden, attention_mask=None, position_ids=positions,
-                               position_embeddings=tables[hidden.device])
-            if isinstance(hidden, tuple):  # decoder layers of older releases return (hidden, ...)
-                hidden = hidden[0]
+                hidden, normed = _run_layer(layer, hidden, normed, kwargs)
         return hidden
 
     def prefill(self, seq: Sequence, prompt_ids: list[int]) -> torch.Tensor:

@@ -8,8 +8,7 @@ current CUDA stream as
     experts)  |  wait for the job  |  copy y -> GPU
 
 so Python never blocks on the GPU, the GPU runs the shared experts while the CPU computes, and a
-CUDA graph of the step contains the CPU experts too. Two ways to start and wait (KT_CUDA_HANDOFF,
-read in kernels/cpu.py):
+CUDA graph of the step contains the CPU experts too. Two ways to start and wait:
 
 - `doorbell` (default): the stream writes the call's number into the layer's `ring` word in
   pinned memory (cuStreamWriteValue32); the extension's Doorbell thread, polling the rings, runs
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -150,8 +148,8 @@ class _HostCall:
 @dataclass
 class MoEEpilogue:
     """What a decoder layer does next with the output y of a MoE call fed from its GPU stream:
-    s = residual + y, then rms_norm(s) with (weight, eps), for the next layer. Handed to the call
-    through HostStaging.epilogue; where the call reads y back by a kernel, that kernel does both
+    s = residual + y, then rms_norm(s) with (weight, eps), for the next layer. Passed to the call
+    (submit_on_stream's `epilogue`); where the call reads y back by a kernel, that kernel does both
     (triton.handoff.copy_rows_add_norm) and leaves (y, s, norm) in `result`. The layer takes
     them only when the y it gets is that y (`done_for`); else it adds and normalizes itself."""
     residual: torch.Tensor
@@ -174,17 +172,27 @@ class MoEEpilogue:
         return s.view(y.shape), norm.view(y.shape)
 
 
+HANDOFFS = ("doorbell", "host")  # how a GPU stream starts and waits for CPU experts (the module doc)
+
+
 class HostStaging:
     """Pinned buffers for one MoE call at a time (x, ids, weights, y), the extension's MoEHostCall
     objects pointing at them, one per (kernel, token count, dtype), and in doorbell mode each
-    kernel's ring/done words and the Doorbell thread that watches them."""
+    kernel's ring/done words and the Doorbell thread that watches them.
+
+    `handoff` ("doorbell" or "host"), `pack` and `fuse` choose the fallbacks the probes otherwise
+    choose where the GPU needs them (host functions, copies instead of one packing kernel, the
+    pack and read-back launches of their own): for tests of those paths."""
 
     WORD_STRIDE = 16  # int32 words between two flags: ring and done of a layer sit on cache lines of their own
     FLAG_CHUNK = 256  # layers' flag pairs per pinned chunk (chunks are never moved: graphs hold their addresses)
 
-    def __init__(self, runtime, pinned: bool = True):
+    def __init__(self, runtime, pinned: bool = True, handoff: str = "doorbell", pack: bool = True, fuse: bool = True):
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
         self.runtime = runtime
         self.pinned = pinned
+        self.handoff_mode, self.pack, self.fuse = handoff, pack, fuse
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._calls: dict[tuple, _HostCall] = {}  # (id(kernel), tokens, dtype, buffer address) -> call
         self._retired: list = []
@@ -197,11 +205,6 @@ class HostStaging:
         self.mode: dict[int, str] = {}  # CUDA device index -> "doorbell" or "host"
         self._packs: dict[int, bool] = {}  # CUDA device index -> inputs written by one kernel (packs())
         self._bad_rings = 0  # the doorbell's count of rings naming no call, as last checked
-        # set for the next submit_on_stream, which takes them (KT_CUDA_FUSE, fuses()): the pinned
-        # inputs a router launch stored already, and what the layer does next with y
-        self.packed = None  # a triton.handoff.PinnedInputs
-        self.epilogue: MoEEpilogue | None = None
-        self._rest = os.environ.get("KT_POOL_REST", "1") != "0"
 
     def _views(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype):
         item = torch.tensor([], dtype=dtype).element_size()
@@ -244,7 +247,7 @@ class HostStaging:
         if index not in self.mode and torch.cuda.is_current_stream_capturing():
             return "host"  # (no probe inside a capture; engines warm up eagerly first, so this is rare)
         if index not in self.mode:
-            mode = self.runtime.handoff if self.pinned else "host"
+            mode = self.handoff_mode if self.pinned else "host"
             why = stream_memops_work(index) if mode == "doorbell" else None
             if why is not None:
                 import warnings
@@ -256,35 +259,34 @@ class HostStaging:
 
     def packs(self, device: torch.device) -> bool:
         """Whether x, ids and weights reach the pinned buffer by one kernel's stores and y comes
-        back by one kernel's loads (triton.handoff; KT_CUDA_PACK=0: no) rather than copies."""
+        back by one kernel's loads (triton.handoff) rather than copies."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._packs:
             if torch.cuda.is_current_stream_capturing():
                 return False  # (no probe inside a capture; engines warm up eagerly first)
             why = None
-            if self.pinned and self.runtime.pack_handoff:  # asked for: probe it, say when it fails
+            if self.pinned and self.pack:  # probe it, say when it fails
                 from .triton.common import runs_on
                 from .triton.handoff import packs_into_pinned
                 why = packs_into_pinned(index) if runs_on(device) else "no Triton"
                 if why is not None:
                     import warnings
                     warnings.warn(f"CPU experts on cuda:{index}: inputs copied, not packed ({why})", stacklevel=3)
-            self._packs[index] = self.pinned and self.runtime.pack_handoff and why is None
+            self._packs[index] = self.pinned and self.pack and why is None
         return self._packs[index]
 
     def fuses(self, device: torch.device) -> bool:
         """Whether launches around a call fed from this GPU may do its pack and read-back in
-        passing (packs(), and KT_CUDA_FUSE is not 0)."""
-        return self.runtime.fuse_handoff and self.packs(device)
+        passing (packs())."""
+        return self.fuse and self.packs(device)
 
     def pinned_inputs(self, kernel, x: torch.Tensor, cpu_k: int):
         """The pinned views a call of `kernel` on x [T, H] reads its inputs from, for a launch
-        before it to store them (triton.handoff.PinnedInputs), recorded as `packed`."""
+        before it to store them (triton.handoff.PinnedInputs), to give to submit_on_stream."""
         from .triton.handoff import PinnedInputs
         dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         xp, idp, wp, _, _ = self.prepare(kernel, x.shape[0], dtype)
-        self.packed = PinnedInputs(xp, idp, wp, cpu_k)
-        return self.packed
+        return PinnedInputs(xp, idp, wp, cpu_k)
 
     def number(self, kernel, tokens: int, dtype: torch.dtype) -> int:
         """The doorbell number of the call prepare() made for these (registered on first use)."""
@@ -333,10 +335,9 @@ class HostStaging:
     def rest(self) -> None:
         """The step's calls are all done (its streams synchronized): the doorbell thread and the
         pool's workers stop spinning until the next wake(), leaving the cores to Python between
-        steps. Otherwise every core has a spinning thread pinned to it then, and the host's part
-        of a step (sampling, the next step's inputs, the graph's launch) ran ~2x slower on the
-        16-core host with 16 threads. KT_POOL_REST=0 keeps them spinning (for an A/B)."""
-        if self.doorbell is not None and self._rest:
+        steps: otherwise every core has a spinning thread pinned to it then, and the host's part
+        of a step (sampling, the next step's inputs, the graph's launch) is starved of cores."""
+        if self.doorbell is not None:
             self.doorbell.rest()
 
     def check_errors(self) -> None:
@@ -359,23 +360,20 @@ class HostStaging:
 
 
 def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                     out_dtype: torch.dtype, share=None):
+                     out_dtype: torch.dtype, share=None, packed=None, epilogue: MoEEpilogue | None = None):
     """Enqueue the CPU MoE `kernel` on the current CUDA stream for GPU tensors x [T, H], ids/weights
     [T, K]; returns a function that enqueues the wait and the copy back, giving y [T, H] on x's device.
 
     `share`: (col0, launch) where the GPU computes the pairs of columns col0.. itself: the CPU
     kernel gets them as -1 (skipped), `launch()` is enqueued right after the CPU is rung (it
     runs while the CPU threads compute) and returns float32 [T, H], added to the CPU's y in the
-    copy back. Only where the inputs are packed by the kernel (else ignored: all on the CPU)."""
+    copy back. Only where the inputs are packed by the kernel (else ignored: all on the CPU).
+    `packed`: the pinned inputs (HostStaging.pinned_inputs) a launch before this one stored
+    already; `epilogue`: what the caller does next with y, done in the read-back launch where
+    it fuses (its `result` then holds y, the sum and its norm)."""
+    _check_inputs(kernel, x, ids, weights)
     T = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != kernel.hidden or tuple(ids.shape) != (T, kernel.top_k) or \
-            ids.shape != weights.shape or ids.dtype.is_floating_point:
-        raise ValueError(f"{kernel.name}: expected x [T, {kernel.hidden}] and integer top_k_index / top_k_weights "
-                         f"[T, {kernel.top_k}], got {tuple(x.shape)}, {tuple(ids.shape)} {ids.dtype}, "
-                         f"{tuple(weights.shape)}")
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    packed, staging.packed = staging.packed, None
-    epilogue, staging.epilogue = staging.epilogue, None
     xp, idp, wp, yp, call = staging.prepare(kernel, T, dtype)
     packs = staging.packs(x.device)
     if packs and x.stride(-1) == 1 and ids.stride(-1) == 1 and weights.stride(-1) == 1:
@@ -388,36 +386,18 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
         xp.copy_(x.to(dtype), non_blocking=True)
         idp.copy_(ids.to(torch.int64), non_blocking=True)
         wp.copy_(weights.to(torch.float32), non_blocking=True)
-    ext = kernel.runtime.ext
     stream = torch.cuda.current_stream(x.device)  # the stream the copies above were ordered on
     staging.used.append((call, kernel.name))
-    bell = staging.handoff(x.device) == "doorbell"
-    if bell:
-        ring, done = staging.device_flags(kernel)
-        stream_write_value(stream, ring, staging.number(kernel, T, dtype))  # (fenced: the copies land first)
-        staging.wake()
-    else:
-        launch_host_func(ext.moe_host_submit, call.address, stream)
+    wait_cpu = _ring(kernel, staging, call, stream, x.device, T, dtype)
+    read_back = packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if epilogue is not None and not (read_back and staging.fuses(x.device) and epilogue.fits(yp.shape, x.device)):
+        epilogue = None
     extra = None
 
     def wait() -> torch.Tensor:
-        if bell:
-            stream_wait_value(stream, done, 1)
-            stream_write_value(stream, done, 0)
-        else:
-            launch_host_func(ext.moe_host_wait, call.address, stream)
+        wait_cpu()
         with torch.cuda.stream(stream):  # after the wait above, whichever stream the caller is on now
-            if packs and out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-                from .triton.handoff import copy_rows, copy_rows_add_norm
-                if epilogue is not None and staging.fuses(x.device) and epilogue.fits(yp.shape, x.device):
-                    epilogue.result = copy_rows_add_norm(yp, epilogue.residual.view(yp.shape), epilogue.weight,
-                                                         epilogue.eps, out_dtype, add=extra)
-                    return epilogue.result[0]
-                y = torch.empty(yp.shape, device=x.device, dtype=out_dtype)
-                copy_rows(yp, y, add=extra)  # one kernel reading the pinned buffer
-                return y
-            y = yp.to(x.device, non_blocking=True)
-            return (y if extra is None else y.float() + extra).to(out_dtype)
+            return _copy_back(yp, x.device, out_dtype, read_back, extra, epilogue)
     if share is not None:
         try:
             extra = share[1]()  # the GPU's share, while the CPU threads compute theirs
@@ -425,3 +405,46 @@ def submit_on_stream(kernel, staging: HostStaging, x: torch.Tensor, ids: torch.T
             wait()  # the rung call is waited for (its done word consumed), then the error raised
             raise
     return wait
+
+
+def _check_inputs(kernel, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    T = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != kernel.hidden or tuple(ids.shape) != (T, kernel.top_k) or \
+            ids.shape != weights.shape or ids.dtype.is_floating_point:
+        raise ValueError(f"{kernel.name}: expected x [T, {kernel.hidden}] and integer top_k_index / top_k_weights "
+                         f"[T, {kernel.top_k}], got {tuple(x.shape)}, {tuple(ids.shape)} {ids.dtype}, "
+                         f"{tuple(weights.shape)}")
+
+
+def _ring(kernel, staging: HostStaging, call, stream, device: torch.device, tokens: int, dtype: torch.dtype):
+    """Start the CPU call from `stream` (its doorbell, else a host function); a function that
+    enqueues the wait for it on the same stream."""
+    ext = kernel.runtime.ext
+    if staging.handoff(device) == "doorbell":
+        ring, done = staging.device_flags(kernel)
+        stream_write_value(stream, ring, staging.number(kernel, tokens, dtype))  # (fenced: the copies land first)
+        staging.wake()
+
+        def wait_bell() -> None:
+            stream_wait_value(stream, done, 1)
+            stream_write_value(stream, done, 0)
+        return wait_bell
+    launch_host_func(ext.moe_host_submit, call.address, stream)
+    return lambda: launch_host_func(ext.moe_host_wait, call.address, stream)
+
+
+def _copy_back(yp: torch.Tensor, device: torch.device, out_dtype: torch.dtype, read_back: bool, extra,
+               epilogue: MoEEpilogue | None) -> torch.Tensor:
+    """y from the pinned buffer onto the GPU (+ `extra`, the GPU's share): by one kernel reading
+    it (`read_back`), which also does the epilogue where given, else by a copy."""
+    if not read_back:
+        y = yp.to(device, non_blocking=True)
+        return (y if extra is None else y.float() + extra).to(out_dtype)
+    from .triton.handoff import copy_rows, copy_rows_add_norm
+    if epilogue is not None:
+        epilogue.result = copy_rows_add_norm(yp, epilogue.residual.view(yp.shape), epilogue.weight, epilogue.eps,
+                                             out_dtype, add=extra)
+        return epilogue.result[0]
+    y = torch.empty(yp.shape, device=device, dtype=out_dtype)
+    copy_rows(yp, y, add=extra)  # one kernel reading the pinned buffer
+    return y

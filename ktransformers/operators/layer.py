@@ -1,20 +1,21 @@
-"""A decoder layer that keeps the original's children and its own forward, plus a CPU decode path.
+"""KDecoderLayer: a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)): Qwen3-MoE,
+Qwen2-MoE, Mixtral) that keeps the original's children under the same names, so the rules for
+`...self_attn`, `...mlp.gate`, `...mlp.experts` still apply, and runs one of three plans, chosen
+once after load (`LayerPlan`):
 
-`KDecoderLayer` replaces a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)):
-Qwen3-MoE, Mixtral) and adopts its children under the same names, so the rules for
-`...self_attn`, `...mlp.gate`, `...mlp.experts` still apply. Its forward is the original class's
-own forward, run on this module, except for two cases. Where the post-attention norm runs its
-Triton kernel (the GPU rule files), the forward is the same steps with the attention's residual
-add fused into that norm's launch (_forward_fused, for the FUSABLE_LAYERS), and the layer's last
-residual add fused with the next layer's input norm, which it hands over through the model's
-RunContext (one launch where an add and a norm were two, a layer; where CPU experts fed from the
-GPU stream compute the MoE, the launch reading their output back makes that add and norm too).
-And a decode step of one sequence and one token whose layer runs entirely on the C++ CPU kernels (the CPU-only rule
-files) takes a path of its own: the kernels called back to back on buffers held by the layer
-— the same kernels with the same inputs as the module-by-module path, so the result is the same
-to the bit — instead of through the ~25 module calls, argument checks and small torch ops
-between them, which on a 2-core machine cost about a quarter of a Qwen3-30B-A3B layer's kernel
-time.
+    hf          transformers' own forward of the original class, run on this module
+    fused       the same steps, the attention's residual add fused into the post-attention norm's
+                Triton launch, and the layer's last add fused with the next layer's input norm
+                (GPU rule files): in the launch that reads CPU experts' y back from pinned memory
+                where it can, else in one add-and-norm launch. The next layer receives that norm
+                from the engine's layer loop (`step`), not through shared state.
+    cpu_decode  a one-token decode step whose layer runs entirely on the C++ CPU kernels (CPU-only
+                rule files): the kernels called back to back on buffers the plan holds, the same
+                kernels with the same inputs as module by module, so the same result to the bit,
+                without the ~25 module calls, argument checks and small torch ops between them.
+
+Where a step does not fit its plan's kernels (more rows than the Triton norm takes, several
+sequences in a CPU decode step), it runs the `hf` steps.
 """
 from __future__ import annotations
 
@@ -29,20 +30,14 @@ from .registry import OPERATORS
 _F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
 
 # transformers' decoder layers whose forward is exactly x1 = x + attn(input_norm(x))[0], then
-# x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.24): _forward_fused runs the same with
+# x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.24): the fused plan runs the same with
 # the residual add and post_norm in one launch
 FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer"})
 
 
-def layer_index(key: str) -> int | None:
-    """N of a decoder layer's key "....layers.N", else None."""
-    head, _, last = key.rpartition(".")
-    return int(last) if last.isdigit() and head.endswith("layers") else None
-
-
 @dataclass
-class _DecodePlan:
-    """What the CPU decode path calls, found once: kernel objects, norm weights, buffers."""
+class CpuDecode:
+    """What the cpu_decode plan calls, found once: kernel objects, norm weights, buffers."""
 
     ext: object
     runtime: object  # the C++ Runtime
@@ -63,6 +58,27 @@ class _DecodePlan:
     ptr: dict[str, int]  # the buffers' addresses
 
 
+def _triton_norm(norm, like=None):
+    """`norm` where it is a KRMSNorm with the Triton kernel (shaped and placed as `like`, a norm,
+    when given), else None."""
+    from .layernorm import KRMSNorm
+    if not isinstance(norm, KRMSNorm) or norm.weight is None or norm.triton_norm is None:
+        return None
+    if like is not None and (norm.shape != like.shape or norm.weight.device != like.weight.device):
+        return None
+    return norm
+
+
+def link_decoder_layers(layers) -> None:
+    """Tell each KDecoderLayer which layer follows it (the fused plan computes that one's input
+    norm); their plans are made again on next use."""
+    layers = list(layers)
+    for layer, nxt in zip(layers, layers[1:] + [None]):
+        if isinstance(layer, KDecoderLayer):
+            layer._next = (nxt,) if nxt is not None else ()
+            layer._plan = None
+
+
 def _cpu_linear(module):
     """The C++ Linear of a KTransformersLinear whose generate op is KLinearCPU without a bias."""
     from .linear import KLinearCPU
@@ -79,6 +95,18 @@ def _cpu_norm(module):
     return None
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """How a KDecoderLayer runs (the module doc's three plans): `fused` with the next layer's
+    input norm `next_norm` (None: this layer's last add stays alone), and `cpu_decode` where
+    one-token decode steps run on the C++ kernels back to back."""
+
+    fused: bool = False
+    next_norm: nn.Module | None = None  # a KRMSNorm
+    moe_epilogue: bool = False  # the MoE block may do that add and norm in its read-back launch
+    cpu_decode: CpuDecode | None = None
+
+
 class KDecoderLayer(BaseInjectedModule):
     gradient_checkpointing = False  # read by transformers' layer forward wrapper (inference only here)
 
@@ -93,92 +121,90 @@ class KDecoderLayer(BaseInjectedModule):
         for name, value in vars(orig_module).items():  # what that forward reads besides the children
             if not name.startswith("_") and not hasattr(self, name):
                 setattr(self, name, value)
-        self._plan: _DecodePlan | None | bool = False  # False: not looked for yet; None: not available
-        self.cpu_decode = True  # False: always the module-by-module path (tests compare the two)
-        self.fused_add_norm = type(orig_module).__name__ in FUSABLE_LAYERS  # False: transformers' forward
-        self.index = layer_index(key)  # (the next layer is index + 1 in the RunContext)
+        self._plan: LayerPlan | None = None  # made on first use after load (or a change of the switches below)
+        self._next: tuple = ()  # (the next decoder layer,), set by link_decoder_layers: not a child module
+        self._cpu_decode = True  # False: never the cpu_decode plan (tests compare the plans)
+        self._fused_add_norm = type(orig_module).__name__ in FUSABLE_LAYERS  # False: never the fused plan
+
+    @property
+    def cpu_decode(self) -> bool:
+        return self._cpu_decode
+
+    @cpu_decode.setter
+    def cpu_decode(self, value: bool) -> None:
+        self._cpu_decode, self._plan = bool(value), None
+
+    @property
+    def fused_add_norm(self) -> bool:
+        return self._fused_add_norm
+
+    @fused_add_norm.setter
+    def fused_add_norm(self, value: bool) -> None:
+        self._fused_add_norm, self._plan = bool(value), None
 
     def load(self) -> None:
-        self._plan = False
-        if self.index is not None:
-            self.run_context().decoder_layers[self.index] = self
+        self._plan = None
 
     def unload(self) -> None:
-        self._plan = False
-        layers = self.run_context().decoder_layers
-        if layers.get(self.index) is self:
-            del layers[self.index]
+        self._plan = None
+
+    @property
+    def plan(self) -> LayerPlan:
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> LayerPlan:
+        fused = self._fused_add_norm and _triton_norm(self.post_attention_layernorm) is not None
+        nxt = self._next[0] if self._next else None
+        next_norm = None
+        if fused and isinstance(nxt, KDecoderLayer) and nxt.fused_add_norm:
+            next_norm = _triton_norm(nxt.input_layernorm, like=self.post_attention_layernorm)
+        from .moe import KMoEBlock
+        return LayerPlan(fused=fused, next_norm=next_norm, moe_epilogue=isinstance(self.mlp, KMoEBlock),
+                         cpu_decode=self._find_cpu_decode() if self._cpu_decode else None)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        if self.cpu_decode and self.phase == "generate" and hidden_states.shape[:-1] == (1, 1):
-            out = self._decode_one(hidden_states, kwargs.get("position_embeddings"))
+        return self.step(hidden_states, None, *args, **kwargs)[0]
+
+    def step(self, x: torch.Tensor, normed: torch.Tensor | None, *args, **kwargs):
+        """x -> (the layer's output, the next layer's input norm of it where this layer computed
+        it, else None). `normed`: this layer's input norm of x, computed by the layer before."""
+        plan = self.plan
+        if plan.cpu_decode is not None and self.phase == "generate" and x.shape[:-1] == (1, 1):
+            out = self._decode_one(x, kwargs.get("position_embeddings"))
             if out is not None:
-                return out
-        if self.fused_add_norm and not args and self._post_norm_runs_triton(hidden_states):
-            return self._forward_fused(hidden_states, kwargs)
-        return self._hf_forward(self, hidden_states, *args, **kwargs)
+                return out, None
+        if plan.fused and not args and self.post_attention_layernorm.path(x) == "triton":
+            return self._forward_fused(x, normed, plan, kwargs)
+        return self._hf_forward(self, x, *args, **kwargs), None
 
-    def _post_norm_runs_triton(self, x: torch.Tensor) -> bool:
-        """Whether the post-attention norm is a KRMSNorm whose forward takes its Triton kernel for
-        rows shaped like x (the sum x + attn(x) it normalizes)."""
-        from .layernorm import KRMSNorm
-        post = self.post_attention_layernorm
-        return isinstance(post, KRMSNorm) and post.weight is not None and post.path(x) == "triton"
-
-    def _forward_fused(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, normed: torch.Tensor | None, plan: LayerPlan, kwargs: dict):
         """transformers' forward of the FUSABLE_LAYERS with the attention's residual add and the
         post-attention norm in one launch (the same bits: the add rounds as torch's, the norm is
-        the Triton norm KRMSNorm runs); the rest through the same children. Where the next layer
-        also runs so, this layer's last add and that layer's input norm are one launch too: the
-        normalized rows wait in the RunContext for the next layer, which takes them only when its
-        input is that very sum."""
+        the Triton norm KRMSNorm runs), and the last add with the next layer's input norm."""
         from ..kernels.triton.norm_rope import add_rms_norm
-        post, ctx = self.post_attention_layernorm, self.run_context()
-        handed, ctx.prenormed = ctx.prenormed, None
-        if handed is not None and handed[0] is x and handed[1] is self.input_layernorm:
-            normed = handed[2]  # the previous layer's last launch normalized x for this layer
-        else:
-            normed = self.input_layernorm(x)
-        h, _ = self.self_attn(hidden_states=normed, **kwargs)
+        post = self.post_attention_layernorm
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(x) if normed is None else normed, **kwargs)
         if h.shape != x.shape or h.device != x.device:
             x1 = x + h
-            return x1 + self.mlp(post(x1))
+            return x1 + self.mlp(post(x1)), None
         x1, h = add_rms_norm(x, h, post.weight, post.eps)
-        # the add and the norm below, done by the launch that reads CPU experts' y back where it can
-        norm = self._next_input_norm(ctx, x1, x1)
-        epilogue = ctx.offer_moe_epilogue(x1, norm) if norm is not None else None
-        try:
-            y = self.mlp(h)
-        finally:
-            if epilogue is not None:
-                ctx.withdraw_moe_epilogue()
-        norm = self._next_input_norm(ctx, x1, y)
+        norm = plan.next_norm if plan.next_norm is not None and plan.next_norm.path(x1) == "triton" else None
         if norm is None:
-            return x1 + y
+            return x1 + self.mlp(h), None
+        epilogue = None
+        if plan.moe_epilogue and x1.is_cuda:
+            from ..kernels.cuda_host import MoEEpilogue
+            epilogue = MoEEpilogue(x1, norm.weight, norm.eps)
+        y = self.mlp(h) if epilogue is None else self.mlp(h, epilogue=epilogue)
+        if y.shape != x1.shape or y.device != x1.device:
+            return x1 + y, None
         done = epilogue.done_for(y) if epilogue is not None else None
-        if done is not None:
-            x2, normed_next = done
-        else:
-            x2, normed_next = add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y is)
-        ctx.prenormed = (x2, norm, normed_next)
-        return x2
+        return done if done is not None else add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y)
 
-    def _next_input_norm(self, ctx, x1: torch.Tensor, y: torch.Tensor):
-        """The next decoder layer's input norm where it runs the Triton kernel on rows like x1 and
-        that layer takes _forward_fused (the one that reads the hand-over), else None. (The norm
-        module's forward, and any hook on it, then does not run for that layer's input.)"""
-        from .layernorm import KRMSNorm
-        nxt = ctx.decoder_layers.get(self.index + 1) if self.index is not None else None
-        if nxt is None or not nxt.fused_add_norm or y.shape != x1.shape or y.device != x1.device:
-            return None
-        norm = nxt.input_layernorm
-        if (not isinstance(norm, KRMSNorm) or norm.weight is None or norm.shape != (x1.shape[-1],)
-                or norm.path(x1) != "triton"):
-            return None
-        return norm if nxt._post_norm_runs_triton(x1) else None
-
-    def _find_plan(self) -> _DecodePlan | None:
-        """The kernels of this layer when every part of it runs on the C++ CPU kernels in float32."""
+    def _find_cpu_decode(self) -> CpuDecode | None:
+        """The kernels of this layer where every part of it runs on the C++ CPU kernels in float32."""
         from .attention import KGQAAttention
         from .experts import KExpertsCPU, KTransformersExperts
         from .gate import KMoEGateSoftmax
@@ -196,7 +222,8 @@ class KDecoderLayer(BaseInjectedModule):
         linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
         qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
-        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn._cpp_cache() is None:
+        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn.window or attn._runtime is None:
+            # (the cache itself is checked each step: _decode_one)
             return None
         H, d, E = gate.hidden_dim, attn.head_dim, gate.weight_shape[0]
         heads, kv = attn.num_heads, attn.num_kv_heads
@@ -204,15 +231,13 @@ class KDecoderLayer(BaseInjectedModule):
                  "attn": heads * d, "o": H, "x1": H, "h2": H, "logits": E, "y": H}
         buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
         runtime = attn._runtime
-        return _DecodePlan(runtime.ext, runtime._rt, tuple(norms + qk), *linears, gate.kernel._linear,
+        return CpuDecode(runtime.ext, runtime._rt, tuple(norms + qk), *linears, gate.kernel._linear,
                            op.kernel._moe, gate.top_k, gate.norm, heads, kv, d, float(attn.scaling), buf,
                            {name: t.data_ptr() for name, t in buf.items()})
 
     def _decode_one(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
         """x [1, 1, H] float32 -> the layer's output, or None when this step is not the CPU case."""
-        if self._plan is False:
-            self._plan = self._find_plan()
-        p = self._plan
+        p = self.plan.cpu_decode
         batch = self.self_attn.context.batch if self.self_attn.context is not None else None
         if (p is None or batch is None or len(batch.q_lens) != 1 or position_embeddings is None
                 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()

@@ -3,7 +3,7 @@
 Shapes: hidden_states [B, S, H] -> [B, S, H]; inside, x [T, H] with T = B*S.
 The block keeps the original's children (gate, experts, shared expert(s)) under the same names,
 so later rules still match `...mlp.gate` and `...mlp.experts`. Splitting the block this way is
-where the shared experts run while the routed ones compute elsewhere (CPU experts, GPU issue).
+where the shared experts run while the routed ones compute elsewhere (CPU experts, the GPU).
 """
 from __future__ import annotations
 
@@ -26,16 +26,22 @@ class KMoEBlock(BaseInjectedModule):
             raise ValueError(f"{key}: {type(orig_module).__name__} is not a MoE block (no {', '.join(missing)})")
         adopt_children(self, orig_module)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, epilogue=None) -> torch.Tensor:
+        """`epilogue`: what the caller does next with the output (kernels.cuda_host.MoEEpilogue),
+        for CPU experts fed from a GPU stream to do in their read-back launch; only without
+        shared experts, whose sum comes after that launch."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        _, top_k_weights, top_k_index = self._route(x)
-        submit = getattr(self.experts, "submit", None)
+        (_, top_k_weights, top_k_index), packed = self._route(x)
+        handoff = {} if packed is None else {"packed": packed}
         if not self._has_shared():  # nothing to overlap with (and no `+ 0` launch)
-            return self.experts(x, top_k_index, top_k_weights).reshape(shape)
+            if epilogue is not None:
+                handoff["epilogue"] = epilogue
+            return self.experts(x, top_k_index, top_k_weights, **handoff).reshape(shape)
+        submit = getattr(self.experts, "submit", None)
         if submit is None:  # HF's experts module
             return (self.experts(x, top_k_index, top_k_weights) + self._shared(x)).reshape(shape)
-        wait = submit(x, top_k_index, top_k_weights)  # CPU experts run on their threads meanwhile
+        wait = submit(x, top_k_index, top_k_weights, **handoff)  # CPU experts run on their threads meanwhile
         try:
             shared = self._shared(x)
         except BaseException:
@@ -44,16 +50,16 @@ class KMoEBlock(BaseInjectedModule):
         return (wait().to(x.device, x.dtype) + shared).reshape(shape)
 
     def _route(self, x: torch.Tensor):
-        """The gate's (logits, weights, index). Where the gate can store the experts' inputs in
-        passing and the experts are CPU experts fed from this GPU stream, its launch also writes
-        x, the index and the weights into their pinned buffer (the hand-off's pack: one launch
-        less a layer)."""
+        """(the gate's (logits, weights, index), the pinned inputs it stored or None). Where the
+        gate can store the experts' inputs in passing and the experts are CPU experts fed from
+        this GPU stream, its launch also writes x, the index and the weights into their pinned
+        buffer (the hand-off's pack: one launch less a layer), which the experts are then given."""
         stage = getattr(self.experts, "stage_inputs", None)
         if stage is not None and getattr(self.gate, "stores_inputs", False) and x.is_cuda:
             pinned = stage(x)
             if pinned is not None:
-                return self.gate(x, pack=pinned)
-        return self.gate(x)
+                return self.gate(x, pack=pinned), pinned
+        return self.gate(x), None
 
     def _has_shared(self) -> bool:
         return hasattr(self, "shared_experts") or hasattr(self, "shared_expert")

@@ -120,14 +120,15 @@ class KExpertsCPU:
             x = x.float()
         return self.kernel.forward(x, ids, weights).to(self.dtype)
 
-    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """Queue the experts on the CPU threads and return at once; call the result to wait for y."""
+    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed=None, epilogue=None):
+        """Queue the experts on the CPU threads and return at once; call the result to wait for y.
+        From a GPU stream: `packed` and `epilogue` as kernels.cuda_host.submit_on_stream takes them."""
         if self.kernel is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
         if x.device.type == "cuda":  # in order with the GPU stream (and inside CUDA graphs)
             from ...kernels.cuda_host import submit_on_stream
             return submit_on_stream(self.kernel, self.context.host_staging(), x, ids, weights, self.dtype,
-                                    share=self._share(x, ids, weights))
+                                    share=self._share(x, ids, weights), packed=packed, epilogue=epilogue)
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         y = self.kernel.submit(x, ids, weights)

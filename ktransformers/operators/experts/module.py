@@ -111,10 +111,12 @@ class KTransformersExperts(BaseInjectedModule):
         if self.hot is not None:
             self.hot.unload()
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *, packed=None, epilogue=None) -> torch.Tensor:
         """y [T, H] on out_device, nothing to overlap: a CPU op runs on the calling thread with
-        the pool (no hand-off to its task thread and back)."""
-        return self.submit(hidden_states, top_k_index, top_k_weights, overlap=False)()
+        the pool (no hand-off to its task thread and back). `packed`, `epilogue`: see submit."""
+        return self.submit(hidden_states, top_k_index, top_k_weights, overlap=False, packed=packed,
+                           epilogue=epilogue)()
 
     def stage_inputs(self, hidden_states: torch.Tensor):
         """The pinned views (triton.handoff.PinnedInputs) a router launch may store this step's
@@ -129,11 +131,13 @@ class KTransformersExperts(BaseInjectedModule):
         return op.stage_inputs(hidden_states)
 
     def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               overlap: bool = True):
+               overlap: bool = True, packed=None, epilogue=None):
         """Start the experts and return a function that waits for y [T, H] on out_device. A CPU op
         runs on its threads meanwhile (the caller computes shared experts, the hot experts run
         on the GPU); other ops finish before this returns. `overlap=False`: the caller has nothing
-        to do meanwhile, so a CPU op fed from the CPU runs inline."""
+        to do meanwhile, so a CPU op fed from the CPU runs inline. For a CPU op fed from a GPU
+        stream: `packed`, the pinned inputs (stage_inputs) a launch before stored already, and
+        `epilogue`, what the caller does next with y (kernels.cuda_host.MoEEpilogue)."""
         op = self.ops[self.phase]
         threshold = self._threshold() if self.layerwise is not None else 0
         if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
@@ -155,7 +159,8 @@ class KTransformersExperts(BaseInjectedModule):
         where = hidden_states.device if op.device.type == "cpu" and hidden_states.device.type == "cuda" else op.device
         args = (hidden_states.to(where), ids.to(where), top_k_weights.to(where))
         if hasattr(op, "submit") and (overlap or split or where.type == "cuda"):
-            pending = op.submit(*args)
+            handoff = {"packed": packed, "epilogue": None if split else epilogue} if where.type == "cuda" else {}
+            pending = op.submit(*args, **handoff)
         else:
             y = op.forward(*args)
             pending = lambda: y  # noqa: E731
