@@ -207,9 +207,10 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
 
     fused = run()
     # the full forward and the prefill (decode replays graphs on CUDA): two post-attention norms
-    # and layer 0's last add with layer 1's input norm each; layer 1's input norm never alone
-    assert len(calls) + len(back) >= 2 * 3
-    assert layers[1] not in handed and handed.count(layers[0]) >= 2
+    # each, and in the engine's prefill layer 0's last add with layer 1's input norm; layer 1's
+    # input norm runs alone only in the full forward (transformers' own layer loop hands nothing on)
+    assert len(calls) + len(back) >= 2 * 2 + 1
+    assert handed.count(layers[1]) == 1 and handed.count(layers[0]) >= 2
     for m in layers:
         m.fused_add_norm = False
     calls.clear()
