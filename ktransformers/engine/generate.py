@@ -128,56 +128,25 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     def __iter__(self) -> Iterator[str]:
-        engine, sampler = self.engine, Sampler(self.params)
+        engine = self.engine
         decoder = StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None
         stopper = StopMatcher(self.stop) if self.stop else None
         seq = self.seq or engine.cache.new_sequence()
-        history = list(self.prompt_ids)
-        # tokens without a repetition penalty come from Engine.decode_tokens (one step ahead)
-        ahead_ok = self.params.repetition_penalty == 1
-        ahead = None
-
-        t0 = t_eval = time.perf_counter()
+        tokens = self._tokens(seq)
         try:  # (the finally below frees a sequence of our own even when the prefill fails)
-            logits = engine.prefill(seq, self.prompt_ids)
-            self.stats.prompt_tokens = engine.last_prefill_tokens
-            self.stats.prompt_seconds = time.perf_counter() - t0
-            t_eval = time.perf_counter()
-            token = int(sampler(logits, [history])[0])
-            while True:
-                self.tokens.append(token)
-                history.append(token)
-                if token in self.eos_ids:
-                    self.finish_reason = "stop"
-                    break
-                if decoder is not None:
-                    text = decoder.push(token)
-                    if stopper is not None:
-                        text, stopped = stopper.push(text)
-                        if text:
-                            yield text
-                        if stopped:
-                            self.finish_reason = "stop"
-                            return
-                    elif text:
-                        yield text
-                if len(self.tokens) >= self.max_new_tokens:
-                    self.finish_reason = "length"
-                    break
-                if ahead_ok:
-                    if ahead is None:
-                        ahead = engine.decode_tokens(seq, token, self.max_new_tokens - len(self.tokens),
-                                                     None if self.params.greedy else sampler)
-                    token = next(ahead, None)
-                    if token is None:  # (it stops early only where the cache cannot grow)
-                        self.finish_reason = "cache_full"
-                        break
+            for token in tokens:
+                if decoder is None:
                     continue
-                if not engine.cache.can_grow(seq, 1):
-                    self.finish_reason = "cache_full"
-                    break
-                logits = engine.decode(seq, token)
-                token = int(sampler(logits, [history])[0])
+                text = decoder.push(token)
+                if stopper is not None:
+                    text, stopped = stopper.push(text)
+                    if text:
+                        yield text
+                    if stopped:
+                        self.finish_reason = "stop"
+                        return
+                elif text:
+                    yield text
             if decoder is not None:
                 tail = decoder.flush()
                 if stopper is not None:
@@ -187,13 +156,53 @@ class Generation:
                     yield tail
         finally:
             try:
+                tokens.close()  # (a step issued ahead and not wanted: waited for, its entry dropped)
+            finally:
+                if self.seq is None:
+                    engine.release(seq)
+
+    def _tokens(self, seq: Sequence) -> Iterator[int]:
+        """The answer's tokens, each appended to `tokens` before it is yielded, until EOS, the
+        length limit or a full cache (`finish_reason`); the stats are complete once it ends."""
+        engine, sampler = self.engine, Sampler(self.params)
+        history = list(self.prompt_ids)
+        t0 = t_eval = time.perf_counter()
+        ahead = None
+        try:
+            logits = engine.prefill(seq, self.prompt_ids)
+            self.stats.prompt_tokens = engine.last_prefill_tokens
+            self.stats.prompt_seconds = time.perf_counter() - t0
+            t_eval = time.perf_counter()
+            token = int(sampler(logits, [history])[0])
+            while True:
+                self.tokens.append(token)
+                history.append(token)
+                if token in self.eos_ids:  # (kept in `tokens`, never shown)
+                    self.finish_reason = "stop"
+                    return
+                yield token
+                if len(self.tokens) >= self.max_new_tokens:
+                    self.finish_reason = "length"
+                    return
+                if self.params.repetition_penalty == 1:  # (no history needed: one step ahead)
+                    if ahead is None:
+                        ahead = engine.decode_tokens(seq, token, self.max_new_tokens - len(self.tokens),
+                                                     None if self.params.greedy else sampler)
+                    token = next(ahead, None)
+                elif engine.cache.can_grow(seq, 1):
+                    token = int(sampler(engine.decode(seq, token), [history])[0])
+                else:
+                    token = None
+                if token is None:  # (decode_tokens stops early only where the cache cannot grow)
+                    self.finish_reason = "cache_full"
+                    return
+        finally:
+            try:
                 if ahead is not None:
-                    ahead.close()  # a step issued ahead and not wanted: waited for, its entry dropped
+                    ahead.close()
             finally:
                 self.stats.eval_tokens = len(self.tokens)
                 self.stats.eval_seconds = time.perf_counter() - t_eval
-                if self.seq is None:
-                    engine.release(seq)
 
 
 def _run_layer(layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor | None, kwargs: dict):
