@@ -438,8 +438,8 @@ class MoEKernel:
                              f"got {tuple(ids.shape)} and {tuple(weights.shape)}")
         if ids.dtype.is_floating_point:
             raise ValueError(f"{self.name}: top_k_index must be an integer tensor, got {ids.dtype}")
-        # (converted only where needed: each torch call costs ~1 us here, more with the caches cold
-        # after a call has streamed its weights through them)
+        # (converted only where needed: a decode call is short enough for each torch call to
+        # count, the more with the caches cold after a call has streamed its weights through them)
         if not x.is_contiguous():
             x = x.contiguous()
         if ids.dtype != torch.int64 or not ids.is_contiguous():
