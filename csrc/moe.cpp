@@ -33,7 +33,7 @@ void need_bytes(size_t got, size_t want, const char* which) {
         throw std::invalid_argument(std::string("MoE: ") + which + " holds " + std::to_string(got) + " bytes, expected " + std::to_string(want));
 }
 
-// Rows as stored (formats without tiles) get no software prefetch here: their rows are read one
+// Quantized rows as stored (formats without tiles) get no software prefetch: their rows are read one
 // after another, a stream the hardware prefetchers follow, and prefetches issued ahead of them
 // (any distance, any locality hint) only slowed decode.
 
