@@ -1,4 +1,4 @@
-// BF16 rows with AMX-BF16 tiles (amx build), and the switches of the BF16 kernels.
+// BF16 rows with AMX-BF16 tiles (amx build), and which BF16 kernels run here.
 //
 // TDPBF16PS multiplies a 16 x 32 bf16 A tile by a 32 x 16 B tile (stored as 16 rows of 16 bf16
 // pairs) into 16 x 16 floats. The weights are the A side, straight from the stored rows: a tile
@@ -11,24 +11,15 @@
 #include "quants.h"
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 namespace kt {
-namespace {
-std::atomic<bool> g_bf16_dot{true}, g_amx_bf16{true};
-}  // namespace
-
-void set_bf16_kernels(bool dot, bool amx) {
-    g_bf16_dot.store(dot, std::memory_order_relaxed);
-    g_amx_bf16.store(amx, std::memory_order_relaxed);
-}
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define KT_AMX_BF16 1
 #endif
 
-std::pair<bool, bool> bf16_kernels() {
+Bf16Kernel bf16_best() {
 #if defined(__AVX512BF16__)
     const bool dot = true;
 #elif defined(__AVX512BW__)
@@ -41,7 +32,7 @@ std::pair<bool, bool> bf16_kernels() {
 #else
     const bool amx = false;
 #endif
-    return {dot && g_bf16_dot.load(std::memory_order_relaxed), amx && g_amx_bf16.load(std::memory_order_relaxed)};
+    return amx ? Bf16Kernel::Amx : dot ? Bf16Kernel::Dot : Bf16Kernel::Widen;
 }
 
 #if defined(KT_AMX_BF16)
@@ -111,7 +102,9 @@ void tile_block(const uint8_t* w, size_t row_bytes, const uint32_t* b, size_t bl
 }
 
 using TileBlockFn = void (*)(const uint8_t*, size_t, const uint32_t*, size_t, int, int, float[2][2][16][16]);
-constexpr int kRowAhead = 512;  // each row's prefetch distance when the tiles' prefetch is on (KT_CPU_PREFETCH)
+// Each row's prefetch distance: 16 or 32 rows stream side by side, so each needs only a little
+// of the tiles' distance (kPrefetchAhead).
+constexpr int kRowAhead = 512;
 constexpr TileBlockFn kTileBlocks[2][2] = {{tile_block<1, 1>, tile_block<1, 2>}, {tile_block<2, 1>, tile_block<2, 2>}};
 constexpr int kAmxTokens = 64;  // tokens whose B tiles are packed at once (n = 7168: 896 KiB, in L2)
 }  // namespace
@@ -120,11 +113,11 @@ constexpr int kAmxTokens = 64;  // tokens whose B tiles are packed at once (n = 
 int amx_bf16_rows(int n, const Bf16Matrix* mats, int count_mats, size_t row_bytes, int r0, int r1,
                   const void* const* a, int count, size_t stride) {
 #if defined(KT_AMX_BF16)
-    if (count < kAmxBf16MinTokens || r1 - r0 < 32 || n % 32 || !bf16_kernels().second) return r0;
+    if (count < kAmxBf16MinTokens || r1 - r0 < 32 || n % 32 || !amx_available()) return r0;
     configure_tiles();
     const int last = r0 + (r1 - r0) / 16 * 16;
     const size_t block = (size_t)(n / 32) * 256;  // 32-bit pairs of one 16-token block
-    const int ahead = tile_prefetch().first ? kRowAhead : 0;
+    const int ahead = kRowAhead;
     thread_local std::vector<uint32_t> b;
     if (b.size() < kAmxTokens / 16 * block) b.resize(kAmxTokens / 16 * block);
     alignas(64) float c[2][2][16][16];

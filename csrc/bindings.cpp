@@ -1,7 +1,6 @@
 // Python bindings (module_local: each ISA build registers its own types in one process). Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
@@ -35,6 +34,10 @@ Dtype dtype_of(int code) {
     if (code != 0 && code != 1) throw std::invalid_argument("dtype code must be 0 (float32) or 1 (bfloat16)");
     return (Dtype)code;
 }
+Bf16Kernel bf16_kernel(int code) {
+    if (code < 0 || code > 2) throw std::invalid_argument("bf16 kernel code must be 0 (widen), 1 (dot) or 2 (amx)");
+    return (Bf16Kernel)code;
+}
 }  // namespace
 
 PYBIND11_MODULE(KT_MODULE, m) {
@@ -48,32 +51,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
     m.attr("tiled_flag") = kTiled;
     m.def("tile_cols", &tile_cols, "a tiled layout's row length must be a multiple of this (0: the type has none here)");
-    m.def("set_moe_tasks_per_thread", &set_moe_tasks_per_thread);
-    m.def("set_moe_pipeline", &set_moe_pipeline, "decode: gate/up, activation and down as one parallel region");
-    m.def("moe_pipeline", &moe_pipeline);
-    m.def("set_moe_read_only", &set_moe_read_only, "measurement only: MoE tasks read their weight rows and compute "
-          "nothing (outputs 0): what the task structure alone reads at");
-    m.def("moe_read_only", &moe_read_only);
-    m.def("moe_pipeline_calls", &moe_pipeline_calls, "MoE calls that took the one-region decode path so far");
-    m.def("set_tile_prefetch", &set_tile_prefetch, "software prefetch distance of the tiled kernels in bytes (0: none) "
-          "and its cache level (0 T0, 1 T1, 2 T2, 3 NTA)", py::arg("bytes"), py::arg("hint") = 0);
-    m.def("set_task_prologue", &set_task_prologue, "prefetch the first prefetch-distance bytes of each MoE task's "
-          "GGML weight runs (not the int8 prefill copies) when the task starts (default on)");
-    m.def("task_prologue", &task_prologue);
-    m.def("tile_prefetch", &tile_prefetch, "(bytes, hint) of the tiled kernels' software prefetch, as last set");
-    m.def("advise_hugepages", [](uintptr_t data, size_t bytes) -> size_t {
-              // the 2 MiB-aligned interior of [data, data + bytes): MADV_HUGEPAGE before the first
-              // touch makes its page faults take transparent huge pages (fewer TLB misses while
-              // streaming weights); returns the bytes advised (0 where the kernel refuses)
-              constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-              const uintptr_t lo = (data + kHuge - 1) & ~(kHuge - 1), hi = (data + bytes) & ~(kHuge - 1);
-              if (!data || hi <= lo) return 0;
-              return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0 ? size_t(hi - lo) : 0;
-          }, "advise transparent huge pages for a buffer not yet touched (its 2 MiB-aligned interior)");
-    m.def("set_bf16_kernels", &set_bf16_kernels, "BF16 rows: allow the AVX512-BF16 dot products and the AMX-BF16 "
-          "tiles where they run (both on by default; tests switch them off to check the paths against each other)",
-          py::arg("dot"), py::arg("amx"));
-    m.def("bf16_kernels", &bf16_kernels, "(dot, amx): which BF16 kernels run now (allowed, built and on this CPU)");
+    m.def("bf16_best", [] { return (int)bf16_best(); },
+          "the best BF16 kernel this build runs on this CPU: 0 widening, 1 AVX512-BF16 dot products, 2 AMX-BF16 tiles");
     m.attr("int8_gemm") = int8_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 
@@ -138,13 +117,14 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
                          int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
                          size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple int8, int int8_min_tokens,
-                         py::tuple int4, int int4_group) {
+                         py::tuple int4, int int4_group, int bf16) {
                  MoEConfig c;
                  c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
                  c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
                  c.gate = cptr<void>(gate), c.up = cptr<void>(up), c.down = cptr<void>(down);
                  c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
                  c.int8_min_tokens = int8_min_tokens;
+                 c.bf16 = bf16_kernel(bf16);
                  if (int8_min_tokens > 0 && !int4.size()) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
                      if (int8.size() != 12) throw std::invalid_argument("MoE: int8 needs 12 addresses");
                      Int8Weights* dst[3] = {&c.gate8, &c.up8, &c.down8};
@@ -171,11 +151,13 @@ PYBIND11_MODULE(KT_MODULE, m) {
              py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
              py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"),
              py::arg("int8") = py::tuple(), py::arg("int8_min_tokens") = 0, py::arg("int4") = py::tuple(),
-             py::arg("int4_group") = 0)
+             py::arg("int4_group") = 0, py::arg("bf16") = (int)Bf16Kernel::Amx)
         .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("last_ns", &MoE::last_ns, "nanoseconds of the last call, inside the kernel")
+        .def_property_readonly("one_region_calls", &MoE::one_region_calls,
+                               "max_tokens chunks of calls so far that ran gate/up, activation and down as one parallel region")
         .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              });
@@ -217,11 +199,12 @@ PYBIND11_MODULE(KT_MODULE, m) {
 
     py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
         .def(py::init([](std::shared_ptr<Runtime> rt, int in_features, int out_features, int type, uintptr_t weight,
-                         size_t weight_bytes, int max_tokens) {
-                 return std::make_shared<Linear>(rt, in_features, out_features, type, cptr<void>(weight), weight_bytes, max_tokens);
+                         size_t weight_bytes, int max_tokens, int bf16) {
+                 return std::make_shared<Linear>(rt, in_features, out_features, type, cptr<void>(weight), weight_bytes,
+                                                 max_tokens, bf16_kernel(bf16));
              }),
              py::arg("runtime"), py::arg("in_features"), py::arg("out_features"), py::arg("type"), py::arg("weight"),
-             py::arg("weight_bytes"), py::arg("max_tokens"))
+             py::arg("weight_bytes"), py::arg("max_tokens"), py::arg("bf16") = (int)Bf16Kernel::Amx)
         .def("forward", [](Linear& lin, int tokens, uintptr_t x, uintptr_t y, int dtype) {
                  lin.forward(tokens, cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())

@@ -44,9 +44,9 @@ struct tile_q4_k16 { fp16_t d[16]; fp16_t dmin[16]; uint32_t sc[3][16]; uint8_t 
 static_assert(sizeof(tile_q4_k16) == 16 * sizeof(block_q4_k), "q4_k tile");
 
 // 16 rows' Q6_K blocks of one block column (3360 bytes = 16 x 210), in the order the kernel reads
-// them, every byte after the one before (one forward stream for the prefetchers: three interleaved
-// ones measured 2x slower from memory, and reading each part's scales at its end before its first
-// bytes ran 13 GB/s a core from RAM where Q4_K's forward tiles ran 20): part[p] holds values
+// them, every byte after the one before (one forward stream for the prefetchers, which follow
+// three interleaved ones or a part's scales read ahead of its first bytes much worse from
+// memory): part[p] holds values
 // 64p..64p+63 of each row, sub-block pairs j = 2p + s: sc[s][r] = row r's scales of sub-blocks 2j,
 // 2j+1 (16 values each); then half[s]: qh[h] byte i of lane r: the high 2 bits of values
 // 32j + 8h + i, 32j + 16 + 8h + i, 32j + 8h + 4 + i, 32j + 16 + 8h + 4 + i at bits 0-1, 2-3, 4-5,

@@ -193,7 +193,7 @@ void amx_block(const Int4Weights& w, int k, int b, const uint8_t* a, int m, int 
 void amx_rows(const Int4Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
               float* out, size_t stride) {
     configure_tiles();
-    const int ahead = tile_prefetch().first;
+    const int ahead = kPrefetchAhead;
     thread_local std::vector<uint8_t> a;  // the activation rows, 32 at a time, padded with zero rows (128)
     if (a.size() < (size_t)32 * k) a.resize((size_t)32 * k);
     alignas(64) float f[2][32][16];

@@ -127,7 +127,7 @@ int amx_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* 
     if (first + 16 > r1 || !amx_available()) return r0;
     configure_tiles();
     const int last = r1 - (r1 - first) % 16;  // the end of the whole blocks
-    const int ahead = tile_prefetch().first;
+    const int ahead = kPrefetchAhead;
     thread_local std::vector<uint8_t> a;  // the activation rows, 32 at a time, zero rows as padding
     if (a.size() < (size_t)32 * k) a.resize((size_t)32 * k);
     int32_t c[2][2][16][16];

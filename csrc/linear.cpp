@@ -17,8 +17,8 @@ constexpr int kRowsGroup = 64, kRowsChunk = 64;
 }
 
 Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_features, int type, const void* weight,
-               size_t weight_bytes, int max_tokens)
-    : rt_(std::move(runtime)), in_(in_features), out_(out_features), max_tokens_(max_tokens), fmt_(find_format(type)),
+               size_t weight_bytes, int max_tokens, Bf16Kernel bf16)
+    : rt_(std::move(runtime)), in_(in_features), out_(out_features), max_tokens_(max_tokens), fmt_(find_format(type, bf16)),
       w_((const uint8_t*)weight) {
     if (!fmt_) throw std::invalid_argument("Linear: ggml type " + std::to_string(type) + " is not computed on here; supported: " + supported_formats());
     if (in_ <= 0 || out_ <= 0 || max_tokens_ <= 0 || !w_) throw std::invalid_argument("Linear: sizes must be positive and weight non-null");

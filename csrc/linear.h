@@ -10,7 +10,7 @@ namespace kt {
 class Linear {
   public:
     Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_features, int type, const void* weight,
-           size_t weight_bytes, int max_tokens);
+           size_t weight_bytes, int max_tokens, Bf16Kernel bf16 = Bf16Kernel::Amx);  // bf16: as MoEConfig::bf16
     void forward(int tokens, const void* x, void* y, Dtype dtype);  // submit + sync
     void submit(int tokens, const void* x, void* y, Dtype dtype);
 

@@ -14,8 +14,8 @@
 namespace kt {
 namespace {
 
-const Format* need_format(int type, const char* which) {
-    const Format* f = find_format(type);
+const Format* need_format(int type, Bf16Kernel bf16, const char* which) {
+    const Format* f = find_format(type, bf16);
     if (!f) throw std::invalid_argument(std::string("MoE: ") + which + " has ggml type " + std::to_string(type) +
                                         ", not computed on here; supported: " + supported_formats());
     return f;
@@ -33,8 +33,9 @@ void need_bytes(size_t got, size_t want, const char* which) {
         throw std::invalid_argument(std::string("MoE: ") + which + " holds " + std::to_string(got) + " bytes, expected " + std::to_string(want));
 }
 
-// No software prefetch: issuing a row's lines ahead (any distance, any locality hint) measured
-// 10-25% slower at decode on the 2-core dev machine than the hardware prefetchers alone.
+// Quantized rows as stored (formats without tiles) get no software prefetch: their rows are read one
+// after another, a stream the hardware prefetchers follow, and prefetches issued ahead of them
+// (any distance, any locality hint) only slowed decode.
 
 // Tokens of one expert computed together against each weight row (their activations stay in
 // L1/L2 while the row streams once per group).
@@ -55,28 +56,18 @@ void rows_to(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0,
     }
 }
 
-std::atomic<int> g_tasks_per_thread{0};  // the settings are read by every runtime's threads: atomic (relaxed)
-std::atomic<bool> g_pipeline{true};
-std::atomic<uint64_t> g_pipeline_calls{0};
-std::atomic<bool> g_read_only{false};
-std::atomic<uint64_t> g_read_sink{0};  // (keeps the read-only loads alive)
-
 // A decode-sized call: about a token an expert (at most two, on average, over the experts hit).
 bool decode_sized(int pairs, int experts_active) { return pairs <= 2 * experts_active; }
 
 // Rows of one expert split into chunks: enough tasks for every thread, chunks big enough to stream.
-// Tasks a thread (0: chosen here). Decode: long runs of rows stream best and a dynamic schedule
-// still balances with a few tasks a thread. Measured at T=1 on the Qwen3 layer, in-kernel: 2
-// threads (EPYC, scripts/moe_tasks_sweep.py) 4 -> 0.85-0.90 of the stream, 16 -> 0.85; 16 threads
-// on the GPU host with 48 copies of the layer cycled (17.5 GiB, as a 48-layer model holds: little
-// of it in the 300 MB L3; scripts/cpu_footprint.py, four sweeps, the default prefetch) 4 -> 0.77,
-// 0.81, 0.86, 0.89 of the stream; 8 -> 0.79, 0.75, 0.82, 0.88 in the same sweeps; 16 no better.
-// (The earlier choice of 8 was measured on 2-3 copies, partly served from that L3.) Prefill
-// (experts with unequal token counts) keeps 16 for balance.
+// Decode: long runs of rows stream best, and a dynamic schedule still balances with a few tasks a
+// thread (more, shorter runs read the weights no faster, even with most of a model's layers
+// cycling through the caches). Prefill (experts with unequal token counts) needs more tasks a
+// thread to balance.
+constexpr int kDecodeTasksPerThread = 4, kPrefillTasksPerThread = 16;
 int chunk_rows(int rows, int experts_active, int pairs, int threads) {
     const int active = std::max(1, experts_active);
-    int per_thread = g_tasks_per_thread.load(std::memory_order_relaxed);
-    if (per_thread <= 0) per_thread = !decode_sized(pairs, experts_active) ? 16 : 4;
+    const int per_thread = decode_sized(pairs, experts_active) ? kDecodeTasksPerThread : kPrefillTasksPerThread;
     const int want_tasks = std::max(1, (per_thread * threads + active - 1) / active);
     const int chunk = std::max(16, (rows + want_tasks - 1) / want_tasks);
     return (chunk + 15) / 16 * 16;  // whole 16-row blocks (the AMX tiles' height)
@@ -84,18 +75,11 @@ int chunk_rows(int rows, int experts_active, int pairs, int threads) {
 
 }  // namespace
 
-void set_moe_tasks_per_thread(int n) { g_tasks_per_thread.store(std::max(0, n), std::memory_order_relaxed); }
-void set_moe_pipeline(bool on) { g_pipeline.store(on, std::memory_order_relaxed); }
-void set_moe_read_only(bool on) { g_read_only.store(on, std::memory_order_relaxed); }
-bool moe_read_only() { return g_read_only.load(std::memory_order_relaxed); }
-bool moe_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
-uint64_t moe_pipeline_calls() { return g_pipeline_calls.load(std::memory_order_relaxed); }
-
 void MoE::check_stored(const MoEConfig& c) {
     if (!c.gate || !c.up || !c.down) throw std::invalid_argument("MoE: null weight pointer");
-    gate_fmt_ = need_format(c.gate_type, "gate");
-    up_fmt_ = need_format(c.up_type, "up");
-    down_fmt_ = need_format(c.down_type, "down");
+    gate_fmt_ = need_format(c.gate_type, c.bf16, "gate");
+    up_fmt_ = need_format(c.up_type, c.bf16, "up");
+    down_fmt_ = need_format(c.down_type, c.bf16, "down");
     gate_row_ = row_bytes(gate_fmt_, c.hidden, "gate");
     up_row_ = row_bytes(up_fmt_, c.hidden, "up");
     down_row_ = row_bytes(down_fmt_, c.intermediate, "down");
@@ -207,8 +191,8 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
         bool decode = decode_sized(expert_start_[cfg_.experts], (int)active_.size());
         for (int e : active_) decode &= copies_only() || !use_int8(e);  // (mixed paths: the barriers)
-        if (decode && g_pipeline.load(std::memory_order_relaxed)) {
-            g_pipeline_calls.fetch_add(1, std::memory_order_relaxed);
+        if (decode) {
+            one_region_calls_.fetch_add(1, std::memory_order_relaxed);
             gate_up_down();
         } else {
             gate_up();
@@ -287,15 +271,6 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
     const void* xu[kMaxRowGroup];
     float out[kMaxGroup * kTileRows];
     const int gs = rows_step(gate_fmt_), us = rows_step(up_fmt_);
-    if (g_read_only.load(std::memory_order_relaxed)) {
-        g_read_sink.fetch_xor(xor_bytes(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_) ^
-                              xor_bytes(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_), std::memory_order_relaxed);
-        for (int i = 0; i < count; i++) {
-            std::fill(&s_.g[(size_t)(p0 + i) * I + r0], &s_.g[(size_t)(p0 + i) * I + r1], 0.f);
-            std::fill(&s_.u[(size_t)(p0 + i) * I + r0], &s_.u[(size_t)(p0 + i) * I + r1], 0.f);
-        }
-        return;
-    }
     prefetch_prologue(gw + (size_t)r0 * gate_row_, (size_t)(r1 - r0) * gate_row_);
     prefetch_prologue(uw + (size_t)r0 * up_row_, (size_t)(r1 - r0) * up_row_);
     const int group = gs == 1 && us == 1 ? kMaxRowGroup : kMaxGroup;
@@ -309,7 +284,7 @@ void MoE::gate_up_rows(int e, int r0, int r1) {
         float* g = &s_.g[(size_t)(p0 + g0) * I];
         float* u = &s_.u[(size_t)(p0 + g0) * I];
         int from = r0;  // BF16 gate and up: the AMX tiles take both on one packing of the tokens
-        if (gate_fmt_->type == BF16 && up_fmt_->type == BF16) {
+        if (gate_fmt_->bf16 == Bf16Kernel::Amx && up_fmt_->bf16 == Bf16Kernel::Amx) {
             const Bf16Matrix mats[2] = {{gw, g}, {uw, u}};
             from = amx_bf16_rows(H, mats, 2, gate_row_, r0, r1, xg, m, I);
         }
@@ -384,12 +359,6 @@ void MoE::down_rows(int e, int r0, int r1) {
     const void* hs[kMaxRowGroup];
     float out[kMaxGroup * kTileRows];
     const int ds = rows_step(down_fmt_);
-    if (g_read_only.load(std::memory_order_relaxed)) {
-        g_read_sink.fetch_xor(xor_bytes(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_),
-                              std::memory_order_relaxed);
-        for (int i = 0; i < count; i++) std::fill(&s_.y_pairs[(size_t)(p0 + i) * H + r0], &s_.y_pairs[(size_t)(p0 + i) * H + r1], 0.f);
-        return;
-    }
     prefetch_prologue(dw + (size_t)r0 * down_row_, (size_t)(r1 - r0) * down_row_);
     const int group = ds == 1 ? kMaxRowGroup : kMaxGroup;
     for (int g0 = 0; g0 < count; g0 += group) {

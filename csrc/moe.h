@@ -30,13 +30,12 @@ struct MoEConfig {
     // Optional int8 copies for prefill: experts with at least int8_min_tokens tokens in a call use
     // them (the int8 GEMM); the others use the GGML blocks (with no blocks, every expert the copies).
     Int8Weights gate8, up8, down8;
-    Int4Weights gate4, up4, down4;  // int4 copies instead (gate4.q set): the same path, 0.53 bytes a weight
+    Int4Weights gate4, up4, down4;  // int4 copies instead (gate4.q set): the same path, half the bytes
     int int8_min_tokens = 0;  // 0: no int8/int4 copies
+    Bf16Kernel bf16 = Bf16Kernel::Amx;  // BF16 weights: the best kernel allowed (find_format)
 };
 
 enum class Dtype { F32 = 0, BF16 = 1 };
-
-void set_moe_tasks_per_thread(int n);  // tasks a thread per MoE phase (KT_MOE_TASKS; 0, the default: decode 4, prefill 16)
 
 class MoE {
   public:
@@ -48,6 +47,8 @@ class MoE {
     const MoEConfig& config() const { return cfg_; }
     // Nanoseconds the last call took from its first phase to its output (no caller overhead).
     uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
+    // Calls (max_tokens chunks) that ran as one parallel region (gate_up_down): tests check the path ran.
+    uint64_t one_region_calls() const { return one_region_calls_.load(std::memory_order_relaxed); }
 
   private:
     // No stored weights (gate, up and down null): the int8/int4 copies are the experts' only bytes.
@@ -112,17 +113,9 @@ class MoE {
         std::atomic<int> left{0};
     };
     std::unique_ptr<Countdown[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per active expert
-    std::atomic<uint64_t> last_ns_{0};
+    std::atomic<uint64_t> last_ns_{0}, one_region_calls_{0};
 };
 
-void set_moe_pipeline(bool on);  // gate_up_down for decode calls (KT_MOE_PIPELINE; default on)
-bool moe_pipeline();
-uint64_t moe_pipeline_calls();  // calls that took gate_up_down so far (tests check the path ran)
-// A measurement, not a mode to compute in: the decode tasks read their weight rows (the same
-// bytes, tasks and order) with plain streaming loads and compute nothing (the outputs are 0).
-// What the task structure alone reads at, against the stream probe and the real kernel.
-void set_moe_read_only(bool on);
-bool moe_read_only();
 // The XOR of the bytes [p, p + n), read as the stream probe reads them (stream.cpp).
 uint64_t xor_bytes(const uint8_t* p, size_t n);
 

@@ -102,7 +102,7 @@ void ThreadPool::worker(int id) {
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
         while (generation_.load(std::memory_order_acquire) == seen && !resting_.load(std::memory_order_acquire) &&
                std::chrono::steady_clock::now() < until)
-            for (int i = 0; i < 8; i++) KT_PAUSE();  // a PAUSE is ~140 cycles on Sapphire Rapids: check every ~0.5 us
+            for (int i = 0; i < 8; i++) KT_PAUSE();  // (PAUSE is long on recent cores: a few between checks of the clock)
         if (generation_.load(std::memory_order_acquire) == seen) {
             std::unique_lock<std::mutex> lock(mu_);
             wake_.wait(lock, [&] { return generation_.load() != seen || rouses_.load() != roused; });

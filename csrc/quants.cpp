@@ -142,28 +142,13 @@ void prep_q8_kt(const float* x, act_q8_k* y, int n) {
 }
 
 // ---- 16-row tiles ---------------------------------------------------------------------------
-// Bytes ahead of the tile being read that the tiled kernels prefetch (0: none, the hardware's
-// prefetchers alone); set once by set_tile_prefetch before any kernel runs.
-int g_tile_prefetch = 0;
-// Which cache level those prefetches fill: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
-int g_tile_prefetch_hint = 0;
-// (asm volatile: GCC 12 deleted _mm_prefetch under this switch from every tiled kernel it was
-// inlined into, silently: those kernels ran with no software prefetch whatever the setting)
-inline void prefetch_line(const char* p) {
-    switch (g_tile_prefetch_hint) {  // (set once: the branch always goes the same way)
-        case 1: __asm__ volatile("prefetcht1 %0" : : "m"(*p)); break;
-        case 2: __asm__ volatile("prefetcht2 %0" : : "m"(*p)); break;
-        case 3: __asm__ volatile("prefetchnta %0" : : "m"(*p)); break;
-        default: __asm__ volatile("prefetcht0 %0" : : "m"(*p));
-    }
-}
-bool g_prologue = true;  // prefetch_prologue on
-// prefetch part `part` (of `parts`) of the lines `g_tile_prefetch` bytes past `tile`
+// (asm volatile: GCC deleted _mm_prefetch from tiled kernels it was inlined into, silently)
+inline void prefetch_line(const char* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*p)); }
+// prefetch part `part` (of `parts`) of the lines kPrefetchAhead bytes past `tile`
 template <typename Tile>
 inline void prefetch_ahead(const Tile* tile, int part, int parts) {
-    if (!g_tile_prefetch) return;
     constexpr int lines = (sizeof(Tile) + 63) / 64;
-    const char* at = (const char*)tile + g_tile_prefetch;
+    const char* at = (const char*)tile + kPrefetchAhead;
     for (int l = part * lines / parts; l < (part + 1) * lines / parts; l++) prefetch_line(at + 64 * l);
 }
 // One tile step group from 32 bytes holding a sub-block's 32 values as nibbles (the low nibbles
@@ -508,8 +493,8 @@ void dot4_q5_k(int n, const void* vw, const void* const va[4], float out[4]) {
 
 #if defined(__AVX512VNNI__)
 // acc + dpbusd(w, x's 4 bytes broadcast to the 16 lanes), the broadcast folded into the instruction
-// ({1to16}: one op where GCC 12 emits a broadcast load and the dpbusd; the T=1 Q4_K tiles, one
-// thread: 93-96 GB/s from L3 against 86-88, 0.82 of the reads alone from RAM against 0.78)
+// ({1to16}: one op where GCC emits a broadcast load and the dpbusd: fewer instructions in the
+// T=1 tiles' loop, which must keep up with memory)
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)x));
     return acc;
@@ -544,7 +529,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     // the tile's bytes in order, d and dmin first: one forward stream for the prefetchers; and each
     // tile's header (d, dmin, scales) loaded during the tile before it: every sub-block's result
     // waits for its scale, so a header that missed the cache held the whole tile (and the
-    // reorder window with it) for one memory latency: one core read Q4_K from RAM at 21 GB/s, 35 so
+    // reorder window with it) for one memory latency
     const int nb = n / QK_K;
     __m256i nd = _mm256_loadu_si256((const __m256i*)w->d), ndm = _mm256_loadu_si256((const __m256i*)w->dmin);
     __m512i n0 = _mm512_loadu_si512(w->sc[0]), n1 = _mm512_loadu_si512(w->sc[1]), n2 = _mm512_loadu_si512(w->sc[2]);
@@ -1390,8 +1375,8 @@ __attribute__((target("avx512bf16,avx512f,avx512bw"))) void dot_bf16_dp(int n, c
 }
 #endif
 
-// The R x T kernels (R, T <= 4) rows_16bit picks from: dot_16bit, or for BF16 dot_bf16_dp where
-// it runs (chosen once a call).
+// The R x T kernels (R, T <= 4) rows_16bit picks from: dot_16bit, or for BF16 dot_bf16_dp when the
+// format's kernel is Dot or Amx (find_format gives those only where they run).
 template <typename Kind>
 using Dot16Fn = void (*)(int, const typename Kind::type*, size_t, const typename Kind::act* const*, float*);
 template <typename Kind, template <int, int> class Pick>
@@ -1416,36 +1401,35 @@ struct PickBf16Dp {
 };
 #endif
 
-template <typename Kind>
+template <typename Kind, Bf16Kernel K>
 const Dot16Fn<Kind> (*dot16_table())[4] {
 #if defined(__AVX512BW__)
-    if constexpr (std::is_same<Kind, BF16Kind>::value)
-        if (bf16_kernels().first) return Dot16Table<BF16Kind, PickBf16Dp>::fns;
+    if constexpr (std::is_same<Kind, BF16Kind>::value && K != Bf16Kernel::Widen) return Dot16Table<BF16Kind, PickBf16Dp>::fns;
 #endif
     return Dot16Table<Kind, Widened<Kind>::template Pick>::fns;
 }
 
 // Rows r0..r1 against `count` tokens, four rows (in L1) against each four tokens in turn (the
 // R, T <= 4 kernels above): the weights stream from memory once a call, the activations from L2.
-// BF16 rows take AMX tiles first where the build and the call allow (amx_bf16_rows, bf16.cpp),
+// BF16 rows of kernel Amx take AMX tiles first where the call allows (amx_bf16_rows, bf16.cpp),
 // the rest of the rows the vector kernels.
-template <typename Kind>
+template <typename Kind, Bf16Kernel K = Bf16Kernel::Widen>
 void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
                 float* out, size_t stride) {
-    if constexpr (std::is_same<Kind, BF16Kind>::value) {
+    if constexpr (std::is_same<Kind, BF16Kind>::value && K == Bf16Kernel::Amx) {
         const Bf16Matrix mat{w, out};
         r0 = amx_bf16_rows(n, &mat, 1, row_bytes, r0, r1, a, count, stride);
         if (r0 >= r1) return;
     }
     using Act16 = typename Kind::act;
-    const Dot16Fn<Kind>(*fns)[4] = dot16_table<Kind>();
+    const Dot16Fn<Kind>(*fns)[4] = dot16_table<Kind, K>();
     const size_t row_elems = row_bytes / sizeof(typename Kind::type);
     const typename Kind::type* rows = (const typename Kind::type*)w;
     float v[16];
     for (int r = r0; r < r1; r += 4) {
         const int nr = std::min(4, r1 - r);
-        if (g_tile_prefetch) {  // the block's bytes, the tiles' distance ahead (the task's prologue fetched the first)
-            const char* ahead = (const char*)(rows + r * row_elems) + g_tile_prefetch;
+        {  // the block's bytes, the tiles' distance ahead (the task's prologue fetched the first)
+            const char* ahead = (const char*)(rows + r * row_elems) + kPrefetchAhead;
             for (size_t b = 0; b < nr * row_bytes; b += 64) prefetch_line(ahead + b);
         }
         for (int t0 = 0; t0 < count; t0 += 4) {
@@ -1460,11 +1444,11 @@ void rows_16bit(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const
 }
 
 // One row against one token (Format::dot): the pair's steps as in any block of rows_16bit.
-template <typename Kind>
+template <typename Kind, Bf16Kernel K = Bf16Kernel::Widen>
 float dot_16(int n, const void* w, const void* x) {
     float out;
     const typename Kind::act* xs[1] = {(const typename Kind::act*)x};
-    dot16_table<Kind>()[0][0](n, (const typename Kind::type*)w, 0, xs, &out);
+    dot16_table<Kind, K>()[0][0](n, (const typename Kind::type*)w, 0, xs, &out);
     return out;
 }
 
@@ -1590,7 +1574,6 @@ constexpr Act kActQ4K = Act::Q8_K;
 const Format kFormats[] = {
     {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
     {F16, "F16", 1, 2, Act::F32, dot_16<F16Kind>, nullptr, nullptr, rows_16bit<F16Kind>},
-    {BF16, "BF16", 1, 2, Act::BF16, dot_16<BF16Kind>, nullptr, nullptr, rows_16bit<BF16Kind>},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, kDot4Q8_0},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, kDot4Q4_0},
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
@@ -1610,6 +1593,15 @@ const Format kFormats[] = {
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
 #endif
+};
+
+// BF16 rows, one entry a kernel (Bf16Kernel's order); find_format picks one.
+const Format kBf16Formats[] = {
+    {BF16, "BF16", 1, 2, Act::BF16, dot_16<BF16Kind>, nullptr, nullptr, rows_16bit<BF16Kind>, Bf16Kernel::Widen},
+    {BF16, "BF16", 1, 2, Act::BF16, dot_16<BF16Kind, Bf16Kernel::Dot>, nullptr, nullptr,
+     rows_16bit<BF16Kind, Bf16Kernel::Dot>, Bf16Kernel::Dot},
+    {BF16, "BF16", 1, 2, Act::BF16, dot_16<BF16Kind, Bf16Kernel::Amx>, nullptr, nullptr,
+     rows_16bit<BF16Kind, Bf16Kernel::Amx>, Bf16Kernel::Amx},
 };
 
 struct Repack {
@@ -1646,23 +1638,10 @@ void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, 
     }
 }
 
-std::pair<int, int> tile_prefetch() { return {g_tile_prefetch, g_tile_prefetch_hint}; }
-
-void set_task_prologue(bool on) { g_prologue = on; }
-bool task_prologue() { return g_prologue; }
-
 void prefetch_prologue(const void* start, size_t bytes) {
-    if (!g_tile_prefetch || !g_prologue) return;
     const char* p = (const char*)start;
-    const size_t n = bytes < (size_t)g_tile_prefetch ? bytes : (size_t)g_tile_prefetch;
+    const size_t n = bytes < (size_t)kPrefetchAhead ? bytes : (size_t)kPrefetchAhead;
     for (size_t b = 0; b < n; b += 64) prefetch_line(p + b);
-}
-
-void set_tile_prefetch(int bytes, int hint) {
-    if (bytes < 0 || bytes > (1 << 20)) throw std::invalid_argument("tile prefetch distance must be 0..1 MiB, got " + std::to_string(bytes));
-    if (hint < 0 || hint > 3) throw std::invalid_argument("tile prefetch hint must be 0..3 (T0, T1, T2, NTA), got " + std::to_string(hint));
-    g_tile_prefetch = bytes;
-    g_tile_prefetch_hint = hint;
 }
 
 int rows_step(const Format* f) { return f->tile ? kTileRows : 1; }
@@ -1700,7 +1679,8 @@ void repack_tiles(int type, const void* src, void* dst, int rows, int n) {
             for (int g = 0; g < rows / kTileRows; g++) r.fn((const uint8_t*)src + g * group, (uint8_t*)dst + g * group, n);
 }
 
-const Format* find_format(int type) {
+const Format* find_format(int type, Bf16Kernel bf16) {
+    if (type == BF16) return &kBf16Formats[(int)std::min(bf16, bf16_best())];
     for (const Format& f : kFormats)
         if (f.type == type) return &f;
     return nullptr;

@@ -33,6 +33,13 @@ using RepackFn = void (*)(const void* rows, void* tiles, int n);
 constexpr int kTileRows = 16;
 constexpr int kTiled = 256;  // type id | kTiled: the tiled layout of that ggml type
 
+// BF16 rows (bf16.cpp): the widening kernel (every bf16 to float32), vdpbf16ps dot products where
+// the CPU has AVX512-BF16, and AMX-BF16 tiles for blocks of rows and tokens where the build has
+// them and the OS grants them, best last. A kernel takes the best its caller allows that runs
+// here (find_format); tests allow each in turn to check them against each other.
+enum class Bf16Kernel { Widen = 0, Dot = 1, Amx = 2 };
+Bf16Kernel bf16_best();  // the best BF16 kernel this build runs on this CPU
+
 struct Format {
     int type;  // ggml type id, | kTiled for a tiled layout
     const char* name;
@@ -47,6 +54,7 @@ struct Format {
     // 16-bit floats); nullptr: dot_rows_block pairs dot4 with blocks of rows.
     void (*rows)(int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a, int count,
                  float* out, size_t stride) = nullptr;
+    Bf16Kernel bf16 = Bf16Kernel::Widen;  // BF16 rows: the kernel `rows` and `dot` use
 };
 
 // The rows [r, r + step) of w (step: 1, or kTileRows for a tiled format, r a multiple of it)
@@ -61,18 +69,16 @@ int tile_cols(int type);  // the tiled layout's columns come in multiples of thi
 size_t tiled_row_bytes(int type, int rows, int n);
 // Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (checked as above).
 void repack_tiles(int type, const void* src, void* dst, int rows, int n);
-// Software prefetch in the tiled kernels, `bytes` ahead of the tile being read (0: none), into the
-// cache level of `hint`: 0 L1 (T0), 1 L2 (T1), 2 T2, 3 non-temporal (NTA).
-void set_tile_prefetch(int bytes, int hint = 0);
-// The first min(bytes, distance) bytes of a run of weights about to be read, at once, with the
-// tile prefetch's hint: the tiled kernels prefetch `distance` ahead of where they read, so
-// without it a run's first distance bytes come by demand misses. Off with set_task_prologue(false)
-// or a distance of 0. (The MoE's GGML-block tasks issue it for their gate and up runs together
-// at the start, as measured on the GPU host; the up run's lines then wait in L2.)
+// Software prefetch of the tiled kernels: the lines kPrefetchAhead bytes past the tile being read,
+// into L1 (T0). A one-token call does little arithmetic a byte, so the hardware prefetchers alone
+// leave it waiting on memory; a few KiB ahead hide the latency (within that range the distance
+// matters little).
+constexpr int kPrefetchAhead = 4096;
+// The first min(bytes, kPrefetchAhead) bytes of a run of weights about to be read, at once:
+// the kernels prefetch kPrefetchAhead ahead of where they read, so without it a run's first
+// bytes would come by demand misses. (The MoE's GGML-block tasks issue it for their gate and up
+// runs together at the start; the up run's lines then wait in L2.)
 void prefetch_prologue(const void* start, size_t bytes);
-void set_task_prologue(bool on);
-bool task_prologue();
-std::pair<int, int> tile_prefetch();  // (bytes, hint) as last set
 
 // out[i] = dot(w, a[i]) for i < count, four at a time where the format has a dot4.
 void dot_rows(const Format* f, int n, const void* w, const void* const* a, int count, float* out);
@@ -83,11 +89,6 @@ void dot_rows(const Format* f, int n, const void* w, const void* const* a, int c
 void dot_rows_block(const Format* f, int n, const uint8_t* w, size_t row_bytes, int r0, int r1, const void* const* a,
                     int count, float* out, size_t stride);
 
-// BF16 rows (bf16.cpp): vdpbf16ps where the CPU has AVX512-BF16, and AMX-BF16 tiles for blocks
-// of rows and tokens where the build has them and the OS grants them. Tests switch either off to
-// check the paths against each other; bf16_kernels() says which would run (dot, amx).
-void set_bf16_kernels(bool dot, bool amx);
-std::pair<bool, bool> bf16_kernels();
 // The AMX part of BF16 rows calls: rows r0..r1 of each of `mats` matrices (rows of row_bytes,
 // n values) against the same `count` tokens' activations, out[t * stride + r] as Format::rows
 // writes them. The tokens are packed once for all the matrices (an MoE's gate and up). It does the
@@ -101,8 +102,9 @@ struct Bf16Matrix {
 int amx_bf16_rows(int n, const Bf16Matrix* mats, int count_mats, size_t row_bytes, int r0, int r1,
                   const void* const* a, int count, size_t stride);
 
-// nullptr when `type` is not computed on directly.
-const Format* find_format(int type);
+// nullptr when `type` is not computed on directly. BF16 rows: the best kernel up to `bf16` that
+// runs here.
+const Format* find_format(int type, Bf16Kernel bf16 = Bf16Kernel::Amx);
 const char* supported_formats();
 
 // Bytes of one prepared activation row of n values.

@@ -14,6 +14,7 @@ import torch
 from ktransformers.kernels.cpu import (
     ACTIVATION_BLOCK,
     BF16_ACTIVATIONS,
+    BF16_KERNELS,
     CPURuntime,
     ExpertWeights,
     Int8Rows,
@@ -133,7 +134,7 @@ def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     x = torch.randn(9, 512, generator=gen)
     together = lin.forward(x)
     alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(9)])
-    if fmt == GGMLType.BF16 and runtime.ext.bf16_kernels()[1]:
+    if fmt == GGMLType.BF16 and runtime.bf16_kernel == "amx":
         # AMX-BF16 tiles take calls of >= 4 tokens, and add the same exact products in another order
         assert rel_err(together, alone) < 1e-6
     else:
@@ -242,7 +243,7 @@ def test_tiles_layout_and_kernel(runtime, fmt):
     if not runtime.ext.has_tiles(int(fmt)):
         # AVX512-VNNI has every format's tiles; the AVX2 level the K-quants' (Q4_K, Q5_K, Q6_K)
         assert runtime.isa == "avx2" and fmt not in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
-        return
+        pytest.skip(f"the {runtime.isa} build has no {fmt.name} tiles (the AVX2 level tiles the K-quants only)")
     gen = torch.Generator().manual_seed(5)
     E, K, H, I = 7, 3, 512, 256
     (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
@@ -325,32 +326,12 @@ def test_bad_input_raises_before_touching_memory(runtime):
         MoEKernel(runtime, experts=E, top_k=K, hidden=H + 16, intermediate=I, gate=g, up=u, down=d)
 
 
-def test_moe_read_only_measures_and_switches_back():
-    """The read-only measurement (set_moe_read_only) reads the weights and computes nothing:
-    zeros out; switched off, the same call gives the real result again, to the bit."""
-    gen = torch.Generator().manual_seed(23)
-    E, K, H, I = 6, 2, 256, 256
-    (g, _), (u, _), (d, _) = (expert_weights(t, E, r, c, gen) for t, r, c in
-                              ((GGMLType.Q4_K, I, H), (GGMLType.Q4_K, I, H), (GGMLType.Q6_K, H, I)))
-    rt = CPURuntime(2)
-    kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8)
-    ids, w = routing(1, E, K, gen)
-    x = torch.randn(1, H, generator=gen)
-    want = kernel.forward(x, ids, w)
-    assert want.abs().sum() > 0
-    try:
-        rt.ext.set_moe_read_only(True)
-        assert rt.ext.moe_read_only()
-        assert torch.equal(kernel.forward(x, ids, w), torch.zeros_like(want))
-    finally:
-        rt.ext.set_moe_read_only(False)
-    assert torch.equal(kernel.forward(x, ids, w), want)
-
-
-def test_moe_pipeline_matches_phases(monkeypatch):
-    """KT_MOE_PIPELINE=0 (gate/up, activation and down as three parallel regions) and the default
-    single region, whose down tasks wait for their expert's last gate/up chunk, compute the same
-    bits; also with more threads than cores (waiting threads descheduled) and skipped pairs."""
+def test_moe_one_region_matches_phases():
+    """Decode-sized calls run gate/up, activation and down as one parallel region, whose down tasks
+    wait for their expert's last gate/up chunk; prefill-sized ones as three regions with barriers.
+    Both meet the reference, give the same bits at any thread count (also more threads than cores:
+    waiting threads descheduled) and with skipped pairs, and a token computed alone (one region)
+    gives the bits it gets inside a prefill-sized call (phases)."""
     gen = torch.Generator().manual_seed(21)
     E, K, H, I = 9, 3, 512, 256
     (g, gd), (u, ud) = expert_weights(GGMLType.Q4_K, E, I, H, gen), expert_weights(GGMLType.Q4_K, E, I, H, gen)
@@ -364,67 +345,36 @@ def test_moe_pipeline_matches_phases(monkeypatch):
             ids[:] = -1  # every pair elsewhere: no expert active
         cases.append((torch.randn(T, H, generator=gen), ids, w))
     outs, regions = {}, {}
-    try:
-        for pipeline in ("1", "0"):
-            monkeypatch.setenv("KT_MOE_PIPELINE", pipeline)
-            for threads in (1, 2, 7):
-                rt = CPURuntime(threads)
-                assert rt.ext.moe_pipeline() == (pipeline == "1")
-                kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
-                                   max_tokens=16)
-                before = rt.ext.moe_pipeline_calls()
-                outs[pipeline, threads] = [kernel.forward(x, ids, w) for x, ids, w in cases]
-                regions[pipeline, threads] = rt.ext.moe_pipeline_calls() - before
-    finally:
-        monkeypatch.delenv("KT_MOE_PIPELINE")
-        CPURuntime(1)  # (process-wide setting: back to the default)
+    for threads in (1, 2, 7):
+        kernel = MoEKernel(CPURuntime(threads), experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                           max_tokens=16)
+        outs[threads] = [kernel.forward(x, ids, w) for x, ids, w in cases]
+        x, ids, w = cases[3]
+        alone = torch.cat([kernel.forward(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(16)])
+        assert torch.equal(alone, outs[threads][3][:16]), threads
+        regions[threads] = kernel._moe.one_region_calls
     # the one region ran for the decode-sized calls (T 1, 2, 5, the last 1-token chunk of T=33 and
-    # the empty T=3; T=33's two 16-token chunks have ~5 tokens an expert: phases), and never when
-    # switched off
-    assert all(n == 5 for (p, _), n in regions.items() if p == "1"), regions
-    assert all(n == 0 for (p, _), n in regions.items() if p == "0"), regions
-    base = outs["0", 1]
-    for key, ys in outs.items():
-        assert all(torch.equal(y, b) for y, b in zip(ys, base)), key
-    assert torch.equal(base[4], torch.zeros_like(base[4]))
-    ref = moe_reference(cases[3][0], cases[3][1], cases[3][2], torch.cat([gd, ud], dim=1), dd,
-                        lambda t: round_activations(t, 256), lambda t: round_activations(t, 256))
-    assert rel_err(base[3], ref) < 5e-3
-
-
-def test_tile_prefetch_settings(monkeypatch):
-    """KT_CPU_PREFETCH(_HINT) change where the tiled kernels prefetch, never what they compute;
-    values out of range are refused by name."""
-    gen = torch.Generator().manual_seed(11)
-    E, K, H, I = 5, 2, 512, 256
-    g, u, d = (expert_weights(GGMLType.Q4_K, E, r, c, gen)[0] for r, c in ((I, H), (I, H), (H, I)))
-    x = torch.randn(3, H, generator=gen)
-    ids, w = routing(3, E, K, gen)
-    outs = []
-    for distance, hint in (("0", "t0"), ("4096", "t0"), ("4096", "t1"), ("8192", "nta")):
-        monkeypatch.setenv("KT_CPU_PREFETCH", distance)
-        monkeypatch.setenv("KT_CPU_PREFETCH_HINT", hint)
-        rt = CPURuntime(2)
-        assert rt.ext.tile_prefetch() == (int(distance), ("t0", "t1", "t2", "nta").index(hint))
-        outs.append(MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d).forward(x, ids, w))
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    monkeypatch.setenv("KT_CPU_PREFETCH_HINT", "t3")
-    with pytest.raises(ValueError, match="KT_CPU_PREFETCH_HINT='t3'"):
-        CPURuntime(1)
-    monkeypatch.setenv("KT_CPU_PREFETCH_HINT", "t0")
-    monkeypatch.setenv("KT_CPU_PREFETCH", str(2 << 20))
-    with pytest.raises(ValueError, match="0..1 MiB"):
-        CPURuntime(1)
-    monkeypatch.delenv("KT_CPU_PREFETCH")
-    monkeypatch.delenv("KT_CPU_PREFETCH_HINT")
-    CPURuntime(1)  # (the setting is the extension's, process-wide: back to the defaults)
+    # the empty T=3; T=33's two 16-token chunks have ~5 tokens an expert: phases), then for each of
+    # the 16 tokens alone
+    assert all(n == 5 + 16 for n in regions.values()), regions
+    base = outs[1]
+    for threads, ys in outs.items():
+        assert all(torch.equal(y, b) for y, b in zip(ys, base)), threads
+    for (x, ids, w), y in zip(cases, base):
+        if bool((ids < 0).all()):  # every pair skipped
+            assert torch.equal(y, torch.zeros_like(y))
+            continue
+        skipped = ids < 0  # (the reference takes them as expert 0 at weight 0)
+        ref = moe_reference(x, ids.clamp(min=0), torch.where(skipped, 0.0, w), torch.cat([gd, ud], dim=1), dd,
+                            lambda t: round_activations(t, 256), lambda t: round_activations(t, 256))
+        assert rel_err(y, ref) < 5e-3, x.shape[0]
 
 
 @pytest.mark.parametrize("isa", supported_isas())
-def test_bf16_kernels_agree(monkeypatch, isa):
+def test_bf16_kernels_agree(isa):
     """BF16 weights: the AMX-BF16 tiles (blocks of 16 rows x 16 tokens, from 4 tokens), the
     AVX512-BF16 dot products and the widening kernel each meet the float64 formula on the same
-    bf16-rounded activations, wherever this CPU runs them (KT_CPU_BF16 picks the best allowed):
+    bf16-rounded activations, wherever this CPU runs them (CPURuntime's bf16_kernel: the best allowed):
     token counts below and above the AMX threshold, 16-token blocks part full, more tokens than
     one packed B buffer (64), rows that end inside a 16-row block, a width that is no multiple of
     32 (the AMX path refuses it: the dot products take all)."""
@@ -435,11 +385,10 @@ def test_bf16_kernels_agree(monkeypatch, isa):
         (g, gd), (u, ud), (d, dd) = (expert_weights(GGMLType.BF16, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
         gate_up = torch.cat([gd, ud], dim=1)
         for kernels in ("widen", "dot", "amx"):
-            monkeypatch.setenv("KT_CPU_BF16", kernels)
-            rt = CPURuntime(2, isa=isa)
-            dot, amx = rt.ext.bf16_kernels()
-            assert not (kernels == "widen" and (dot or amx)) and not (kernels == "dot" and amx)
-            seen.add((dot, amx))
+            rt = CPURuntime(2, isa=isa, bf16_kernel=kernels)
+            ran = rt.bf16_kernel
+            assert BF16_KERNELS.index(ran) <= BF16_KERNELS.index(kernels), (kernels, ran)
+            seen.add(ran)
             kernel = MoEKernel(rt, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=128)
             for T in (1, 3, 4, 21, 70):  # 70 tokens: one expert gets > 64 of them, two B buffers
                 x = torch.randn(T, H, generator=gen)
@@ -448,26 +397,27 @@ def test_bf16_kernels_agree(monkeypatch, isa):
                 bf16 = lambda t: round_activations(t, BF16_ACTIVATIONS)
                 want = moe_reference(x.double(), ids, w.double(), gate_up.double(), dd.double(), bf16, bf16)
                 # the products are exact; float32 sums, and h rounded to bf16 (a rare flip of one step)
-                assert rel_err(y, want) < 2e-4, (isa, kernels, dot, amx, H, I, T)
+                assert rel_err(y, want) < 2e-4, (isa, kernels, ran, H, I, T)
             lin = LinearKernel(rt, in_features=H, out_features=I, weight=ExpertWeights(g.data[: I * H * 2], int(GGMLType.BF16)),
                                max_tokens=80)
             for T in (1, 9, 80):  # 9 and 80 tokens: chunks of >= 64 rows, AMX tiles where they run
                 x = torch.randn(T, H, generator=gen)
                 want = round_activations(x, BF16_ACTIVATIONS).double() @ gd[0].double().T
                 assert rel_err(lin.forward(x), want) < 1e-6, (isa, kernels, H, I, T)
-    monkeypatch.delenv("KT_CPU_BF16")
-    monkeypatch.setenv("KT_CPU_BF16", "tiles")
-    with pytest.raises(ValueError, match="KT_CPU_BF16='tiles'"):
-        CPURuntime(1, isa=isa)
-    monkeypatch.delenv("KT_CPU_BF16")
-    CPURuntime(1, isa=isa)  # (process-wide: back to the default)
+    assert "widen" in seen
+    with pytest.raises(ValueError, match="bf16_kernel='tiles'"):
+        CPURuntime(1, isa=isa, bf16_kernel="tiles")
     if isa == "amx":
-        assert (True, True) in seen, "the amx build ran no AMX-BF16 tiles"
+        assert "amx" in seen, "the amx build ran no AMX-BF16 tiles"
 
 
 def test_isa_override(monkeypatch):
     have = supported_isas()
     assert have and have[-1] == "avx2"
+    monkeypatch.delenv("KT_CPU_ISA", raising=False)
+    assert default_isa() == have[0]
+    monkeypatch.setenv("KT_CPU_ISA", " ")
+    assert default_isa() == have[0]
     for isa in have:
         monkeypatch.setenv("KT_CPU_ISA", isa)
         assert default_isa() == isa and CPURuntime(1).isa == isa
@@ -497,11 +447,10 @@ def test_avx2_build_has_no_avx512_instructions():
 
 
 def test_tiled_kernels_prefetch():
-    """Every tiled kernel of every build on disk issues its software prefetches (KT_CPU_PREFETCH):
-    GCC 12 once deleted _mm_prefetch from all of them without a word, and the T=1 kernel read
-    0.81 as fast as the same tasks reading alone on the dev VM (1 thread), where it reads 0.99
-    with them. A function of the tile kernels (tile_*_rows, or tiles_* with the T=1 kernel
-    inlined) that computes (dpbusd or maddubs) must hold a prefetch instruction."""
+    """Every tiled kernel of every build on disk issues its software prefetches: GCC once deleted
+    _mm_prefetch from all of them without a word, and a one-token call then waits on memory. A
+    function of the tile kernels (tile_*_rows, or tiles_* with the T=1 kernel inlined) that
+    computes (dpbusd or maddubs) must hold a prefetch instruction."""
     import glob
     import re
 
@@ -698,35 +647,3 @@ def test_runtime_copy_moves_every_byte():
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="copy: 5 source bytes into a 4-byte destination"):
         runtime.copy(torch.zeros(4, dtype=torch.uint8), np.zeros(5, dtype=np.uint8))
-
-
-def test_weight_buffers_ask_for_huge_pages(monkeypatch):
-    """With KT_HUGEPAGES=1 repacked weights live in buffers advised for transparent huge pages:
-    the 2 MiB-aligned interior of a buffer is advised (0 bytes for one too small to hold a huge
-    page, or a null address); by default buffers stay as torch allocates them."""
-    from ktransformers.kernels.cpu import hugepages_enabled, weight_buffer
-    monkeypatch.delenv("KT_HUGEPAGES", raising=False)
-    rt = CPURuntime(threads=1)
-    ext = rt.ext
-    buf = torch.empty(5 << 20, dtype=torch.uint8)
-    advised = ext.advise_hugepages(buf.data_ptr(), buf.numel())
-    thp_setting = "/sys/kernel/mm/transparent_hugepage/enabled"
-    thp = open(thp_setting).read() if os.path.exists(thp_setting) else "[never]"
-    if "[never]" not in thp:
-        assert advised >= 2 << 20 and advised % (2 << 20) == 0 and advised <= buf.numel()
-    assert ext.advise_hugepages(buf.data_ptr() + 1, 1 << 20) == 0
-    assert ext.advise_hugepages(0, 8 << 20) == 0
-    calls = []
-
-    class Recording:  # the extension's advice, recorded
-        def advise_hugepages(self, data, nbytes):
-            calls.append((data, nbytes))
-            return ext.advise_hugepages(data, nbytes)
-
-    assert not hugepages_enabled()  # opt-in
-    weight_buffer(Recording(), 3 << 20)
-    assert calls == []
-    monkeypatch.setenv("KT_HUGEPAGES", "1")
-    assert hugepages_enabled()
-    out = weight_buffer(Recording(), 3 << 20)
-    assert out.dtype == torch.uint8 and out.numel() == 3 << 20 and calls == [(out.data_ptr(), 3 << 20)]

@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU (no CUDA graphs)")
-    p.add_argument("--llama-python", default=os.environ.get("KT_LLAMA_PYTHON"),
-                   help="python with llama-cpp-python installed (default: this one, or $KT_LLAMA_PYTHON)")
+    p.add_argument("--llama-python", help="python with llama-cpp-python installed (default: this one)")
     p.add_argument("--stream-gib", type=float, default=2.0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--breakdown", action="store_true", help="also print (stderr) where a decode step's time goes")

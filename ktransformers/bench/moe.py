@@ -87,8 +87,7 @@ _PROBE_BUFFERS: dict = {}  # size in bytes -> the probe's buffer, made once a pr
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches, the same
     buffer every probe of the process (a new one a probe, written and freed around every row's
-    calls, slowed the calls after it by up to half on the dev VM: T=1 Q4_K_M read 0.39-0.65 of
-    the stream in seven runs where the same kernel read 0.79-0.97 beside a kept buffer)."""
+    calls, can slow the calls after it by up to half)."""
     size = int(gib * 2**30)
     if size not in _PROBE_BUFFERS:
         _PROBE_BUFFERS[size] = runtime.probe_buffer(gib)
@@ -137,9 +136,9 @@ def l3_bytes() -> int:
 
 def default_copies(shape: dict, fmt: str) -> int:
     """Copies of the layer to cycle: at least 3, and enough to hold 8x the last-level cache, so
-    that calls read their experts from RAM as a model's layers do. (The GPU host's 300 MiB L3
-    served part of 2-3 copies: they read at 1.0-1.17 of the stream where 48 read 0.65-0.80,
-    scripts/cpu_footprint.py.) Fewer where RAM is short (expert_budget then trims experts)."""
+    that calls read their experts from RAM as a model's layers do (a large L3 serves part of a
+    few copies, which then read faster than the stream). Fewer where RAM is short (expert_budget
+    then trims experts)."""
     layer = shape["experts"] * expert_bytes(shape, fmt)
     want = -(-8 * l3_bytes() // layer)
     fit = int(psutil.virtual_memory().available * 0.2 // layer)  # (a copy holds its blocks and its tiles)
@@ -193,8 +192,8 @@ def run_format(args, runtime, shape: dict, shape_name: str, fmt: str, gen) -> li
         measured = []
         for _ in range(args.rounds if T <= 32 else 1):  # (prefill rows: long calls, one round)
             # the probe right before and right after the round's calls, the higher of the two:
-            # this machine's stream at the time of the round (the dev VM moves between ~30 and
-            # ~70 GB/s by the minute, so one probe at the start could miss a row's time by 2x)
+            # this machine's stream at the time of the round (a shared machine's moves by the
+            # minute, so one probe at the start could miss a row's time by far)
             before = stream_gbps(runtime, args.stream_gib, 3)
             seconds, inside, nbytes = time_layer(layers, calls)
             stream = max(before, stream_gbps(runtime, args.stream_gib, 3))

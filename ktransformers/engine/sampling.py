@@ -5,7 +5,6 @@ Shapes: B rows (sequences), V vocabulary. logits [B, V] any float dtype -> token
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -205,10 +204,9 @@ _DRAW_GRAPHS_KEPT = 16  # captures a process makes; other keys draw eagerly
 
 def _draw_graph(logits: torch.Tensor, p: SamplingParams) -> _DrawGraph | None:
     """The captured draw for these logits and params on a CUDA device, made on first use (None on
-    the CPU, inside another capture, with KT_SAMPLER_GRAPH=0, where capture failed or past the
-    first _DRAW_GRAPHS_KEPT keys: eager)."""
-    if (logits.device.type != "cuda" or os.environ.get("KT_SAMPLER_GRAPH", "1").strip() == "0"
-            or torch.cuda.is_current_stream_capturing()):
+    the CPU, inside another capture, where capture failed or past the first _DRAW_GRAPHS_KEPT
+    keys: eager)."""
+    if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     key = (logits.device, tuple(logits.shape), logits.dtype, p.temperature, p.top_k, p.top_p)
     if key not in _DRAW_GRAPHS:

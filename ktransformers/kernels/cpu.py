@@ -6,21 +6,15 @@ of the GGUF memory map where possible; MoEKernel/LinearKernel repack Q4_K/Q5_K/Q
 into 16-row tiles unless tiles=False). Every tensor is checked here (dtype, shape, contiguity,
 expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 
-Environment, read here and nowhere else: KT_CPU_ISA=avx2|avx512|amx forces an ISA level (tests
-use it to run every level the CPU has); KT_CPU_PREFETCH=<bytes>, how far ahead the tiled kernels
-prefetch weights (default 4096, 0: none; T=1 Q4_K_M, kernel against the same tasks reading
-alone: 1.03 against 0.79 with none on the 16-core Sapphire Rapids host, 1.03 against 0.89 at 2
-threads on the Zen 5 dev VM; 2048-8192 all within noise), KT_CPU_PREFETCH_HINT=t0|t1|t2|nta into which cache
-(default t0, L1); KT_MOE_TASKS, tasks a thread per MoE phase
-(default 0: decode 4, prefill 16); KT_MOE_PIPELINE=0 runs a decode call's gate/up, activation and down as three
-parallel regions with barriers instead of one (default 1); KT_CPU_BF16=amx|dot|widen, the best
-kernel BF16 weights may take (default amx: AMX-BF16 tiles for blocks of >= 4 tokens where the CPU has
-them, else AVX512-BF16 dot products, else every bf16 widened to float32); KT_CPU_SPIN_US, how long idle workers spin; KT_CUDA_HANDOFF=doorbell|host, how CPU
-experts fed from a CUDA stream are started and waited for (kernels/cuda_host.py; default doorbell,
-host functions where the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs
-to the pinned buffer (a cast and three copies) instead of one kernel storing them there;
-KT_CUDA_FUSE=0 keeps that kernel and the one reading y back launches of their own (default 1: the
-router stores the inputs, and the read-back also makes the layer's last add and the next norm).
+The ISA level is the best the CPU has; KT_CPU_ISA forces a lower one (ktransformers.environment).
+BF16 weights take the best kernel the CPU runs (AMX-BF16 tiles for blocks of >= 4 tokens, else
+AVX512-BF16 dot products, else every bf16 widened to float32) unless CPURuntime's bf16_kernel
+allows less. The CUDA hand-off (kernels/cuda_host.py): KT_CUDA_HANDOFF=doorbell|host, how CPU
+experts fed from a CUDA stream are started and waited for (default doorbell, host functions where
+the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs to the pinned buffer
+(a cast and three copies) instead of one kernel storing them there; KT_CUDA_FUSE=0 keeps that
+kernel and the one reading y back launches of their own (default 1: the router stores the inputs,
+and the read-back also makes the layer's last add and the next norm).
 """
 from __future__ import annotations
 
@@ -32,7 +26,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-ISA_ORDER = ("amx", "avx512", "avx2")  # best first
+from .. import environment
+
+ISA_ORDER = environment.CPU_ISAS  # best first
 # ggml type -> how the kernels prepare activations for it: the block over which they are quantized
 # to int8, BF16_ACTIVATIONS (rounded to bf16: BF16 weights) or None (kept float32). Mirrors
 # csrc/quants.cpp's format table; round_activations below rounds them the same way.
@@ -89,14 +85,13 @@ def supported_isas() -> tuple[str, ...]:
 
 
 def default_isa() -> str:
-    forced = os.environ.get("KT_CPU_ISA", "").strip().lower()
+    """The best ISA level this CPU has, or the one KT_CPU_ISA forces (which the CPU must have)."""
+    forced = environment.cpu_isa()
     have = supported_isas()
     if not have:
         raise RuntimeError("this CPU lacks AVX2+FMA, the lowest level the CPU kernels are built for")
-    if not forced:
+    if forced is None:
         return have[0]
-    if forced not in ISA_ORDER:
-        raise ValueError(f"KT_CPU_ISA={forced!r}: valid values are {', '.join(ISA_ORDER)}")
     if forced not in have:
         raise ValueError(f"KT_CPU_ISA={forced!r}: this CPU supports only {', '.join(have)}")
     return forced
@@ -112,30 +107,26 @@ def load_extension(isa: str | None = None):
         raise ImportError(f"the CPU kernels for {isa} are not built ({e}); reinstall with `pip install -e .`") from None
 
 
-PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # KT_CPU_PREFETCH_HINT, in the extension's order
-BF16_KERNELS = ("amx", "dot", "widen")  # KT_CPU_BF16, best first
+BF16_KERNELS = ("widen", "dot", "amx")  # the extension's order: each runs where the one before does
 
 
 class CPURuntime:
     """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
 
-    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int | None = None):
-        """`spin_us`: how long idle workers spin before sleeping (default $KT_CPU_SPIN_US or 300):
-        shorter leaves more of a small machine to other threads (a server's HTTP loop)."""
-        if spin_us is None:
-            spin_us = int(os.environ.get("KT_CPU_SPIN_US", "300"))
+    def __init__(self, threads: int | None = None, isa: str | None = None, pin: bool = True, spin_us: int = 300,
+                 bf16_kernel: str = "amx"):
+        """`spin_us`: how long idle workers spin before sleeping: shorter leaves more of a small
+        machine to other threads (a server's HTTP loop). `bf16_kernel` (widen, dot, amx): the
+        best kernel the MoE and linear kernels made on this runtime may use for BF16 weights
+        (the best of those this CPU runs: self.bf16_kernel); tests lower it to check each
+        against the reference."""
+        if bf16_kernel not in BF16_KERNELS:
+            raise ValueError(f"bf16_kernel={bf16_kernel!r}: expected one of {', '.join(BF16_KERNELS)}")
+        if spin_us < 0:
+            raise ValueError(f"spin_us={spin_us}: must be >= 0")
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
-        hint = os.environ.get("KT_CPU_PREFETCH_HINT", "t0").strip().lower()
-        if hint not in PREFETCH_HINTS:
-            raise ValueError(f"KT_CPU_PREFETCH_HINT={hint!r}: expected one of {', '.join(PREFETCH_HINTS)}")
-        self.ext.set_tile_prefetch(int(os.environ.get("KT_CPU_PREFETCH", "4096")), PREFETCH_HINTS.index(hint))
-        bf16 = os.environ.get("KT_CPU_BF16", "amx").strip().lower()
-        if bf16 not in BF16_KERNELS:
-            raise ValueError(f"KT_CPU_BF16={bf16!r}: expected one of {', '.join(BF16_KERNELS)}")
-        self.ext.set_bf16_kernels(bf16 != "widen", bf16 == "amx")
-        self.ext.set_moe_tasks_per_thread(int(os.environ.get("KT_MOE_TASKS", "0")))
-        self.ext.set_moe_pipeline(os.environ.get("KT_MOE_PIPELINE", "1").strip() != "0")
+        self.bf16_kernel = BF16_KERNELS[min(BF16_KERNELS.index(bf16_kernel), self.ext.bf16_best())]
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
@@ -155,17 +146,17 @@ class CPURuntime:
             self._keep.clear()
 
     def probe_buffer(self, gib: float = 2.0):
-        """A buffer of `gib` GiB for stream_gbps, its pages made as the weights' are, every one
+        """A buffer of `gib` GiB for stream_gbps, allocated as the weights' are, every page
         written (real)."""
-        buf = weight_buffer(self.ext, int(gib * 2**30)).numpy()
+        buf = torch.empty(int(gib * 2**30), dtype=torch.uint8).numpy()
         buf.fill(7)
         return buf
 
     def stream_gbps(self, gib: float = 2.0, repeats: int = 5, buffer=None) -> float:
         """Best-of-N rate (GB/s) at which the pool's threads read a buffer much larger than the
         caches (the CPU's memory-bandwidth probe): `buffer` (from probe_buffer), else a new one of
-        `gib` GiB, freed after. Benchmarks that probe again and again keep one buffer: on the dev
-        VM the calls right after a fresh 2 GiB buffer was written and freed ran at half speed."""
+        `gib` GiB, freed after. Benchmarks that probe again and again keep one buffer: calls
+        right after a fresh buffer was written and freed can read much slower."""
         import time
         buf = self.probe_buffer(gib) if buffer is None else buffer
         best = 0.0
@@ -210,24 +201,6 @@ class ExpertWeights:
         return self.ggml_type | ext.tiled_flag if self.tiled else self.ggml_type
 
 
-def hugepages_enabled() -> bool:
-    """Whether weight buffers made here ask for transparent huge pages: only with KT_HUGEPAGES=1.
-    Off by default: on the GPU host, in calls after an 18 GB model file and other processes had
-    fragmented RAM, the CPU experts ran 2-5x slower with the advice (khugepaged collapsing the
-    buffers' pages while the kernels stream them, presumably), where on fresh memory it was
-    neutral to slightly faster (docs/cpu_kernels.md)."""
-    return os.environ.get("KT_HUGEPAGES", "0") == "1"
-
-
-def weight_buffer(ext, nbytes: int) -> torch.Tensor:
-    """An untouched uint8 CPU tensor for weights streamed by the kernels; with KT_HUGEPAGES=1 its
-    pages advised huge (the OS grants them where transparent huge pages are "madvise" or "always")."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    if hugepages_enabled():
-        ext.advise_hugepages(out.data_ptr(), nbytes)
-    return out
-
-
 def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: int) -> ExpertWeights:
     """`weights` (rows x cols values in all, rows of GGML blocks) repacked once into the 16-row
     tiles this build computes on without horizontal sums (same byte count, a new tensor), where
@@ -239,7 +212,7 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
     src, nbytes = _address(weights.data)
     if nbytes != tensor_nbytes(weights.ggml_type, rows * cols):
         return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
-    out = weight_buffer(runtime.ext, nbytes)
+    out = torch.empty(nbytes, dtype=torch.uint8)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
     return ExpertWeights(out, weights.ggml_type, tiled=True)
 
@@ -456,7 +429,7 @@ class MoEKernel:
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(-1 if w is None else w.kernel_type(runtime.ext) for w in self._weights),
                                     g, gb, u, ub, d, db,
-                                    addresses, min_tokens, addresses4, group)
+                                    addresses, min_tokens, addresses4, group, BF16_KERNELS.index(runtime.bf16_kernel))
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)
@@ -465,8 +438,8 @@ class MoEKernel:
                              f"got {tuple(ids.shape)} and {tuple(weights.shape)}")
         if ids.dtype.is_floating_point:
             raise ValueError(f"{self.name}: top_k_index must be an integer tensor, got {ids.dtype}")
-        # (converted only where needed: each torch call costs ~1 us here, more with the caches cold
-        # after a call has streamed its weights through them)
+        # (converted only where needed: a decode call is short enough for each torch call to
+        # count, the more with the caches cold after a call has streamed its weights through them)
         if not x.is_contiguous():
             x = x.contiguous()
         if ids.dtype != torch.int64 or not ids.is_contiguous():
@@ -505,7 +478,7 @@ class LinearKernel:
         self._weight = weight
         address, nbytes = _address(weight.data)
         self._linear = runtime.ext.Linear(runtime._rt, in_features, out_features, weight.kernel_type(runtime.ext), address,
-                                          nbytes, max_tokens)
+                                          nbytes, max_tokens, BF16_KERNELS.index(runtime.bf16_kernel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_activations(self.name, x, self.in_features)

@@ -21,7 +21,6 @@ The torch reference is `moe_reference` on the dequantized weights (tests).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -348,10 +347,9 @@ def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int,
     values dequant.dequantize gives for the same blocks as stored in the GGUF, to the bit.
     Layer-wise prefill's path when the experts are tiled: no copy to stage, one read of each byte.
     `programs`: at most this many programs, each taking every programs-th run of tiles (0: one
-    program a run); by default KT_TILES_PROGRAMS, else one a streaming multiprocessor. Programs
-    reading over the bus mostly wait: one a run of tiles (12,288 for one Qwen3 projection) filled
-    the SMs beside the MoE computing on the other stream, and prefill@8192 ran 1.17-1.19x faster
-    with one a SM (H200 host, scripts/gpu_tiles_programs.py, docs/benchmarks.md)."""
+    program a run); by default one a streaming multiprocessor. Programs reading over the bus
+    mostly wait: one a run of tiles (thousands for one projection) would fill the SMs that the
+    MoE computing on the other stream needs."""
     n, R, C = (int(s) for s in shape)
     t = int(ggml_type)
     if t not in TILE_BYTES:
@@ -369,9 +367,9 @@ def dequantize_tiles(tiles: torch.Tensor, ggml_type: int, shape: tuple[int, int,
     TILES = 4
     runs = triton.cdiv(n_tiles, TILES)
     if programs is None:
-        programs = int(os.environ.get("KT_TILES_PROGRAMS", "-1"))
-        if programs < 0:
-            programs = sm_count(out.device)
+        programs = sm_count(out.device)
+    elif programs < 0:
+        raise ValueError(f"dequantize_tiles: programs must be >= 0 (0: one a run of tiles), got {programs}")
     if n_tiles:
         grid = (min(runs, programs) if programs > 0 else runs,)
         _dequant_tiles_kernel[grid](tiles, out, n_tiles, R // TILE_ROWS, C // TILE_COLS, out.stride(0), out.stride(1),

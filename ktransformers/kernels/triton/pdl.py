@@ -16,7 +16,6 @@ ended: PDL orders a launch only after its immediate predecessor). Launches that 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -35,9 +34,8 @@ def _has_pdl(index: int) -> bool:
 
 def pdl(device: torch.device) -> dict:
     """Launch options of a kernel with a GDC parameter on `device`: a programmatic dependent
-    launch on CUDA devices of compute capability >= 9 (KT_PDL=0: never), else GDC off (gdc_enter
-    is then nothing)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("KT_PDL", "1") == "0":
+    launch on CUDA devices of compute capability >= 9, else GDC off (gdc_enter is then nothing)."""
+    if device.type != "cuda" or interpreting():
         return _NO_PDL
     return _PDL if _has_pdl(device.index if device.index is not None else torch.cuda.current_device()) else _NO_PDL
 
