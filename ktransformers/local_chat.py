@@ -24,8 +24,8 @@ HISTORY_FILE = ".ktransformers_history"  # under the user's home
 HISTORY_LENGTH = 1000
 EXIT_HINT = "Type /bye or press Ctrl-D to leave, /help for commands."
 COMMANDS = {  # name -> what it does; the names are matched case-insensitively, alone on their line
-    "/bye": "leave the chat (also: /exit, exit or quit alone on a line, Ctrl-D, Ctrl-C at the prompt)",
-    "/exit": "leave the chat",
+    "/bye": "leave the chat; so do exit or quit alone on a line, Ctrl-D, and Ctrl-C at the prompt",
+    "/exit": "the same as /bye",
     "/clear": "forget the conversation and start a new one",
     "/help": "show this list",
 }
@@ -35,6 +35,10 @@ HELP = "\n".join([f"  {name:<8}{text}" for name, text in COMMANDS.items()] + [
 
 
 # -- flags ------------------------------------------------------------------------------------
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flags with their defaults; the epilog's list of chat commands as it is written."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (`error: ...`), as the chat's other errors are."""
 
@@ -45,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked: a bad value exits with a one-line error naming the flag."""
     p = _Parser(prog="python -m ktransformers.local_chat", description=__doc__.split("\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_Formatter, epilog="chat commands (on a terminal):\n" + HELP)
     p.add_argument("--model_path", help="HF model directory (config + tokenizer); optional when the GGUF has both")
     p.add_argument("--gguf_path", help="GGUF file or directory (split files found beside it); default: the demo model")
     p.add_argument("--optimize_config_path", help="rule file (YAML); default: the shipped one for the architecture")
