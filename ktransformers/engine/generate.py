@@ -78,15 +78,17 @@ class GenerationStats:
     eval_seconds: float = 0.0
 
     def lines(self) -> list[str]:
-        """Upstream's wording, one stat per line."""
+        """Upstream's labels with the values in one column, as it prints them: counts in tokens,
+        durations in seconds and rates in tokens/s, both to two decimals."""
         def rate(n, s):
             return n / s if s > 0 else 0.0
-        return [f"prompt eval count: {self.prompt_tokens} token(s)",
-                f"prompt eval duration: {self.prompt_seconds}s",
-                f"prompt eval rate: {rate(self.prompt_tokens, self.prompt_seconds)} tokens/s",
-                f"eval count: {self.eval_tokens} token(s)",
-                f"eval duration: {self.eval_seconds}s",
-                f"eval rate: {rate(self.eval_tokens, self.eval_seconds)} tokens/s"]
+        rows = [("prompt eval count", f"{self.prompt_tokens} token(s)"),
+                ("prompt eval duration", f"{self.prompt_seconds:.2f}s"),
+                ("prompt eval rate", f"{rate(self.prompt_tokens, self.prompt_seconds):.2f} tokens/s"),
+                ("eval count", f"{self.eval_tokens} token(s)"),
+                ("eval duration", f"{self.eval_seconds:.2f}s"),
+                ("eval rate", f"{rate(self.eval_tokens, self.eval_seconds):.2f} tokens/s")]
+        return [f"{label + ':':<22}{value}" for label, value in rows]
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
