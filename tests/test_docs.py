@@ -52,7 +52,7 @@ SHRINK = {
     "ktransformers.bench.decode": "--prompt 16 --decode 4 --repeats 1 --stream-gib 0.05 --threads 2 --no-peer",
     "ktransformers.bench.serve": "--concurrency 1 2 --requests 1 --max_tokens 4 --cache_lens 512 --cpu_infer 2",
     "ktransformers.server": "--cpu_infer 2 --port {port}",
-    "ktransformers.optimize.planner": "",
+    "ktransformers.calibrate": "--cpu_infer 2",
 }
 
 
@@ -108,8 +108,11 @@ def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("doc-models")
     qwen3 = root / "qwen3-tiny.gguf"
     model = tiny_model("qwen3_moe", layers=2)
+    tokenizer = train_tokenizer(320)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     write_gguf(qwen3, model.config, model.state_dict(), types=GGMLType.Q8_0,
-               extra_metadata=tokenizer_metadata(train_tokenizer(320)))
+               extra_metadata=tokenizer_metadata(tokenizer))
     deepseek_dir = root / "deepseek-gguf"
     deepseek_dir.mkdir()
     (deepseek_dir / Path(DEMO_GGUF).name).symlink_to(DEMO_GGUF)
@@ -126,9 +129,9 @@ def workdirs(tmp_path_factory) -> dict[Path, Path]:
 
 
 def substitute(code: str, models: dict[str, str], work: Path, port: int) -> str:
+    code = re.sub(r"(?<![\w./-])/tmp/", f"{work}/", code)  # first: the real models lie under /tmp too
     for placeholder, real in models.items():  # longest first: /models/DeepSeek-V3-Q4_K_M/ before /models/DeepSeek-V3
         code = code.replace(placeholder, real)
-    code = re.sub(r"(?<![\w./-])/tmp/", f"{work}/", code)
     code = re.sub(r"(?<![\w./-])(ktransformers|scripts)/", f"{REPO}/\\1/", code)
     return code.replace("127.0.0.1:10002", f"127.0.0.1:{port}")
 
