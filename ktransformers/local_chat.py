@@ -181,7 +181,8 @@ def load_engine(args: argparse.Namespace):
                         cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
     freeze_heap()
     if args.prefill_gpu_threshold is not None:
-        loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
+        from .operators.experts import set_prefill_gpu_threshold
+        set_prefill_gpu_threshold(loaded.model, args.prefill_gpu_threshold)
     if loaded.tokenizer is None:
         raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path with the "
                          f"model's tokenizer files")

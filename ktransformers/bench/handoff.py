@@ -5,7 +5,7 @@
 A decode step of a hybrid model is a chain of layers, each a GPU part whose output the CPU experts
 need and whose next layer needs their result. This captures such a chain — per layer a small GPU
 op, the CPU experts of one token (kernels/cuda_host.submit_on_stream), and an add of their output
-— in one CUDA graph, and times its replays for each hand-off (KT_CUDA_HANDOFF: `doorbell`, `host`)
+— in one CUDA graph, and times its replays for each hand-off (`--modes`: `doorbell`, `host`)
 against the same chain without the CPU call (`gpu only`) and the CPU kernel called alone from
 Python. overhead = per layer - gpu only - CPU alone: what the start and the wait cost. The
 `tiny` shape (E 8, H 2048, I 256) leaves almost nothing but the hand-off; `qwen3` is
@@ -80,9 +80,8 @@ def run_shape(args, runtime, name: str) -> list[dict]:
     gpu_only = time_graph(lambda: chain(layers, None, base, ids, weights, n), args.replays) / n
     rows = []
     for mode in args.modes:
-        staging = HostStaging(runtime)
-        staging.mode[torch.cuda.current_device()] = mode if mode == "host" else staging.handoff(dev)
-        used = staging.mode[torch.cuda.current_device()]
+        staging = HostStaging(runtime, handoff=mode)
+        used = staging.handoff(dev)  # (host where the doorbell's stream memory operations do not work)
         per_layer = time_graph(lambda s=staging: chain(layers, s, base, ids, weights, n), args.replays) / n
         staging.check_errors()
         rows.append(dict(shape=name, mode=used, layers=n, threads=runtime.threads, us_per_layer=per_layer * 1e6,

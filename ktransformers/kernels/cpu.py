@@ -9,12 +9,7 @@ expert ids) and again in C++ (byte counts, ids) before any memory is touched.
 The ISA level is the best the CPU has; KT_CPU_ISA forces a lower one (ktransformers.environment).
 BF16 weights take the best kernel the CPU runs (AMX-BF16 tiles for blocks of >= 4 tokens, else
 AVX512-BF16 dot products, else every bf16 widened to float32) unless CPURuntime's bf16_kernel
-allows less. The CUDA hand-off (kernels/cuda_host.py): KT_CUDA_HANDOFF=doorbell|host, how CPU
-experts fed from a CUDA stream are started and waited for (default doorbell, host functions where
-the GPU lacks stream memory operations); KT_CUDA_PACK=0 copies their inputs to the pinned buffer
-(a cast and three copies) instead of one kernel storing them there; KT_CUDA_FUSE=0 keeps that
-kernel and the one reading y back launches of their own (default 1: the router stores the inputs,
-and the read-back also makes the layer's last add and the next norm).
+allows less. CPU experts fed from a CUDA stream: kernels/cuda_host.py.
 """
 from __future__ import annotations
 
@@ -36,7 +31,6 @@ BF16_ACTIVATIONS = "bf16"
 ACTIVATION_BLOCK = {0: None, 1: None, 30: BF16_ACTIVATIONS, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,
                     23: 256}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
-HANDOFFS = ("doorbell", "host")  # KT_CUDA_HANDOFF: how a GPU stream starts and waits for CPU experts
 
 
 def _cpu_flags() -> set[str]:
@@ -130,11 +124,6 @@ class CPURuntime:
         self.threads = threads or len(os.sched_getaffinity(0))
         self._rt = self.ext.Runtime(self.threads, pin, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
-        self.pack_handoff = os.environ.get("KT_CUDA_PACK", "1").strip() != "0"
-        self.fuse_handoff = os.environ.get("KT_CUDA_FUSE", "1").strip() != "0"
-        self.handoff = os.environ.get("KT_CUDA_HANDOFF", "doorbell").strip().lower()
-        if self.handoff not in HANDOFFS:
-            raise ValueError(f"KT_CUDA_HANDOFF={self.handoff!r}: valid values are {', '.join(HANDOFFS)}")
 
     def hold(self, *tensors) -> None:
         self._keep.extend(tensors)
