@@ -378,7 +378,8 @@ def print_table(r: Report) -> None:
 def header(r: Report) -> str:
     """The table's first line: the model, the step's bytes and rates, the rooflines, the options."""
     args, config, hot, kt = r.args, r.config, r.hot, r.model.kt_context
-    head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
+    head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, "
+            f"{args.threads} threads; "
             f"decode reads {r.cpu_bytes / 1e6:.0f} MB from RAM ({r.cpu_bw:.0f} GB/s: the mean of the probes "
             f"{', '.join(f'{b:.0f}' for b in r.probes)} around the decode) + {r.gpu_bytes / 1e6:.0f} MB from the GPU "
             f"({r.gpu_bw:.0f} GB/s): roofline {r.roof:.1f} tok/s")
