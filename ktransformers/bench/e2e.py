@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -104,6 +105,23 @@ def pcie_shares(model) -> dict[int, int]:
 
 
 def measure_ours(args, config) -> dict:
+    loaded, engine = _load_engine(args)
+    gen = torch.Generator().manual_seed(0)
+    prefill = {P: _prefill_tok_s(engine, args, P, config.vocab_size, gen) for P in args.prompts}
+    runtime = loaded.model.kt_context.cpu_runtime()
+    runs = [_timed_decode(engine, loaded.model, args, config.vocab_size, gen, runtime) for _ in range(args.repeats)]
+    out = {"prefill": prefill, "decode": statistics.median(r["tok_s"] for r in runs), "loaded": loaded,
+           "issue_us": statistics.median(r["issue_us"] for r in runs),
+           "probes": [g for r in runs for g in r["probes"]]}
+    split = [r["split"] for r in runs if r["split"] is not None]
+    if split:
+        out["cpu_call_us"] = statistics.median(s[0] for s in split)
+        out["between_us"] = statistics.median(s[1] for s in split)
+        out["layers_us"] = statistics.median(s[2] for s in split)  # a step's calls and the gaps between them
+    return out
+
+
+def _load_engine(args):
     from ..engine.generate import Engine
     from ..loader import freeze_heap, load_model
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
@@ -111,63 +129,63 @@ def measure_ours(args, config) -> dict:
     freeze_heap()
     if args.prefill_gpu_threshold is not None:
         loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
-    longest = max(args.prompts)
-    engine = Engine(loaded.model, None, cache_lens=longest + args.decode + 256, page_size=256,
+    engine = Engine(loaded.model, None, cache_lens=max(args.prompts) + args.decode + 256, page_size=256,
                     chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
-    gen = torch.Generator().manual_seed(0)
-    vocab = config.vocab_size
-    prefill = {}
-    for P in args.prompts:
-        times = []
-        for i in range(args.repeats + 1):  # the first run of each length is a warm-up (as llama-bench's)
-            prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
-            seq = engine.new_sequence()
-            sync()
-            t0 = time.perf_counter()
-            engine.prefill(seq, prompt)
-            sync()
-            if i:  # (a length's first run may compile Triton kernels for its block sizes)
-                times.append(time.perf_counter() - t0)
-            engine.release(seq)
-        prefill[P] = P / statistics.median(times)
-    decode, issue = [], []  # tok/s; us a step from its start until its work is enqueued
-    split = []  # per repeat: (us in a CPU experts call, us from a call's end to the next ring)
-    probes = []  # the stream probe (GB/s) right before and right after each repeat's timed decode
-    runtime = loaded.model.kt_context.cpu_runtime()
-    for _ in range(args.repeats):
+    return loaded, engine
+
+
+def _prefill_tok_s(engine, args, P: int, vocab: int, gen) -> float:
+    """Median prefill tok/s of `args.repeats` random prompts of P tokens."""
+    times = []
+    for i in range(args.repeats + 1):  # the first run of each length is a warm-up (as llama-bench's)
+        prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
         seq = engine.new_sequence()
-        engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
-        steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
-        logits = engine.decode(seq, steps[0])  # (the first step captures the graph)
-        sampler = None
-        if args.temperature:  # (as sampled generation without a repetition penalty decodes)
-            from ..engine.sampling import Sampler, SamplingParams
-            sampler = Sampler(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0))
-            sampler(logits)  # (its first draw on this GPU captures the draw's graph: once a process)
         sync()
-        bell = loaded.model.kt_context.host_staging().doorbell  # (made when a graph first rings it)
-        before = doorbell_counts(bell)
-        probes.append(stream_gbps(runtime, PROBE_GIB))
-        engine.step_times.reset()
         t0 = time.perf_counter()
-        made = sum(1 for _ in engine.decode_tokens(seq, steps[1], args.decode - 1, sampler))  # as generation decodes
+        engine.prefill(seq, prompt)
         sync()
-        decode.append(made / (time.perf_counter() - t0))
-        probes.append(stream_gbps(runtime, PROBE_GIB))
-        times = engine.step_times
-        issue.append(times.issue_s / max(times.steps, 1) * 1e6)
-        if bell is not None:
-            served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
-            split.append((busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3,
-                          (busy + between) / max(made, 1) / 1e3))
+        if i:  # (a length's first run may compile Triton kernels for its block sizes)
+            times.append(time.perf_counter() - t0)
         engine.release(seq)
-    out = {"prefill": prefill, "decode": statistics.median(decode), "loaded": loaded,
-           "issue_us": statistics.median(issue), "probes": probes}
-    if split:
-        out["cpu_call_us"] = statistics.median(s[0] for s in split)
-        out["between_us"] = statistics.median(s[1] for s in split)
-        out["layers_us"] = statistics.median(s[2] for s in split)  # a step's calls and the gaps between them
-    return out
+    return P / statistics.median(times)
+
+
+def _timed_decode(engine, model, args, vocab: int, gen, runtime) -> dict:
+    """One timed decode after a 512-token prompt: tok/s; us a step from its start until its work
+    is enqueued; the stream probes (GB/s) right before and after; and from the doorbell's counters
+    (us in a CPU experts call, us from a call's end to the next ring, us of a step's layers)."""
+    seq = engine.new_sequence()
+    engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
+    steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
+    logits = engine.decode(seq, steps[0])  # (the first step captures the graph)
+    sampler = _sampler(args, logits)
+    sync()
+    bell = model.kt_context.host_staging().doorbell  # (made when a graph first rings it)
+    before = doorbell_counts(bell)
+    probes = [stream_gbps(runtime, PROBE_GIB)]
+    engine.step_times.reset()
+    t0 = time.perf_counter()
+    made = sum(1 for _ in engine.decode_tokens(seq, steps[1], args.decode - 1, sampler))  # as generation decodes
+    sync()
+    tok_s = made / (time.perf_counter() - t0)
+    probes.append(stream_gbps(runtime, PROBE_GIB))
+    times = engine.step_times
+    split = None
+    if bell is not None:
+        served, busy, gaps, between = (a - b for a, b in zip(doorbell_counts(bell), before))
+        split = (busy / max(served, 1) / 1e3, between / max(gaps, 1) / 1e3, (busy + between) / max(made, 1) / 1e3)
+    engine.release(seq)
+    return {"tok_s": tok_s, "issue_us": times.issue_s / max(times.steps, 1) * 1e6, "probes": probes, "split": split}
+
+
+def _sampler(args, logits):
+    """None (greedy), or with --temperature the sampler generation would use (no repetition penalty)."""
+    if not args.temperature:
+        return None
+    from ..engine.sampling import Sampler, SamplingParams
+    sampler = Sampler(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0))
+    sampler(logits)  # (its first draw on this GPU captures the draw's graph: once a process)
+    return sampler
 
 
 def doorbell_counts(bell) -> tuple[int, int, int, int]:
@@ -193,7 +211,7 @@ def measure_llama(args) -> dict | None:
     return {"prefill": prefill, "decode": decode, "build": rows[0].get("build_commit", "")}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf_path", required=True)
     p.add_argument("--model_path")
@@ -216,6 +234,11 @@ def main(argv: list[str] | None = None) -> None:
                         "the CPU's copy over PCIe (sets KT_PCIE_EXPERTS; 0: off; the header then adds the roofline "
                         "with the bus's bandwidth too)")
     p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.pcie_experts is not None:
         os.environ["KT_PCIE_EXPERTS"] = args.pcie_experts
@@ -223,6 +246,64 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.e2e needs a CUDA device")
     if not Path(args.gguf_path).exists():
         p.error(f"--gguf_path {args.gguf_path} does not exist")
+    report = measure(args)
+    if args.json:
+        print_json(report)
+    else:
+        print_table(report)
+
+
+@dataclass
+class Report:
+    """One run: our measurements (and llama.cpp's), a decode step's bytes and the rates the
+    rooflines are computed at."""
+
+    args: argparse.Namespace
+    config: object
+    model: object
+    ours: dict
+    probes: list[float]  # the stream probes around each timed decode (GB/s)
+    cpu_bytes: float  # a decode step's bytes from RAM and from GPU memory, hot experts counted
+    gpu_bytes: float
+    all_cpu: tuple[float, float]  # the same with every expert in RAM (llama.cpp's -ot exps=CPU)
+    hot: dict[int, int]
+    gpu_bw: float
+    shares: dict[int, int] = field(default_factory=dict)
+    bus_bw: float | None = None
+    roof_bus: float | None = None
+    extra: dict | None = None
+    peer: dict | None = None
+    path: str | None = None
+
+    @property
+    def cpu_bw(self) -> float:
+        # The RAM's rate for the roofline: the mean of the stream probes taken right before and
+        # right after each timed decode (the host's memory bandwidth drifts within a run, so one
+        # probe can be far off)
+        return statistics.mean(self.probes)
+
+    def roofline(self, ram: float, gpu: float, ram_gbps: float | None = None) -> float:
+        return 1 / (ram / ((ram_gbps or self.cpu_bw) * 1e9) + gpu / (self.gpu_bw * 1e9))
+
+    @property
+    def roof(self) -> float:
+        return self.roofline(self.cpu_bytes, self.gpu_bytes)
+
+    @property
+    def roof_all_cpu(self) -> float:
+        return self.roofline(*self.all_cpu)
+
+    @property
+    def rows(self) -> list[dict]:
+        return [dict(engine="ktransformers", **self.ours)] + ([dict(engine="llama.cpp", **self.peer)]
+                                                              if self.peer else [])
+
+    def roof_of(self, row: dict) -> float:
+        """The roofline a row is compared with: llama.cpp's keeps every expert in RAM."""
+        return self.roof if row["engine"] == "ktransformers" else self.roof_all_cpu
+
+
+def measure(args) -> Report:
     from ..loader import load_config
     from ..weights.gguf import GGUFFileSet
     from .decode import step_bytes
@@ -233,95 +314,106 @@ def main(argv: list[str] | None = None) -> None:
     model = ours.pop("loaded").model
     hot = hot_experts_per_layer(model)
     cpu_bytes, gpu_bytes = hot_split(files, config, hot) if hot else all_cpu
-    # The RAM's rate for the roofline: the mean of the stream probes taken right before and right
-    # after each timed decode (the host's memory drifts within a call: one probe after each run
-    # read 113-160 GB/s over three runs of one call, 2026-12-01)
     probes = ours.pop("probes")
-    cpu_bw = statistics.mean(probes)
-    gpu_bw = gpu_copy_gbps()
-
-    def roofline(ram: float, gpu: float) -> float:
-        return 1 / (ram / (cpu_bw * 1e9) + gpu / (gpu_bw * 1e9))
-    roof, roof_all_cpu = roofline(cpu_bytes, gpu_bytes), roofline(*all_cpu)
-    bus_bw = roof_bus = None
-    shares = pcie_shares(model)
-    if shares:
+    r = Report(args=args, config=config, model=model, ours=ours, probes=probes, cpu_bytes=cpu_bytes,
+               gpu_bytes=gpu_bytes, all_cpu=all_cpu, hot=hot, gpu_bw=gpu_copy_gbps())
+    r.shares = pcie_shares(model)
+    if r.shares:
         # The GPU reads a share of the experts over the bus while the cores read the rest: the
         # expert bytes' floor is then at the two rates together (an upper bound of what they
         # reach together: they share the host's memory)
         from ..kernels.triton.pcie_experts import bus_read_gbps
-        bus_bw = bus_read_gbps(torch.device("cuda"))
-        roof_bus = 1 / (cpu_bytes / ((cpu_bw + bus_bw) * 1e9) + gpu_bytes / (gpu_bw * 1e9))
-    extra = None
+        r.bus_bw = bus_read_gbps(torch.device("cuda"))
+        r.roof_bus = r.roofline(cpu_bytes, gpu_bytes, r.cpu_bw + r.bus_bw)
     if args.extrapolate:
-        roof_n = roofline(*extrapolated_bytes(files, config, args.extrapolate, hot))
-        extra = {"layers": args.extrapolate, "roofline_tok_s": roof_n,
-                 "decode": ours["decode"] / roof * roof_n}
-    peer = measure_llama(args)
-    rows = [dict(engine="ktransformers", **ours)] + ([dict(engine="llama.cpp", **peer)] if peer else [])
-    path = layerwise_path(model)
-    head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, {args.threads} threads; "
-            f"decode reads {cpu_bytes / 1e6:.0f} MB from RAM ({cpu_bw:.0f} GB/s: the mean of the probes "
-            f"{', '.join(f'{b:.0f}' for b in probes)} around the decode) + {gpu_bytes / 1e6:.0f} MB from the GPU "
-            f"({gpu_bw:.0f} GB/s): roofline {roof:.1f} tok/s")
+        roof_n = r.roofline(*extrapolated_bytes(files, config, args.extrapolate, hot))
+        r.extra = {"layers": args.extrapolate, "roofline_tok_s": roof_n, "decode": ours["decode"] / r.roof * roof_n}
+    r.peer = measure_llama(args)
+    r.path = layerwise_path(model)
+    return r
+
+
+def print_json(r: Report) -> None:
+    """One JSON line per engine."""
+    args = r.args
+    for row in r.rows:
+        ours = row["engine"] == "ktransformers"
+        print(json.dumps({**row, "roofline_tok_s": r.roof_of(row),
+                          "cpu_gbps": r.cpu_bw, "cpu_probes_gbps": r.probes, "gpu_gbps": r.gpu_bw,
+                          "hot_experts": r.hot, "pcie_experts": r.shares, "layerwise": r.path,
+                          "bus_gbps": r.bus_bw, "roofline_with_bus_tok_s": r.roof_bus,
+                          "pcie_auto_rates": r.model.kt_context.pcie_rates,
+                          "layers": r.config.num_hidden_layers, "threads": args.threads,
+                          "step_ms": 1e3 / row["decode"] if row["decode"] else None,
+                          "cpu_call_us": row.get("cpu_call_us"), "between_us": row.get("between_us"),
+                          "issue_us": row.get("issue_us"),
+                          "rest_of_step_us": (1e6 / row["decode"] - row["layers_us"]
+                                              if row.get("layers_us") and row["decode"] else None),
+                          "extrapolated": r.extra if ours else None,
+                          "temperature": args.temperature if ours else 0.0,
+                          "top_p": args.top_p if ours and args.temperature else 1.0}))
+
+
+def print_table(r: Report) -> None:
+    print(header(r))
+    prompts = r.args.prompts
+    cols = "".join(f" {'prefill@' + str(P):>13}" for P in prompts)
+    print(f"{'engine':<14}{cols} {'decode tok/s':>13} {'of roofline':>12}")
+    for row in r.rows:
+        pre = "".join(f" {row['prefill'].get(P, float('nan')):>13.1f}" for P in prompts)
+        dec = row["decode"] or float("nan")
+        bus = f" ({dec / r.roof_bus:.2f} with the bus)" if r.roof_bus and row["engine"] == "ktransformers" else ""
+        print(f"{row['engine']:<14}{pre} {dec:>13.1f} {dec / r.roof_of(row):>12.2f}{bus}")
+    print_step_split(r)
+    if r.extra:
+        print(f"extrapolated to {r.extra['layers']} layers (same fraction of its roofline, "
+              f"{r.extra['roofline_tok_s']:.1f} tok/s): decode {r.extra['decode']:.1f} tok/s")
+    if r.peer:
+        ours, peer = r.ours, r.peer
+        print("ours / llama.cpp: " + ", ".join(f"prefill@{P} {ours['prefill'][P] / peer['prefill'][P]:.2f}x"
+                                                for P in prompts if peer['prefill'].get(P))
+              + (f", decode {ours['decode'] / peer['decode']:.2f}x" if peer["decode"] else ""))
+
+
+def header(r: Report) -> str:
+    """The table's first line: the model, the step's bytes and rates, the rooflines, the options."""
+    args, config, hot, kt = r.args, r.config, r.hot, r.model.kt_context
+    head = (f"{Path(args.gguf_path).name}: {config.model_type}, {config.num_hidden_layers} layers, "
+            f"{args.threads} threads; "
+            f"decode reads {r.cpu_bytes / 1e6:.0f} MB from RAM ({r.cpu_bw:.0f} GB/s: the mean of the probes "
+            f"{', '.join(f'{b:.0f}' for b in r.probes)} around the decode) + {r.gpu_bytes / 1e6:.0f} MB from the GPU "
+            f"({r.gpu_bw:.0f} GB/s): roofline {r.roof:.1f} tok/s")
     if hot:
         head += (f" (hot experts on the GPU: {min(hot.values())}-{max(hot.values())} a layer in {len(hot)} layers; "
-                 f"llama.cpp's row is against the roofline with every expert in RAM, {roof_all_cpu:.1f} tok/s)")
-    if args.json:
-        for r in rows:
-            print(json.dumps({**r, "roofline_tok_s": roof if r["engine"] == "ktransformers" else roof_all_cpu,
-                              "cpu_gbps": cpu_bw, "cpu_probes_gbps": probes, "gpu_gbps": gpu_bw, "hot_experts": hot,
-                              "pcie_experts": shares, "layerwise": path,
-                              "bus_gbps": bus_bw, "roofline_with_bus_tok_s": roof_bus,
-                              "pcie_auto_rates": model.kt_context.pcie_rates,
-                              "layers": config.num_hidden_layers, "threads": args.threads,
-                              "step_ms": 1e3 / r["decode"] if r["decode"] else None,
-                              "cpu_call_us": r.get("cpu_call_us"), "between_us": r.get("between_us"),
-                              "issue_us": r.get("issue_us"),
-                              "rest_of_step_us": (1e6 / r["decode"] - r["layers_us"]
-                                                  if r.get("layers_us") and r["decode"] else None),
-                              "extrapolated": extra if r["engine"] == "ktransformers" else None,
-                              "temperature": args.temperature if r["engine"] == "ktransformers" else 0.0,
-                              "top_p": args.top_p if r["engine"] == "ktransformers" and args.temperature else 1.0}))
-        return
-    if roof_bus:
-        head += (f"; pcie_experts {min(shares.values())}-{max(shares.values())} of {config.num_experts_per_tok}: "
+                 f"llama.cpp's row is against the roofline with every expert in RAM, {r.roof_all_cpu:.1f} tok/s)")
+    if r.roof_bus:
+        head += (f"; pcie_experts {min(r.shares.values())}-{max(r.shares.values())} of {config.num_experts_per_tok}: "
                  f"the GPU reads its share over the bus "
-                 f"({bus_bw:.0f} GB/s alone), roofline with the bus {roof_bus:.1f} tok/s")
-        rates = model.kt_context.pcie_rates
-        if rates:  # (what "auto" chose from, measured at load)
-            head += f" (auto chose at bus {rates[0]:.0f}, CPU {rates[1]:.0f} GB/s)"
-    if path:
-        threshold = model.kt_context.prefill_gpu_threshold
+                 f"({r.bus_bw:.0f} GB/s alone), roofline with the bus {r.roof_bus:.1f} tok/s")
+        if kt.pcie_rates:  # (what "auto" chose from, measured at load)
+            head += f" (auto chose at bus {kt.pcie_rates[0]:.0f}, CPU {kt.pcie_rates[1]:.0f} GB/s)"
+    if r.path:
+        threshold = kt.prefill_gpu_threshold
         where = "the rule file's threshold" if threshold is None else f"{threshold} tokens"
-        head += f"; layer-wise prefill ({path}) from {where}"
+        head += f"; layer-wise prefill ({r.path}) from {where}"
     if args.temperature:
         head += f"; our decode samples (temperature {args.temperature}, top_p {args.top_p})"
-    print(head)
-    cols = "".join(f" {'prefill@' + str(P):>13}" for P in args.prompts)
-    print(f"{'engine':<14}{cols} {'decode tok/s':>13} {'of roofline':>12}")
-    for r in rows:
-        pre = "".join(f" {r['prefill'].get(P, float('nan')):>13.1f}" for P in args.prompts)
-        dec = r["decode"] or float("nan")
-        ratio = dec / (roof if r["engine"] == "ktransformers" else roof_all_cpu)
-        bus = f" ({dec / roof_bus:.2f} with the bus)" if roof_bus and r["engine"] == "ktransformers" else ""
-        print(f"{r['engine']:<14}{pre} {dec:>13.1f} {ratio:>12.2f}{bus}")
+    return head
+
+
+def print_step_split(r: Report) -> None:
+    """Where a decode step's time goes, from the doorbell's counters."""
+    ours = r.ours
     step_ms = 1e3 / ours["decode"]
-    print(f"decode step {step_ms:.2f} ms = {step_ms / config.num_hidden_layers:.3f} ms per layer")
-    if "cpu_call_us" in ours:
-        print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
-              f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
-        print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
-              f"MoE layer's call and after the last, the step's sync and Python, and any gap between layers "
-              f"longer than the doorbell's spin); of it {ours['issue_us']:.0f} us issuing the step on the host "
-              f"(cache bookkeeping, graph inputs, the replay's launch)")
-    if extra:
-        print(f"extrapolated to {extra['layers']} layers (same fraction of its roofline, "
-              f"{extra['roofline_tok_s']:.1f} tok/s): decode {extra['decode']:.1f} tok/s")
-    if peer:
-        print("ours / llama.cpp: " + ", ".join(f"prefill@{P} {ours['prefill'][P] / peer['prefill'][P]:.2f}x"
-                                                for P in args.prompts if peer['prefill'].get(P))
-              + (f", decode {ours['decode'] / peer['decode']:.2f}x" if peer["decode"] else ""))
+    print(f"decode step {step_ms:.2f} ms = {step_ms / r.config.num_hidden_layers:.3f} ms per layer")
+    if "cpu_call_us" not in ours:
+        return
+    print(f"  of a layer: {ours['cpu_call_us']:.1f} us in the CPU experts (the doorbell's calls), "
+          f"{ours['between_us']:.1f} us from a call's end to the next layer's ring (GPU part and hand-offs)")
+    print(f"  the rest of a step: {step_ms * 1e3 - ours['layers_us']:.0f} us (the GPU work before the first "
+          f"MoE layer's call and after the last, the step's sync and Python, and any gap between layers "
+          f"longer than the doorbell's spin); of it {ours['issue_us']:.0f} us issuing the step on the host "
+          f"(cache bookkeeping, graph inputs, the replay's launch)")
 
 
 if __name__ == "__main__":

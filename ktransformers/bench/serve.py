@@ -62,7 +62,7 @@ def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dic
             "itl_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf_path")
     p.add_argument("--model_path")
@@ -73,41 +73,60 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpu_infer", type=int)
     p.add_argument("--cache_lens", type=int, default=8192)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    import httpx
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     port = _free_port()
-    cmd = [sys.executable, "-m", "ktransformers.server", "--port", str(port), "--cache_lens", str(args.cache_lens),
-           "--max_batch_size", str(max(args.concurrency)), "--max_queue", str(4 * max(args.concurrency))]
-    for key in ("gguf_path", "model_path", "optimize_config_path", "cpu_infer"):
-        if getattr(args, key) is not None:
-            cmd += [f"--{key}", str(getattr(args, key))]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = start_server(args, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit("the server did not start in 600 s")
-            time.sleep(0.2)
+        wait_until_healthy(server, url)
         one_request(url, "warm-up", 8)
         rows = [run_level(url, c, args.requests, args.max_tokens) for c in args.concurrency]
     finally:
         server.terminate()
         server.wait(timeout=30)
+    print_rows(rows, args.json)
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    """`python -m ktransformers.server` on `port`, batching as many sequences as the most clients."""
+    cmd = [sys.executable, "-m", "ktransformers.server", "--port", str(port), "--cache_lens", str(args.cache_lens),
+           "--max_batch_size", str(max(args.concurrency)), "--max_queue", str(4 * max(args.concurrency))]
+    for key in ("gguf_path", "model_path", "optimize_config_path", "cpu_infer"):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key}", str(getattr(args, key))]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_healthy(server: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
+    """Until /health answers 200; SystemExit if the server exits or does not come up in time."""
+    import httpx
+    deadline = time.time() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            raise SystemExit(f"the server did not start in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def print_rows(rows: list[dict], as_json: bool) -> None:
+    """A table (or JSON lines) of the levels, each with its speed-up over the first level."""
     base = rows[0]["tok_s"]
-    if not args.json:
+    if not as_json:
         print(f"{'concurrency':>11} {'requests':>8} {'tok/s':>9} {'x C=' + str(rows[0]['concurrency']):>7} "
               f"{'TTFT ms':>9} {'ITL ms':>8}")
     for r in rows:
         r["speedup"] = r["tok_s"] / base
-        if args.json:
+        if as_json:
             print(json.dumps(r))
         else:
             print(f"{r['concurrency']:>11} {r['requests']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "

@@ -136,93 +136,137 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
                 page_size: int = 256, max_batch: int = 8) -> MemoryPlan:
     """The bytes each device holds under `rows` (optimize.inject.plan of `model`, on meta)."""
     dtype = dtype or next(p.dtype for p in model.parameters())
-    dbytes = torch.tensor([], dtype=dtype).element_size()
-    mem = MemoryPlan()
-    ops = {r.name: r for r in rows if r.cls is not None}
-    placed = {r.name: r for r in rows}
+    planner = _WeightsPlanner(model, rows, weights, torch.tensor([], dtype=dtype).element_size())
+    for name, p in model.named_parameters():
+        planner.add_parameter(name, p)
+    mem = planner.finish()
+    if cache_lens:
+        layer_devices = [r.device for r in planner.attention.values()] or ["cpu"] * config.num_hidden_layers
+        _add_kv_cache(mem, config, layer_devices, dtype=dtype, cache_lens=cache_lens, page_size=page_size,
+                      max_batch=max_batch)
+    return mem
 
-    def owner(param: str):
+
+@dataclass(frozen=True)
+class _ExpertWeights:
+    """One experts module's weights: stored bytes in the file, elements, stored types, experts."""
+
+    stored: int
+    numel: int
+    types: list
+    count: int
+
+
+class _WeightsPlanner:
+    """Walks the parameters once, adding each one's bytes where its operator keeps them."""
+
+    def __init__(self, model, rows, weights, dbytes: int):
+        self.model, self.weights, self.dbytes = model, weights, dbytes
+        self.mem = MemoryPlan()
+        self.ops = {r.name: r for r in rows if r.cls is not None}
+        self.placed = {r.name: r for r in rows}
+        self.attention = {r.name: r for r in rows if r.cls is not None and r.operator.endswith("Attention")}
+        self.done_experts: set[str] = set()
+        self.layerwise: dict[str, float] = {}  # device -> the largest layer's transient prefill buffers
+        self.staging = 0.0  # pinned host chunks of layer-wise prefill
+
+    def owner(self, param: str):
         """The deepest operator row whose module holds `param`, else the row of its own module."""
         parts = param.split(".")
         for i in range(len(parts) - 1, 0, -1):
             prefix = ".".join(parts[:i])
-            if prefix in ops:
-                return ops[prefix]
+            if prefix in self.ops:
+                return self.ops[prefix]
         module = ".".join(parts[:-1])
-        while module and module not in placed:
+        while module and module not in self.placed:
             module = module.rpartition(".")[0]
-        return placed.get(module)
+        return self.placed.get(module)
 
-    done_experts = set()
-    layerwise: dict[str, float] = {}
-    staging = 0.0
-    attention = {r.name: r for r in rows if r.cls is not None and r.operator.endswith("Attention")}
-    for name, p in model.named_parameters():
-        row = owner(name)
+    def add_parameter(self, name: str, p) -> None:
+        row = self.owner(name)
         device = row.device if row is not None else "cpu"
-        numel = p.numel()
-        kw = row.kwargs if row is not None else {}
         op_name = row.operator.rsplit(".", 1)[-1] if row is not None else "default"
         if op_name == "KTransformersLinear":
-            ggml_type, stored = _stored(weights, name)
-            for op, dev in _phase_ops(kw, "KLinearTorch"):
-                what = "weights (mapped file)" if op == "KLinearCPU" and stored else "weights"
-                mem.add(dev, what, _linear_bytes(op, ggml_type, stored, numel, dbytes, bool(kw.get("requantize"))))
+            self._linear(row, name, p.numel())
         elif op_name == "KTransformersExperts":
-            if row.name in done_experts:
-                continue
-            done_experts.add(row.name)
-            infos = [_stored(weights, f"{row.name}.{proj}_proj") for proj in ("gate", "up", "down")]
-            stored = sum(n for _, n in infos)
-            types = [t for t, _ in infos if t is not None]
-            numel = sum(q.numel() for n, q in model.named_parameters() if n.startswith(row.name + "."))
-            for op, dev in _phase_ops(kw, "KExpertsTorch"):
-                int4_bytes = numel * _int4_bytes_per_weight(kw.get("int4_group", 128))
-                if op == "KExpertsCPU" and kw.get("int4_decode"):  # the copies alone
-                    mem.add(dev, "experts (int4)", int4_bytes)
-                    continue
-                what = "experts (mapped file)" if op == "KExpertsCPU" and stored else "experts"
-                mem.add(dev, what, _experts_bytes(op, stored, numel, dbytes, types))
-                if op == "KExpertsCPU" and kw.get("int4_prefill"):
-                    mem.add(dev, "experts int4 copies", int4_bytes)
-                elif op == "KExpertsCPU" and kw.get("int8_prefill"):
-                    mem.add(dev, "experts int8 copies", numel * (1 + 8 / 256))
-            experts = int(p.shape[0]) if p.dim() == 3 else 1
-            hot = int(kw.get("num_gpu_experts") or 0)
-            out_device = kw.get("out_device", "cpu")
-            if hot:
-                gpu = kw.get("gpu_experts_device") or (out_device if out_device.startswith("cuda") else "cuda")
-                mem.add(gpu, "hot experts", _experts_bytes("KExpertsGPU", stored, numel, dbytes, types) * hot / experts)
-            if kw.get("prefill_gpu_threshold") and out_device.startswith("cuda"):
-                from ..operators.experts import LayerwisePrefill, PinnedSlots
-                # transient, the largest layer's: a group of its experts in bf16 + two groups' stored bytes
-                need = LayerwisePrefill.gpu_bytes(experts, numel * 2 // experts, int(stored or numel * 2),
-                                                  int(kw.get("prefill_gpu_group_mb") or 0))
-                layerwise[out_device] = max(layerwise.get(out_device, 0), need)
-                staging = PinnedSlots.nbytes(LayerwisePrefill.CHUNK)  # the ring of page-locked chunks
+            if row.name in self.done_experts:  # one entry for the whole module
+                return
+            self.done_experts.add(row.name)
+            self._experts(row, p)
         elif op_name in ("KMoEGate", "KMoEGateSoftmax") and device.startswith("cuda"):
-            mem.add(device, "weights", numel * 4)  # routers on a GPU keep their weight in float32
+            self.mem.add(device, "weights", p.numel() * 4)  # routers on a GPU keep their weight in float32
         else:
-            mem.add(device, "weights", numel * dbytes)
-        mla = attention.get(name.rpartition(".kv_b_proj.")[0]) if ".kv_b_proj." in name else None
+            self.mem.add(device, "weights", p.numel() * self.dbytes)
+        mla = self.attention.get(name.rpartition(".kv_b_proj.")[0]) if ".kv_b_proj." in name else None
         if mla is not None and mla.operator.endswith(("DeepseekV2Attention", "DeepseekV3Attention")):
-            mem.add(mla.device, "weights", numel * 4)  # W_uk / W_uv kept in float32 for absorption
-    for device, need in layerwise.items():
-        mem.add(device, "layer-wise prefill buffers", need)
-    if staging:
-        mem.add("cpu", "layer-wise prefill staging (pinned)", staging)
-    if cache_lens:  # each layer's pages live on its attention's device
-        capacity = -(-cache_lens // page_size) * page_size
-        per_token = cache_values_per_token(config)
-        layer_devices = [r.device for r in attention.values()] or ["cpu"] * config.num_hidden_layers
-        for device in layer_devices:
-            cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
-            mem.add(device, "KV cache", per_token * capacity * cache_dtype * config.num_hidden_layers
-                    / len(layer_devices))
-        for device in sorted(set(layer_devices)):
-            if torch.device(device).type == "cuda":  # CUDA-graph static buffers: slot table + logits per batch size
-                mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
-    return mem
+            self.mem.add(mla.device, "weights", p.numel() * 4)  # W_uk / W_uv kept in float32 for absorption
+
+    def _linear(self, row, name: str, numel: int) -> None:
+        ggml_type, stored = _stored(self.weights, name)
+        requantize = bool(row.kwargs.get("requantize"))
+        for op, dev in _phase_ops(row.kwargs, "KLinearTorch"):
+            what = "weights (mapped file)" if op == "KLinearCPU" and stored else "weights"
+            self.mem.add(dev, what, _linear_bytes(op, ggml_type, stored, numel, self.dbytes, requantize))
+
+    def _experts(self, row, p) -> None:
+        infos = [_stored(self.weights, f"{row.name}.{proj}_proj") for proj in ("gate", "up", "down")]
+        w = _ExpertWeights(stored=sum(n for _, n in infos), types=[t for t, _ in infos if t is not None],
+                           numel=sum(q.numel() for n, q in self.model.named_parameters()
+                                     if n.startswith(row.name + ".")),
+                           count=int(p.shape[0]) if p.dim() == 3 else 1)
+        for op, dev in _phase_ops(row.kwargs, "KExpertsTorch"):
+            self._expert_phase(op, dev, row.kwargs, w)
+        out_device = row.kwargs.get("out_device", "cpu")
+        hot = int(row.kwargs.get("num_gpu_experts") or 0)
+        if hot:
+            gpu = row.kwargs.get("gpu_experts_device") or (out_device if out_device.startswith("cuda") else "cuda")
+            full = _experts_bytes("KExpertsGPU", w.stored, w.numel, self.dbytes, w.types)
+            self.mem.add(gpu, "hot experts", full * hot / w.count)
+        if row.kwargs.get("prefill_gpu_threshold") and out_device.startswith("cuda"):
+            self._layerwise_prefill(out_device, row.kwargs, w)
+
+    def _expert_phase(self, op: str, dev: str, kw: dict, w: _ExpertWeights) -> None:
+        """What one phase's experts operator keeps: the weights (mapped or converted) and copies."""
+        int4_bytes = w.numel * _int4_bytes_per_weight(kw.get("int4_group", 128))
+        if op == "KExpertsCPU" and kw.get("int4_decode"):  # the copies alone
+            self.mem.add(dev, "experts (int4)", int4_bytes)
+            return
+        what = "experts (mapped file)" if op == "KExpertsCPU" and w.stored else "experts"
+        self.mem.add(dev, what, _experts_bytes(op, w.stored, w.numel, self.dbytes, w.types))
+        if op == "KExpertsCPU" and kw.get("int4_prefill"):
+            self.mem.add(dev, "experts int4 copies", int4_bytes)
+        elif op == "KExpertsCPU" and kw.get("int8_prefill"):
+            self.mem.add(dev, "experts int8 copies", w.numel * (1 + 8 / 256))
+
+    def _layerwise_prefill(self, device: str, kw: dict, w: _ExpertWeights) -> None:
+        from ..operators.experts import LayerwisePrefill, PinnedSlots
+        # transient, the largest layer's: a group of its experts in bf16 + two groups' stored bytes
+        need = LayerwisePrefill.gpu_bytes(w.count, w.numel * 2 // w.count, int(w.stored or w.numel * 2),
+                                          int(kw.get("prefill_gpu_group_mb") or 0))
+        self.layerwise[device] = max(self.layerwise.get(device, 0), need)
+        self.staging = PinnedSlots.nbytes(LayerwisePrefill.CHUNK)  # the ring of page-locked chunks
+
+    def finish(self) -> MemoryPlan:
+        for device, need in self.layerwise.items():
+            self.mem.add(device, "layer-wise prefill buffers", need)
+        if self.staging:
+            self.mem.add("cpu", "layer-wise prefill staging (pinned)", self.staging)
+        return self.mem
+
+
+def _add_kv_cache(mem: MemoryPlan, config, layer_devices: list[str], *, dtype: torch.dtype, cache_lens: int,
+                  page_size: int, max_batch: int) -> None:
+    """Each layer's cache pages, on its attention's device, and the CUDA-graph static buffers."""
+    dbytes = torch.tensor([], dtype=dtype).element_size()
+    capacity = -(-cache_lens // page_size) * page_size
+    per_token = cache_values_per_token(config)
+    for device in layer_devices:
+        cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
+        mem.add(device, "KV cache", per_token * capacity * cache_dtype * config.num_hidden_layers
+                / len(layer_devices))
+    for device in sorted(set(layer_devices)):
+        if torch.device(device).type == "cuda":  # slot table + logits per batch size
+            mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
 
 
 def cache_values_per_token(config) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,23 +106,124 @@ def _text(content) -> str:
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
                gen_defaults: SamplingParams | None = None) -> FastAPI:
     app = FastAPI(title="ktransformers", version="0.1.0")
-    tokenizer = scheduler.tokenizer
-    defaults = gen_defaults or SamplingParams()
-    created = int(time.time())
+    served = _Served(scheduler, scheduler.tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
+                     int(time.time()))
+    _add_error_handlers(app)
+    if api_key:
+        _require_api_key(app, api_key)
+    _add_openai_routes(app, served)
+    _add_ollama_routes(app, served)
+    _add_status_routes(app, served)
+    return app
 
-    def is_ollama(path: str) -> bool:
-        return path.startswith("/api/")
 
-    def error_response(path: str, status: int, message: str, param: str | None = None,
-                       kind: str = "invalid_request_error") -> JSONResponse:
-        if is_ollama(path):
-            return JSONResponse({"error": message}, status_code=status)
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                            status_code=status)
+@dataclass
+class _Served:
+    """What every route shares: the scheduler, the name clients ask for, and the request defaults."""
 
+    scheduler: Scheduler
+    tokenizer: Any
+    model_name: str
+    default_max_tokens: int
+    defaults: SamplingParams
+    created: int  # when the app was made: the model's "created" in the listings
+
+    def sampling(self, temperature, top_p, top_k, repetition_penalty, seed) -> SamplingParams:
+        """The served defaults, overridden by whichever of the request's values it set."""
+        base = {k: getattr(self.defaults, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty",
+                                                       "do_sample")}
+        over = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+        return SamplingParams(**{**base, **{k: v for k, v in over.items() if v is not None}, "seed": seed})
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.model_name, "default") and not name.startswith(self.model_name + ":"):
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                           "model", "not_found_error")
+
+    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
+            except Exception as e:  # e.g. a template that insists on alternating roles
+                raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+        return self.tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in conversation)
+                                     + "\nassistant:")
+
+    def start(self, ids: list[int], params: SamplingParams, max_tokens: int | None, stop,
+              ignore_eos: bool = False) -> Request:
+        """Submit a request after checking that it fits the context; 429 when the queue is full."""
+        max_tokens = self._max_tokens(ids, max_tokens)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            self.scheduler.submit(r)
+        except QueueFull as e:
+            raise APIError(429, str(e), kind="rate_limit_error") from None
+        return r
+
+    def _max_tokens(self, ids: list[int], max_tokens: int | None) -> int:
+        context = self.scheduler.context_length
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        if len(ids) >= context:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context of "
+                                f"{context} tokens (--cache_lens)", "messages", "context_length_exceeded")
+        max_tokens = max_tokens or min(self.default_max_tokens, context - len(ids))
+        if len(ids) + max_tokens > context:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceed the context "
+                                f"of {context} tokens (--cache_lens)", "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+
+async def _pieces(r: Request):
+    """Text pieces of a request as they come; cancels it when the consumer goes away."""
+    try:
+        while True:
+            kind, payload = await r.events.get()
+            if kind == "text":
+                yield payload
+            elif kind == "error":
+                raise RuntimeError(payload)
+            else:
+                return
+    finally:
+        if r.finish_reason is None:
+            r.cancel()
+
+
+async def _whole_text(r: Request, error_kind: str) -> str:
+    """All of a request's text; a generation error becomes a 500 of `error_kind`."""
+    try:
+        return "".join([p async for p in _pieces(r)])
+    except RuntimeError as e:
+        raise APIError(500, str(e), kind=error_kind) from None
+
+
+def _usage(r: Request) -> dict:
+    return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.tokens),
+            "total_tokens": len(r.prompt_ids) + len(r.tokens),
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def _finish(r: Request) -> str:
+    return "length" if r.finish_reason == "length" else "stop"
+
+
+# -- errors and the API key -------------------------------------------------------------------
+def _error_response(path: str, status: int, message: str, param: str | None = None,
+                    kind: str = "invalid_request_error") -> JSONResponse:
+    if path.startswith("/api/"):  # Ollama's shape
+        return JSONResponse({"error": message}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, exc: APIError):
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
+        return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: HTTPRequest, exc: RequestValidationError):
@@ -130,210 +232,171 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
-        return error_response(request.url.path, 400 if first.get("type") == "json_invalid" else 422, message,
-                              where or None)
+        return _error_response(request.url.path, 400 if first.get("type") == "json_invalid" else 422, message,
+                               where or None)
 
-    if api_key:  # a plain ASGI wrapper: streamed bodies pass through untouched (no per-chunk hop)
-        inner = app.build_middleware_stack
 
-        def guarded():
-            stack = inner()
-            expected = f"Bearer {api_key}".encode()
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """/v1 and /api answer 401 without `Authorization: Bearer api_key`. A plain ASGI wrapper, not a
+    middleware class: streamed bodies pass through untouched (no hop per chunk)."""
+    inner = app.build_middleware_stack
+    expected = f"Bearer {api_key}".encode()
 
-            async def asgi(scope, receive, send):
-                path = scope.get("path", "")
-                if scope["type"] == "http" and (path.startswith("/v1/") or path.startswith("/api/")):
-                    if dict(scope.get("headers", [])).get(b"authorization", b"") != expected:
-                        response = error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
-                                                  kind="authentication_error")
-                        await response(scope, receive, send)
-                        return
-                await stack(scope, receive, send)
-            return asgi
-        app.build_middleware_stack = guarded
+    def guarded():
+        stack = inner()
 
-    def sampling(temperature, top_p, top_k, repetition_penalty, seed) -> SamplingParams:
-        over = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
-        params = SamplingParams(**{**{k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k",
-                                                                        "repetition_penalty", "do_sample")},
-                                   **{k: v for k, v in over.items() if v is not None}, "seed": seed})
-        return params
-
-    def check_model(name: str | None) -> None:
-        if name and name not in (model_name, "default") and not name.startswith(model_name + ":"):
-            raise APIError(404, f"model {name!r} is not served here; this server serves {model_name!r}", "model",
-                           "not_found_error")
-
-    def chat_ids(messages: list[ChatMessage]) -> list[int]:
-        conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False))
-            except Exception as e:  # e.g. a template that insists on alternating roles
-                raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
-        return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in conversation) + "\nassistant:")
-
-    def start(ids: list[int], params: SamplingParams, max_tokens: int | None, stop, ignore_eos: bool = False) -> Request:
-        if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        if len(ids) >= scheduler.context_length:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context of "
-                                f"{scheduler.context_length} tokens (--cache_lens)", "messages", "context_length_exceeded")
-        max_tokens = max_tokens or min(default_max_tokens, scheduler.context_length - len(ids))
-        if len(ids) + max_tokens > scheduler.context_length:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceed the context "
-                                f"of {scheduler.context_length} tokens (--cache_lens)", "max_tokens",
-                           "context_length_exceeded")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        loop = asyncio.get_running_loop()
-        r = Request(list(ids), params, max_tokens, stops, ignore_eos, loop, asyncio.Queue())
-        try:
-            scheduler.submit(r)
-        except QueueFull as e:
-            raise APIError(429, str(e), kind="rate_limit_error") from None
-        return r
-
-    async def pieces(r: Request):
-        """Text pieces of a request as they come; cancels it when the consumer goes away."""
-        try:
-            while True:
-                kind, payload = await r.events.get()
-                if kind == "text":
-                    yield payload
-                elif kind == "error":
-                    raise RuntimeError(payload)
-                else:
+        async def asgi(scope, receive, send):
+            path = scope.get("path", "")
+            if scope["type"] == "http" and (path.startswith("/v1/") or path.startswith("/api/")):
+                if dict(scope.get("headers", [])).get(b"authorization", b"") != expected:
+                    response = _error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
+                                               kind="authentication_error")
+                    await response(scope, receive, send)
                     return
-        finally:
-            if r.finish_reason is None:
-                r.cancel()
+            await stack(scope, receive, send)
+        return asgi
+    app.build_middleware_stack = guarded
 
-    def usage(r: Request) -> dict:
-        return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.tokens),
-                "total_tokens": len(r.prompt_ids) + len(r.tokens),
-                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def finish(r: Request) -> str:
-        return "length" if r.finish_reason == "length" else "stop"
-
-    # -- OpenAI ---------------------------------------------------------------------------
-    async def openai_run(body: OpenAISampling, ids: list[int], chat: bool):
-        check_model(body.model)
-        params = sampling(body.temperature, body.top_p, body.top_k, body.repetition_penalty, body.seed)
-        r = start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        kind = "chat.completion" if chat else "text_completion"
-        if not body.stream:
-            try:
-                text = "".join([p async for p in pieces(r)])
-            except RuntimeError as e:
-                raise APIError(500, str(e), kind="server_error") from None
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish(r)}
-                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish(r)})
-            return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
-                    "choices": [choice], "usage": usage(r)}
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        def chunk(delta_or_text, reason=None) -> str:
-            choice = ({"index": 0, "delta": delta_or_text, "finish_reason": reason} if chat else
-                      {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": reason})
-            event = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": int(time.time()),
-                     "model": model_name, "choices": [choice]}
-            return f"data: {json.dumps(event)}\n\n"
-
-        async def events():
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            try:
-                async for piece in pieces(r):
-                    yield chunk({"content": piece} if chat else piece)
-            except RuntimeError as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
-                return
-            yield chunk({} if chat else "", finish(r))
-            if include_usage:
-                yield f"data: {json.dumps({'id': rid, 'object': kind + '.chunk', 'choices': [], 'usage': usage(r)})}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+# -- OpenAI -----------------------------------------------------------------------------------
+def _add_openai_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody):
-        return await openai_run(body, chat_ids(body.messages), chat=True)
+        return await _openai_run(s, body, s.chat_ids(body.messages), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         prompt = body.prompt if isinstance(body.prompt, str) else "".join(body.prompt)
-        return await openai_run(body, tokenizer.encode(prompt), chat=False)
+        return await _openai_run(s, body, s.tokenizer.encode(prompt), chat=False)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "ktransformers", "context_length": scheduler.context_length}]}
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
+                                            "owned_by": "ktransformers",
+                                            "context_length": s.scheduler.context_length}]}
 
-    # -- Ollama ---------------------------------------------------------------------------
-    async def ollama_run(body, ids: list[int], chat: bool):
-        check_model(body.model)
-        o = body.options
-        params = sampling(o.temperature, o.top_p, o.top_k, o.repeat_penalty, o.seed)
-        max_tokens = o.num_predict if o.num_predict and o.num_predict > 0 else None
-        r = start(ids, params, max_tokens, o.stop)
 
-        def message(piece: str, done: bool) -> dict:
-            out = {"model": body.model or model_name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            out.update({"message": {"role": "assistant", "content": piece}} if chat else {"response": piece})
-            out["done"] = done
-            if done:
-                out.update({"done_reason": finish(r), "total_duration": int((r.t_done - r.t_submit) * 1e9),
-                            "prompt_eval_count": len(r.prompt_ids), "eval_count": len(r.tokens),
-                            "prompt_eval_duration": int(((r.t_first or r.t_done) - r.t_submit) * 1e9),
-                            "eval_duration": int((r.t_done - (r.t_first or r.t_done)) * 1e9)})
-            return out
-        if not body.stream:
-            try:
-                text = "".join([p async for p in pieces(r)])
-            except RuntimeError as e:
-                raise APIError(500, str(e)) from None
-            return message(text, True)
+@dataclass(frozen=True)
+class _OpenAIReply:
+    """The envelope of one OpenAI response: a chat completion or a text completion."""
 
-        async def lines():
-            try:
-                async for piece in pieces(r):
-                    yield json.dumps(message(piece, False)) + "\n"
-            except RuntimeError as e:
-                yield json.dumps({"error": str(e)}) + "\n"
-                return
-            yield json.dumps(message("", True)) + "\n"
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+    id: str
+    chat: bool
+    model: str
 
+    @property
+    def kind(self) -> str:
+        """The response's "object" field."""
+        return "chat.completion" if self.chat else "text_completion"
+
+    def choice(self, text: str, reason: str | None, streamed: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if streamed:
+            return {"index": 0, "delta": text, "finish_reason": reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+    def chunk(self, delta_or_text, reason=None) -> str:
+        """One server-sent event: a chat delta (dict) or a piece of completion text."""
+        event = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind,
+                 "created": int(time.time()), "model": self.model,
+                 "choices": [self.choice(delta_or_text, reason, streamed=True)]}
+        return f"data: {json.dumps(event)}\n\n"
+
+
+async def _openai_run(s: _Served, body: OpenAISampling, ids: list[int], chat: bool):
+    s.check_model(body.model)
+    params = s.sampling(body.temperature, body.top_p, body.top_k, body.repetition_penalty, body.seed)
+    r = s.start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos)
+    reply = _OpenAIReply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", chat, s.model_name)
+    if not body.stream:
+        text = await _whole_text(r, "server_error")
+        return {"id": reply.id, "object": reply.kind, "created": int(time.time()), "model": s.model_name,
+                "choices": [reply.choice(text, _finish(r), streamed=False)], "usage": _usage(r)}
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(_openai_events(r, reply, include_usage), media_type="text/event-stream")
+
+
+async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool):
+    if reply.chat:
+        yield reply.chunk({"role": "assistant", "content": ""})
+    try:
+        async for piece in _pieces(r):
+            yield reply.chunk({"content": piece} if reply.chat else piece)
+    except RuntimeError as e:
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+        return
+    yield reply.chunk({} if reply.chat else "", _finish(r))
+    if include_usage:
+        usage = {"id": reply.id, "object": reply.kind + ".chunk", "choices": [], "usage": _usage(r)}
+        yield f"data: {json.dumps(usage)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# -- Ollama -----------------------------------------------------------------------------------
+def _add_ollama_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/api/generate")
     async def ollama_generate(body: OllamaGenerateBody):
-        if body.raw or not getattr(tokenizer, "chat_template", None):
-            text = (body.system + "\n" if body.system else "") + body.prompt
-            ids = tokenizer.encode(text)
+        if body.raw or not getattr(s.tokenizer, "chat_template", None):
+            ids = s.tokenizer.encode((body.system + "\n" if body.system else "") + body.prompt)
         else:
             messages = ([ChatMessage(role="system", content=body.system)] if body.system else []) + \
                 [ChatMessage(role="user", content=body.prompt)]
-            ids = chat_ids(messages)
-        return await ollama_run(body, ids, chat=False)
+            ids = s.chat_ids(messages)
+        return await _ollama_run(s, body, ids, chat=False)
 
     @app.post("/api/chat")
     async def ollama_chat(body: OllamaChatBody):
-        return await ollama_run(body, chat_ids(body.messages), chat=True)
+        return await _ollama_run(s, body, s.chat_ids(body.messages), chat=True)
 
     @app.get("/api/tags")
     async def ollama_tags():
-        return {"models": [{"name": model_name, "model": model_name,
-                            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-                            "size": 0, "details": {"format": "gguf", "family": model_name}}]}
+        return {"models": [{"name": s.model_name, "model": s.model_name,
+                            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.created)),
+                            "size": 0, "details": {"format": "gguf", "family": s.model_name}}]}
 
-    # -- the rest -------------------------------------------------------------------------
+
+async def _ollama_run(s: _Served, body: OllamaGenerateBody | OllamaChatBody, ids: list[int], chat: bool):
+    s.check_model(body.model)
+    o = body.options
+    params = s.sampling(o.temperature, o.top_p, o.top_k, o.repeat_penalty, o.seed)
+    max_tokens = o.num_predict if o.num_predict and o.num_predict > 0 else None
+    r = s.start(ids, params, max_tokens, o.stop)
+    model = body.model or s.model_name
+    if not body.stream:
+        return _ollama_message(r, model, chat, await _whole_text(r, "invalid_request_error"), done=True)
+    return StreamingResponse(_ollama_lines(r, model, chat), media_type="application/x-ndjson")
+
+
+def _ollama_message(r: Request, model: str, chat: bool, piece: str, done: bool) -> dict:
+    out = {"model": model, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out.update({"message": {"role": "assistant", "content": piece}} if chat else {"response": piece})
+    out["done"] = done
+    if done:  # Ollama's counts and durations (nanoseconds)
+        first = r.t_first or r.t_done
+        out.update({"done_reason": _finish(r), "total_duration": int((r.t_done - r.t_submit) * 1e9),
+                    "prompt_eval_count": len(r.prompt_ids), "eval_count": len(r.tokens),
+                    "prompt_eval_duration": int((first - r.t_submit) * 1e9),
+                    "eval_duration": int((r.t_done - first) * 1e9)})
+    return out
+
+
+async def _ollama_lines(r: Request, model: str, chat: bool):
+    try:
+        async for piece in _pieces(r):
+            yield json.dumps(_ollama_message(r, model, chat, piece, False)) + "\n"
+    except RuntimeError as e:
+        yield json.dumps({"error": str(e)}) + "\n"
+        return
+    yield json.dumps(_ollama_message(r, model, chat, "", True)) + "\n"
+
+
+# -- the rest ---------------------------------------------------------------------------------
+def _add_status_routes(app: FastAPI, s: _Served) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "running": len(scheduler.running)}
+        return {"status": "ok", "model": s.model_name, "running": len(s.scheduler.running)}
 
     @app.get("/")
     async def page():
         return FileResponse(STATIC / "index.html")
-
-    return app

@@ -54,29 +54,17 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
                    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                    BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr,
                    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
+    """One program: sequence program_id(0), a block of BLOCK_H query heads of one kv head
+    (program_id(1)), one split of the history (program_id(2)); stores the split's partial output."""
     b = tl.program_id(0)
     gdc_enter(GDC)  # (q and the step's k/v rows are the previous launch's)
-    blocks_per_kv = tl.cdiv(group, BLOCK_H)
-    kvh = tl.program_id(1) // blocks_per_kv
-    hl = (tl.program_id(1) % blocks_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)  # heads within the group
-    hmask = hl < group
-    heads = kvh * group + hl
+    kvh, heads, hmask = _head_block(group, BLOCK_H)
     split = tl.program_id(2)
-    length = tl.load(lens_ptr + b)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(length - window, 0)
-    start = lo + split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, length)
-
-    d1 = tl.arange(0, BLOCK_D1)
-    q1 = tl.load(q1_ptr + b * s_q1b + heads[:, None] * s_q1h + d1[None, :], mask=hmask[:, None] & (d1 < D1)[None, :],
-                 other=0.0)
+    start, end = _split_bounds(tl.load(lens_ptr + b), split, window, tokens_per_split)
+    q1 = _load_heads(q1_ptr + b * s_q1b, heads, hmask, s_q1h, D1, BLOCK_D1)
+    q2 = q1  # (unused without a second key part)
     if HAS_K2:
-        d2 = tl.arange(0, BLOCK_D2)
-        q2 = tl.load(q2_ptr + b * s_q2b + heads[:, None] * s_q2h + d2[None, :],
-                     mask=hmask[:, None] & (d2 < D2)[None, :], other=0.0)
-    dv = tl.arange(0, BLOCK_DV)
+        q2 = _load_heads(q2_ptr + b * s_q2b, heads, hmask, s_q2h, D2, BLOCK_D2)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
@@ -84,37 +72,80 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
         rt = t0 + tl.arange(0, BLOCK_T)
         tmask = rt < end
         slot = tl.load(slots_ptr + b * s_slb + rt, mask=tmask, other=0).to(tl.int64)
-        k1 = tl.load(k1_ptr + slot[:, None] * s_k1s + kvh * s_k1h + d1[None, :],
-                     mask=tmask[:, None] & (d1 < D1)[None, :], other=0.0)
+        k1 = _load_rows(k1_ptr, slot, kvh * s_k1h, tmask, s_k1s, D1, BLOCK_D1)
         scores = _dot(q1, tl.trans(k1), DOT_F32)
         if HAS_K2:
-            k2 = tl.load(k2_ptr + slot[:, None] * s_k2s + kvh * s_k2h + d2[None, :],
-                         mask=tmask[:, None] & (d2 < D2)[None, :], other=0.0)
+            k2 = _load_rows(k2_ptr, slot, kvh * s_k2h, tmask, s_k2s, D2, BLOCK_D2)
             scores += _dot(q2, tl.trans(k2), DOT_F32)
         scores = tl.where(tmask[None, :], scores * scale, float("-inf"))
         if V_IS_K1:
             v = k1
         else:
-            v = tl.load(v_ptr + slot[:, None] * s_vs + kvh * s_vh + dv[None, :],
-                        mask=tmask[:, None] & (dv < DV)[None, :], other=0.0)
+            v = _load_rows(v_ptr, slot, kvh * s_vh, tmask, s_vs, DV, BLOCK_DV)
         m, l, acc = _online_softmax(scores, v, m, l, acc, DOT_F32)
-    # partial result of this split: normalised output and its log-sum-exp (-inf when empty)
+    base = (b * Hq + heads) * num_splits + split  # acc [B, Hq, splits, DV], lse [B, Hq, splits]
+    _store_split(acc_ptr, lse_ptr, base, hmask, m, l, acc, DV, BLOCK_DV)
+    if MERGE:  # the last split of these heads to arrive merges them all (its counter back to 0)
+        counter = count_ptr + b * tl.num_programs(1) + tl.program_id(1)
+        _merge_if_last(counter, acc_ptr, lse_ptr, out_ptr, b * Hq + heads, hmask, num_splits, DV, BLOCK_S, BLOCK_DV)
+
+
+@triton.jit
+def _head_block(group, BLOCK_H: tl.constexpr):
+    """(kv head, [BLOCK_H] query heads, their mask) of this program's block of heads."""
+    blocks_per_kv = tl.cdiv(group, BLOCK_H)
+    kvh = tl.program_id(1) // blocks_per_kv
+    hl = (tl.program_id(1) % blocks_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)  # heads within the group
+    return kvh, kvh * group + hl, hl < group
+
+
+@triton.jit
+def _split_bounds(length, split, window, tokens_per_split):
+    """[start, end) of the history positions this split reads (the last `window` ones, if set)."""
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(length - window, 0)
+    start = lo + split * tokens_per_split
+    return start, tl.minimum(start + tokens_per_split, length)
+
+
+@triton.jit
+def _load_heads(row_ptr, heads, hmask, s_h, D, BLOCK_D: tl.constexpr):
+    """[BLOCK_H, BLOCK_D] of one sequence's query (row_ptr at its first head), zero outside."""
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(row_ptr + heads[:, None] * s_h + d[None, :], mask=hmask[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_rows(ptr, slot, head_offset, tmask, s_s, D, BLOCK_D: tl.constexpr):
+    """[BLOCK_T, BLOCK_D] cache rows at `slot` of one kv head, zero outside."""
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(ptr + slot[:, None] * s_s + head_offset + d[None, :], mask=tmask[:, None] & (d < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _store_split(acc_ptr, lse_ptr, base, hmask, m, l, acc, DV, BLOCK_DV: tl.constexpr):
+    """A split's partial result: its normalised output and its log-sum-exp (-inf when empty). With
+    one split, acc is the output, of the caller's dtype, rounded to nearest as torch rounds."""
     safe_l = tl.where(l > 0, l, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
-    base = (b * Hq + heads) * num_splits + split  # acc [B, Hq, splits, DV], lse [B, Hq, splits]
-    # (one split: acc is the output, of the caller's dtype, rounded to nearest as torch rounds)
+    dv = tl.arange(0, BLOCK_DV)
     tl.store(acc_ptr + base[:, None] * DV + dv[None, :],
              round_to(out, acc_ptr.dtype.element_ty).to(acc_ptr.dtype.element_ty),
              mask=hmask[:, None] & (dv < DV)[None, :])
     tl.store(lse_ptr + base, lse, mask=hmask)
-    if MERGE:  # the last split of these heads to arrive merges them all (its counter back to 0)
-        tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
-        counter = count_ptr + b * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            rows = b * Hq + heads
-            _merge_rows(acc_ptr, lse_ptr, out_ptr, rows, hmask, num_splits, DV, BLOCK_S, 8, BLOCK_DV)
-            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_if_last(counter, acc_ptr, lse_ptr, out_ptr, rows, hmask, num_splits, DV, BLOCK_S: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """Count this split's arrival; the last of `num_splits` merges the rows and resets the counter."""
+    tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        _merge_rows(acc_ptr, lse_ptr, out_ptr, rows, hmask, num_splits, DV, BLOCK_S, 8, BLOCK_DV)
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -170,10 +201,10 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     span = min(max_len, window) if window else max_len
     # Decode is latency-bound: each block of the history is a dependent round trip (slots, then
     # keys and values), so the history is split until a program has about one block, up to
-    # MAX_SPLITS (the merge reads every split) and a few programs an SM. Measured on the H200 at
-    # Qwen3's 32/4 heads of 128 (scripts/gpu_tune.py attn): 8.5 -> 5.6 us at 512 tokens, 12.5 ->
-    # 9.1 at 2048, 17.9 -> 15.5 at 8192 against 32-token blocks, 16 heads a program and >= 4 blocks
-    # a split. Wide rows (MLA's 512-value latent) keep 32-token blocks, for registers.
+    # MAX_SPLITS (the merge reads every split) and a few programs an SM: at GQA shapes such as
+    # Qwen3's 32/4 heads of 128 that, with 64-token blocks and 8 heads a program, is faster than
+    # 32-token blocks, 16 heads a program and at least 4 blocks a split. Wide rows (MLA's
+    # 512-value latent) keep 32-token blocks, for registers.
     BLOCK_T = 64 if max(D1, DV) <= 128 else 32
     BLOCK_H = 8 if group <= 8 else 16
     programs = B * Hkv * triton.cdiv(group, BLOCK_H)
