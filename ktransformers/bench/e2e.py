@@ -8,8 +8,7 @@ Ours: the shipped GPU rule file for the architecture (or --optimize_config_path)
 CUDA-graph decode. Prefill tok/s = prompt tokens / time to the first logits (one chunk of
 --chunk_size; each length run once untimed first, as llama-bench warms up); decode tok/s over
 --decode greedy steps (sampled ones with --temperature) after a 512-token prompt, as generation
-runs them (Engine.decode_tokens: each step issued before the previous one's token is read back;
-KT_DECODE_AHEAD=0, one step at a time).
+runs them (Engine.decode_tokens: each step issued before the previous one's token is read back).
 Roofline: a decode step reads top_k/E of every expert tensor from RAM (at the CPU streaming
 bandwidth measured in the same run: the mean of the probes right before and after each timed
 decode) and every other tensor once from GPU memory (at the GPU's
@@ -124,14 +123,37 @@ def measure_ours(args, config) -> dict:
 def _load_engine(args):
     from ..engine.generate import Engine
     from ..loader import freeze_heap, load_model
-    loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, progress=not args.json,
+    loaded = load_model(args.gguf_path, args.model_path, _rule_file(args), progress=not args.json,
                         cpu_infer=args.threads, tokenizer=False, default_device="cuda")
     freeze_heap()
     if args.prefill_gpu_threshold is not None:
-        loaded.model.kt_context.prefill_gpu_threshold = args.prefill_gpu_threshold
+        from ..operators.experts import set_prefill_gpu_threshold
+        set_prefill_gpu_threshold(loaded.model, args.prefill_gpu_threshold)
     engine = Engine(loaded.model, None, cache_lens=max(args.prompts) + args.decode + 256, page_size=256,
                     chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
     return loaded, engine
+
+
+def _rule_file(args):
+    """The rule file to load: --optimize_config_path (default: the shipped GPU one), with every
+    experts rule's pcie_experts set to --pcie_experts where given (written beside the run)."""
+    if args.pcie_experts is None:
+        return args.optimize_config_path
+    import tempfile
+
+    import yaml
+
+    from ..loader import default_rule_file, load_config
+    path = args.optimize_config_path or default_rule_file(load_config(args.model_path, args.gguf_path), gpu=True)
+    rules = yaml.safe_load(Path(path).read_text())
+    value = args.pcie_experts if args.pcie_experts == "auto" else int(args.pcie_experts)
+    for rule in rules:
+        replace = rule.get("replace") or {}
+        if replace.get("class") == "KTransformersExperts":
+            replace.setdefault("kwargs", {})["pcie_experts"] = value
+    out = Path(tempfile.mkdtemp(prefix="kt-e2e-")) / Path(path).name
+    out.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return out
 
 
 def _prefill_tok_s(engine, args, P: int, vocab: int, gen) -> float:
@@ -231,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the fraction of the roofline measured here")
     p.add_argument("--pcie_experts", metavar="N|auto",
                    help="of each decode token's experts, the GPU computes N (or the rule files' 'auto' share) from "
-                        "the CPU's copy over PCIe (sets KT_PCIE_EXPERTS; 0: off; the header then adds the roofline "
+                        "the CPU's copy over PCIe (set in every experts rule; 0: off; the header then adds the roofline "
                         "with the bus's bandwidth too)")
     p.add_argument("--json", action="store_true")
     return p
@@ -240,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.pcie_experts is not None:
-        os.environ["KT_PCIE_EXPERTS"] = args.pcie_experts
+    if args.pcie_experts is not None and args.pcie_experts != "auto" and not args.pcie_experts.isdigit():
+        p.error(f"--pcie_experts must be a count or 'auto', got {args.pcie_experts!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.e2e needs a CUDA device")
     if not Path(args.gguf_path).exists():
@@ -393,7 +415,7 @@ def header(r: Report) -> str:
         if kt.pcie_rates:  # (what "auto" chose from, measured at load)
             head += f" (auto chose at bus {kt.pcie_rates[0]:.0f}, CPU {kt.pcie_rates[1]:.0f} GB/s)"
     if r.path:
-        threshold = kt.prefill_gpu_threshold
+        threshold = args.prefill_gpu_threshold
         where = "the rule file's threshold" if threshold is None else f"{threshold} tokens"
         head += f"; layer-wise prefill ({r.path}) from {where}"
     if args.temperature:
