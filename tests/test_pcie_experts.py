@@ -1,6 +1,7 @@
 """The GPU's share of a decode token's experts, read from the CPU kernel's tiles
 (kernels/triton/pcie_experts.py), against the torch MoE formula on the dequantized weights: in
-Triton's interpreter on the CPU, and on CUDA from device memory and from page-locked host memory."""
+Triton's interpreter on the CPU, and on CUDA from device memory and from page-locked host memory.
+The kernels' tests are marked `triton`; the option's parsing and its cost model need no Triton."""
 import pytest
 import torch
 from tiny import kernel_device
@@ -8,8 +9,6 @@ from tiny import kernel_device
 from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, tile_weights
 from ktransformers.operators.experts import moe_reference
 from ktransformers.weights import ggml_quants as gq
-
-pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +42,7 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q6_K", "Q4_K")])
 @pytest.mark.parametrize("T,K,share,E,H,I", [(1, 4, 1, 5, 512, 256), (1, 8, 3, 9, 256, 512), (3, 4, 2, 6, 512, 256)])
 def test_share_matches_reference(runtime, types, T, K, share, E, H, I):
@@ -60,6 +60,7 @@ def test_share_matches_reference(runtime, types, T, K, share, E, H, I):
     assert rel_err(got.cpu(), moe_reference(x.float(), ids, w, gate_up, down)) > 1e-2
 
 
+@pytest.mark.triton
 def test_share_flags_ids_out_of_range(runtime):
     from ktransformers.kernels.triton.pcie_experts import pcie_experts
     dev = kernel_device()
@@ -73,6 +74,7 @@ def test_share_flags_ids_out_of_range(runtime):
     assert torch.equal(y[2], torch.zeros(H)) and torch.isnan(y[3]).all()  # -1 is left out, -2 flagged
 
 
+@pytest.mark.triton
 def test_share_checks_its_arguments(runtime):
     from ktransformers.kernels.triton.pcie_experts import pcie_experts, supports
     E, H, I = 4, 256, 256
@@ -88,6 +90,7 @@ def test_share_checks_its_arguments(runtime):
     assert "multiples of 256" in supports(tids, (True,) * 3, H, 768 + 16)
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_share_reads_page_locked_host_memory(runtime):
@@ -178,6 +181,7 @@ class _Context:
         return self._runtime
 
 
+@pytest.mark.triton
 def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
     """auto_pcie_experts: experts under PCIE_SHARE_MIN_EXPERT_BYTES are 0 with nothing measured;
     the rates are measured once per context and the choice is pcie_share_size's; a failed
@@ -227,6 +231,7 @@ def test_auto_is_quietly_off_without_cuda(tmp_path, monkeypatch):
     assert ops and all(op.pcie is None for op in ops)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("E,R,C", [(1, 16, 256), (3, 48, 512), (2, 32, 768)])
 def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
@@ -261,6 +266,7 @@ def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     assert TILE_BYTES[int(t)] * (R // 16) * (C // 256) == per
 
 
+@pytest.mark.triton
 def test_layerwise_group_from_tiles_equals_from_the_blocks(runtime):
     """Layer-wise prefill's two ways of making a group of experts bf16 (tiles read in place, or
     the GGUF's blocks) give the same weights, to the bit, for every group of a layer."""

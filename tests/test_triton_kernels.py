@@ -28,21 +28,6 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def test_group_affine_is_lossless():
-    for t in gq.GROUP_AFFINE_TYPES:
-        raw = gq.random_blocks(t, 48, gen(int(t)))
-        shape = (6, 48 * gq.FORMATS[t].block_elems // 6)
-        codes, scale, offset = gq.group_affine(raw, t, shape)
-        w = codes.float().reshape(shape[0], -1, 32) * scale[..., None]
-        if offset is not None:
-            w = w + offset[..., None]
-        assert torch.equal(w.reshape(shape), gq.dequantize(raw, t, shape)), t.name
-    with pytest.raises(ValueError, match="Q6_K has no group-affine form"):
-        gq.group_affine(gq.random_blocks("Q6_K", 1), "Q6_K", (1, 256))
-    with pytest.raises(ValueError, match="expected 144 bytes"):
-        gq.group_affine(gq.random_blocks("Q4_K", 2), "Q4_K", (1, 256))
-
-
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
 @pytest.mark.parametrize("M", [1, 3, 17, 128])
 def test_group_gemm(dev, fmt, M):
@@ -412,21 +397,6 @@ def test_fused_moe_in_expert_groups_equals_one_call(dev, T, E, K, groups):
         fm.fused_moe(x, ids, w, gu, dn, pairs=torch.zeros(T * K, H + 1, device=dev))
     with pytest.raises(ValueError, match="block_m must be"):
         fm.fused_moe(x, ids, w, gu, dn, pairs=pairs, block_m=32)
-
-
-def test_expert_groups_and_layerwise_gpu_bytes():
-    """Layer-wise prefill's groups: every expert once, in order, each group's bf16 within the
-    budget (one expert at least); the GPU holds one group in bf16 and two groups' stored bytes."""
-    from ktransformers.operators.experts import LayerwisePrefill, expert_groups
-    assert expert_groups(128, 3 * 2048 * 768 * 2, 2 << 30) == [(0, 128)]  # a Qwen3-30B-A3B layer: one group
-    per = 3 * 7168 * 2048 * 2  # a DeepSeek-V3 expert in bf16 (88 MB)
-    groups = expert_groups(256, per, 2 << 30)
-    assert groups[0] == (0, 24) and groups[-1] == (240, 256) and len(groups) == 11
-    assert [e for a, b in groups for e in range(a, b)] == list(range(256))
-    assert expert_groups(4, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # an expert over the budget: alone
-    stored = 256 * 25_000_000
-    assert LayerwisePrefill.gpu_bytes(256, per, stored) == 24 * per + 24 * per  # the next group: bf16 is larger
-    assert LayerwisePrefill.gpu_bytes(8, 10, 800) == 80 + 2 * 800  # (its stored bytes larger: counted twice)
 
 
 def test_dequantize_for_cublas(dev):
