@@ -14,10 +14,10 @@
 #      top_p 0.9) one step ahead, then step by step (KT_DECODE_AHEAD=0).
 # PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
 # tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
-# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 scripts/gpu_profile.py on a 4-layer file (its kernels),
-# STAGING=1 scripts/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
+# while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 dev/gpu_profile.py on a 4-layer file (its kernels),
+# STAGING=1 dev/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
 # CPU with llama.cpp's build (-j16): their CPU-side rates read low there (a quiet run: NO_LLAMA=1).
-# After the build: FOOTPRINT=1 runs scripts/cpu_footprint.py (T=1 over 48 copies of the layer, 4 KiB
+# After the build: FOOTPRINT=1 runs dev/cpu_footprint.py (T=1 over 48 copies of the layer, 4 KiB
 # and huge pages, the tasks' reads alone; FOOTPRINT_ARGS, e.g. "16 48 48"; SWEEP=1 its sweep), then
 # BENCH_MOE="16 14" runs bench.moe's Qwen3 Q4_K_M layer at those thread counts (MOE_ARGS: its other
 # flags; default T=1, no peer).
@@ -49,11 +49,11 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
   fi
   if [ "${STAGING:-0}" = 1 ]; then  # layer-wise prefill's steps, one layer's bytes (needs the 48-layer file)
     wait "$SYNTH"
-    python3 scripts/gpu_staging.py /tmp/q3-48.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/staging.txt"
+    python3 dev/gpu_staging.py /tmp/q3-48.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/staging.txt"
   fi
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m ktransformers.bench.synth --model qwen3-30b-a3b --layers 4 --vocab 32000 --out /tmp/q3-4.gguf > /dev/null
-    python3 scripts/gpu_profile.py /tmp/q3-4.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/profile.txt" | head -40
+    python3 dev/gpu_profile.py /tmp/q3-4.gguf "$THREADS" 2>&1 | grep -v Warn | tee "$OUT/profile.txt" | head -40
   fi
   wait
   if [ "${NO_LLAMA:-0}" != 1 ]; then
@@ -63,7 +63,7 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
   tail -1 "$OUT/synth.txt"
   sync  # the model file's dirty pages written back now, not while the CPU experts stream (a 1.7x slower run once)
   if [ "${FOOTPRINT:-0}" = 1 ]; then
-    python3 scripts/cpu_footprint.py ${FOOTPRINT_ARGS:-$THREADS 48 2 48} 2>&1 | grep -v Warn | tee "$OUT/footprint.txt"
+    python3 dev/cpu_footprint.py ${FOOTPRINT_ARGS:-$THREADS 48 2 48} 2>&1 | grep -v Warn | tee "$OUT/footprint.txt"
   fi
   for t in ${BENCH_MOE:-}; do  # bench.moe at these thread counts (after the build and synth)
     python3 -m ktransformers.bench.moe --threads "$t" --peer-threads 14 --shapes qwen3 --formats Q4_K_M \

@@ -2,6 +2,7 @@
 them as the stream would), and on CUDA, hybrid experts through pinned staging and CUDA-graph
 decode steps equal to eager ones."""
 import ctypes
+import os
 import time
 
 import pytest
@@ -53,7 +54,7 @@ def _word(address: int) -> ctypes.c_uint32:
     return ctypes.c_uint32.from_address(address)
 
 
-def _ring_and_wait(staging, kernel, T, dtype, number=None, timeout=10.0):
+def _ring_and_wait(staging, kernel, T, dtype, number=None, timeout=60.0):
     """Do what the GPU stream does in doorbell mode: ring, wait for done, clear it."""
     ring, done = staging.flags(kernel)
     _word(ring).value = staging.number(kernel, T, dtype) if number is None else number
@@ -101,14 +102,57 @@ def test_doorbell_runs_the_rung_call(dtype):
     assert len({staging.flags(k) for k in kernels}) == 2  # a pair of words per layer, kept
 
 
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _thread_counters(tid: int) -> tuple[int, int]:
+    """(nanoseconds the thread has run, its voluntary context switches): a spinning thread's first
+    grows while its second stands still; a sleeping one's first stands still; a napping one adds
+    a switch per nap. Counters, not wall time: a loaded machine only delays them."""
+    ran = int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0])
+    with open(f"/proc/self/task/{tid}/status") as f:
+        switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return ran, switches
+
+
+def _sample_until(tids, done, what: str, timeout: float = 60.0, window: float = 0.01, before=lambda: None) -> dict:
+    """Sample the threads' counters over short windows until `done(deltas)` holds for one (then
+    return those deltas), or fail after `timeout`: a hang guard. A loaded machine needs more
+    windows; what is asserted stays a count of nanoseconds run and of switches."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before()
+        a = {t: _thread_counters(t) for t in tids}
+        time.sleep(window)
+        b = {t: _thread_counters(t) for t in tids}
+        deltas = {t: (b[t][0] - a[t][0], b[t][1] - a[t][1]) for t in tids}
+        if done(deltas):
+            return deltas
+    pytest.fail(f"{what} within {timeout:.0f} s")
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+                    reason="reads the threads' counters from Linux's /proc/self/task/*/schedstat")
 def test_doorbell_rest_and_wake(monkeypatch):
-    """rest() stops the doorbell thread and the pool's workers spinning (the process then burns
-    about no CPU while idle; after wake() the doorbell spins for DOORBELL_SPIN_US), and a call
-    rung while resting, or right after a wake, is still served and right."""
+    """wake() makes the doorbell thread spin (it runs without blocking); rest() stops it and the
+    pool's worker spinning at once (the doorbell then naps, the worker sleeps), the later of a
+    wake() and a rest() wins, and a call rung while resting, or right after a wake, is still
+    served and right. Spin windows of seconds make a rest() that did not stop them show as
+    seconds of a thread's CPU time, where a working one costs microseconds."""
     monkeypatch.setenv("KT_POOL_REST", "1")
-    runtime = CPURuntime(2)
+    monkeypatch.setattr(HostStaging, "DOORBELL_SPIN_US", 2_000_000)
+    before = _threads()
+    runtime = CPURuntime(2, spin_us=500_000)
+    pool = _threads() - before  # the pool's worker and the runtime's dispatcher
     kernel = _kernel(runtime)
     staging = HostStaging(runtime, pinned=False)
+    staging.prepare(kernel, 2, torch.float32)
+    before = _threads()
+    staging.flags(kernel)  # (starts the doorbell thread)
+    doorbell = _threads() - before
+    assert pool and len(doorbell) == 1, (pool, doorbell)
+    (bell,) = doorbell
     g = torch.Generator().manual_seed(5)
 
     def one_call(ring):
@@ -120,24 +164,28 @@ def test_doorbell_rest_and_wake(monkeypatch):
         ring()
         assert torch.equal(y, kernel.forward(x.clone(), ids.clone(), w.clone()))
 
-    def burnt_over(seconds):
-        c0 = time.process_time()
-        time.sleep(seconds)
-        return time.process_time() - c0
     one_call(lambda: _ring_and_wait(staging, kernel, 2, torch.float32))
-    staging.wake()
-    spinning = burnt_over(0.015)  # inside the doorbell's 20 ms spin window
+    staging.rest()
+    # a nap costs the doorbell about ten microseconds: half a millisecond run without one is a spin
+    _sample_until(doorbell, lambda d: d[bell][0] >= 500_000 and d[bell][1] == 0,
+                  "the doorbell never spun after wake()", before=staging.wake)
     staging.wake()
     staging.rest()  # (the later of the two wins)
-    time.sleep(0.001)
-    resting = burnt_over(0.015)
-    assert spinning > 0.008, f"the doorbell did not spin after wake(): {spinning * 1e3:.1f} ms of CPU in 15 ms"
-    assert resting < 0.004, f"the doorbell or the pool still spun after rest(): {resting * 1e3:.1f} ms of CPU in 15 ms"
+    ran = {t: 0 for t in doorbell | pool}
+
+    def napped_twice(d):  # what every thread ran until the doorbell has blocked twice since rest()
+        for t in ran:
+            ran[t] += d[t][0]
+        return d[bell][1] >= 2
+    _sample_until(doorbell | pool, napped_twice, "the doorbell never napped after rest()", window=0.001)
+    assert all(n < 50_000_000 for n in ran.values()), f"nanoseconds run after rest() (spinning?): {ran}"
+    _sample_until(doorbell | pool, lambda d: d[bell][1] >= 2 and all(d[t][0] == 0 for t in pool),
+                  "the pool's threads never slept while the doorbell napped")
 
     def ring_resting():  # no wake(): served within the idle nap
         ring, done = staging.flags(kernel)
         _word(ring).value = staging.number(kernel, 2, torch.float32)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # (a hang guard)
         while _word(done).value != 1:
             assert time.monotonic() < deadline, "a call rung while resting was never served"
             time.sleep(1e-4)
@@ -147,6 +195,7 @@ def test_doorbell_rest_and_wake(monkeypatch):
         one_call(ring_resting)
         staging.rest()
         one_call(lambda: _ring_and_wait(staging, kernel, 2, torch.float32))
+    staging.rest()
     staging.check_errors()
 
 

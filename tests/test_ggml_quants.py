@@ -153,3 +153,21 @@ def test_bad_inputs():
         quantize(torch.zeros(4, 100), "Q6_K")
     with pytest.raises(NotImplementedError):
         random_blocks("TQ2_0", 1)
+
+
+def test_group_affine_is_lossless():
+    """group_affine (the int4/int8 GEMM's view of a GGUF type: codes * scale + offset per group
+    of 32) gives back gguf-py's dequantized values exactly."""
+    from ktransformers.weights.ggml_quants import GROUP_AFFINE_TYPES, group_affine
+    for t in GROUP_AFFINE_TYPES:
+        raw = random_blocks(t, 48, gen(int(t)))
+        shape = (6, 48 * FORMATS[t].block_elems // 6)
+        codes, scale, offset = group_affine(raw, t, shape)
+        w = codes.float().reshape(shape[0], -1, 32) * scale[..., None]
+        if offset is not None:
+            w = w + offset[..., None]
+        assert torch.equal(w.reshape(shape), reference(raw, t).reshape(shape)), t.name
+    with pytest.raises(ValueError, match="Q6_K has no group-affine form"):
+        group_affine(random_blocks("Q6_K", 1), "Q6_K", (1, 256))
+    with pytest.raises(ValueError, match="expected 144 bytes"):
+        group_affine(random_blocks("Q4_K", 2), "Q4_K", (1, 256))

@@ -14,8 +14,6 @@ from ktransformers.operators.experts import KTransformersExperts, hot_experts
 from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import converter_type, write_gguf
 
-pytestmark = pytest.mark.triton
-
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -37,6 +35,7 @@ def logits(model, ids):
         return model(input_ids=ids.to(model.get_input_embeddings().weight.device), use_cache=False).logits.float().cpu()
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("types", ["Q4_K_M", "Q8_0"])
 def test_gpu_rules_match_the_reference(tmp_path, dev, family, types):
@@ -53,6 +52,7 @@ def test_gpu_rules_match_the_reference(tmp_path, dev, family, types):
     assert err < (5e-2 if dev == "cuda" else 1e-2), f"{family} {types}: {err:.2e}"
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])
 def test_gpu_cached_decode_equals_full_recompute(tmp_path, dev, family):
     """Prefill in chunks of 7 and decode over pages of 4 give the full forward's logits. The CPU
@@ -101,6 +101,7 @@ def test_gpu_cached_decode_equals_full_recompute(tmp_path, dev, family):
         assert err < bound, f"{family} {path.name}: batched step vs {'reference' if want is not None else 'full'} {err:.2e}"
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_hot_experts_split_equals_all_cpu(tmp_path, dev, family):
     """num_gpu_experts: the hot experts' pairs run on the GPU kernel, the rest on the CPU; the
@@ -130,6 +131,7 @@ def test_hot_expert_choice(tmp_path):
         hot_experts("model.layers.1.mlp.experts", 1, 4, str(counts))
 
 
+@pytest.mark.triton
 def test_deepseek_fp8_rule_file(tmp_path, dev):
     """DeepSeek-V3-Chat-fp8.yaml: dense linears from the FP8 checkpoint kept FP8 (KLinearFP8), routed
     experts from the GGUF on the CPU kernels; equals the torch-reference ops on the same two sources."""
@@ -175,6 +177,7 @@ def test_deepseek_fp8_rule_file(tmp_path, dev):
     assert err < 1e-2, f"{err:.2e}"  # CPU experts' int8 activations ~5e-3, the GEMM's bf16 dot ~1e-3
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monkeypatch):
     """The GPU rule files wrap each decoder layer in KDecoderLayer, whose forward runs the

@@ -152,12 +152,14 @@ def test_softmax_topk(dev, T):
 
 @pytest.mark.parametrize("T,E,K,H", [(1, 128, 8, 2048), (3, 60, 4, 512), (4, 8, 2, 256), (1, 256, 8, 7168)])
 def test_router_topk(dev, T, E, K, H, monkeypatch):
-    """The router's GEMV and its top-k epilogue in one launch: the same logits as dense_gemv (the
-    K split reduced in the launch, or not split where one SM is all there is), the same routing
-    as softmax_topk on them, and the tile counters back at 0."""
+    """The router's GEMV and its top-k epilogue in one launch, against torch: the logits within
+    a rounding of x @ W.T (the K split reduced in the launch, or not split where one SM is all
+    there is), the routing route_softmax's on those logits, the pack in passing what
+    pack_moe_inputs_reference stores, and the tile counters back at 0."""
     from ktransformers.kernels.triton import common, quant_linear
-    from ktransformers.kernels.triton.quant_linear import dense_gemv, gemv_plan
-    from ktransformers.kernels.triton.router import router_topk, softmax_topk
+    from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs_reference
+    from ktransformers.kernels.triton.quant_linear import gemv_plan
+    from ktransformers.kernels.triton.router import router_topk
     g = gen(T * E + H)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     w = (torch.randn(E, H, generator=g) * 0.05).to(dev)
@@ -170,16 +172,18 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
         for logits_dtype, weights_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
             norm = E != 8
             logits, weights, index = router_topk(x, w, K, norm, logits_dtype, weights_dtype)
-            want = dense_gemv(x, w, logits_dtype)
-            assert logits.dtype == logits_dtype and torch.equal(logits, want)
-            ref_w, ref_i = softmax_topk(want, K, norm, weights_dtype)
-            # the same formula; a GPU build may sum a softmax's terms across warps in another order
-            assert torch.equal(index, ref_i) and weights.dtype == weights_dtype
+            want = x.cpu().double() @ w.cpu().double().T
+            assert logits.dtype == logits_dtype
+            assert rel_max(logits.cpu(), want) < (1e-5 if logits_dtype == torch.float32 else 2 ** -7)
+            ref_w, ref_i = route_softmax(logits.cpu().float(), top_k=K, norm=norm)
+            # the same picks (equal logits may be picked in either order); a GPU build may sum a
+            # softmax's terms across warps in another order
+            probs = torch.softmax(logits.cpu().float(), dim=-1)
+            assert torch.equal(probs.gather(1, index.cpu()), probs.gather(1, ref_i)) and weights.dtype == weights_dtype
             # (relative to the largest weight: one bf16 ulp of a weight in its binade is up to 2^-7)
-            assert rel_max(weights, ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -7)
+            assert rel_max(weights.cpu(), ref_w) <= (1e-6 if weights_dtype == torch.float32 else 2 ** -7)
         assert int(common.split_counters(x.device).abs().sum()) == 0
-    # the pack in passing: what handoff.pack_moe_inputs would store from the same outputs
-    from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs
+    # the pack in passing: what the packing would store from the same outputs
     for cpu_k, xdt in ((K, torch.bfloat16), (K // 2, torch.float32)):
         views = [torch.full((T, H), -5.0, dtype=xdt), torch.full((T, K), 99, dtype=torch.int64),
                  torch.full((T, K), -5.0)]
@@ -187,7 +191,8 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
         pack = PinnedInputs(*(t.to(dev) for t in views), cpu_k)
         _, weights, index = router_topk(x, w, K, True, torch.bfloat16, torch.bfloat16, pack=pack)
         ref = [t.to(dev) for t in want]
-        pack_moe_inputs(x, index, weights, *ref, cpu_k=cpu_k)
+        pack_moe_inputs_reference(x, index, weights, *ref)
+        ref[1][:, cpu_k:] = -1  # the columns from cpu_k on are not the CPU's
         assert all(torch.equal(a, b) for a, b in zip((pack.x, pack.ids, pack.weights), ref))
         assert (pack.ids[:, cpu_k:] == -1).all() and (pack.ids[:, :cpu_k] >= 0).all()
         views = (pack.x, pack.ids, pack.weights)

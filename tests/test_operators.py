@@ -204,3 +204,18 @@ def test_moe_block_waits_for_started_experts_when_shared_experts_fail():
     with pytest.raises(RuntimeError, match="out of memory"):
         block(torch.randn(1, 3, 8))
     assert events == ["submit", "wait"]
+
+
+def test_expert_groups_and_layerwise_gpu_bytes():
+    """Layer-wise prefill's groups: every expert once, in order, each group's bf16 within the
+    budget (one expert at least); the GPU holds one group in bf16 and two groups' stored bytes."""
+    from ktransformers.operators.experts import LayerwisePrefill, expert_groups
+    assert expert_groups(128, 3 * 2048 * 768 * 2, 2 << 30) == [(0, 128)]  # a Qwen3-30B-A3B layer: one group
+    per = 3 * 7168 * 2048 * 2  # a DeepSeek-V3 expert in bf16 (88 MB)
+    groups = expert_groups(256, per, 2 << 30)
+    assert groups[0] == (0, 24) and groups[-1] == (240, 256) and len(groups) == 11
+    assert [e for a, b in groups for e in range(a, b)] == list(range(256))
+    assert expert_groups(4, 10, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # an expert over the budget: alone
+    stored = 256 * 25_000_000
+    assert LayerwisePrefill.gpu_bytes(256, per, stored) == 24 * per + 24 * per  # the next group: bf16 is larger
+    assert LayerwisePrefill.gpu_bytes(8, 10, 800) == 80 + 2 * 800  # (its stored bytes larger: counted twice)

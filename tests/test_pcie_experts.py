@@ -1,6 +1,8 @@
 """The GPU's share of a decode token's experts, read from the CPU kernel's tiles
 (kernels/triton/pcie_experts.py), against the torch MoE formula on the dequantized weights: in
-Triton's interpreter on the CPU, and on CUDA from device memory and from page-locked host memory."""
+Triton's interpreter on the CPU, and on CUDA from device memory and from page-locked host memory.
+The kernels' tests are marked `triton`; the option's parsing and its cost model need no Triton."""
+import numpy as np
 import pytest
 import torch
 from tiny import kernel_device
@@ -8,8 +10,6 @@ from tiny import kernel_device
 from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, tile_weights
 from ktransformers.operators.experts import moe_reference
 from ktransformers.weights import ggml_quants as gq
-
-pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +39,20 @@ def routing(T, K, E, seed):
     return ids, torch.rand(T, K, generator=g)
 
 
+def gguf_dequantize(raw: torch.Tensor, t, shape) -> torch.Tensor:
+    """gguf-py's numpy dequantization of the blocks `raw` (uint8): the independent reference, float32 [shape]."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+    values = quants.dequantize(raw.cpu().numpy().reshape(-1, gq.FORMATS[gq.ggml_type(t)].block_bytes),
+                               GGMLQuantizationType(int(t)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q6_K", "Q4_K")])
 @pytest.mark.parametrize("T,K,share,E,H,I", [(1, 4, 1, 5, 512, 256), (1, 8, 3, 9, 256, 512), (3, 4, 2, 6, 512, 256)])
 def test_share_matches_reference(runtime, types, T, K, share, E, H, I):
@@ -60,6 +70,7 @@ def test_share_matches_reference(runtime, types, T, K, share, E, H, I):
     assert rel_err(got.cpu(), moe_reference(x.float(), ids, w, gate_up, down)) > 1e-2
 
 
+@pytest.mark.triton
 def test_share_flags_ids_out_of_range(runtime):
     from ktransformers.kernels.triton.pcie_experts import pcie_experts
     dev = kernel_device()
@@ -73,6 +84,7 @@ def test_share_flags_ids_out_of_range(runtime):
     assert torch.equal(y[2], torch.zeros(H)) and torch.isnan(y[3]).all()  # -1 is left out, -2 flagged
 
 
+@pytest.mark.triton
 def test_share_checks_its_arguments(runtime):
     from ktransformers.kernels.triton.pcie_experts import pcie_experts, supports
     E, H, I = 4, 256, 256
@@ -88,6 +100,7 @@ def test_share_checks_its_arguments(runtime):
     assert "multiples of 256" in supports(tids, (True,) * 3, H, 768 + 16)
 
 
+@pytest.mark.triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_share_reads_page_locked_host_memory(runtime):
@@ -178,6 +191,7 @@ class _Context:
         return self._runtime
 
 
+@pytest.mark.triton
 def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
     """auto_pcie_experts: experts under PCIE_SHARE_MIN_EXPERT_BYTES are 0 with nothing measured;
     the rates are measured once per context and the choice is pcie_share_size's; a failed
@@ -227,13 +241,14 @@ def test_auto_is_quietly_off_without_cuda(tmp_path, monkeypatch):
     assert ops and all(op.pcie is None for op in ops)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("E,R,C", [(1, 16, 256), (3, 48, 512), (2, 32, 768)])
 def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     """The CPU kernel's 16-row tiles dequantized where they lie (layer-wise prefill's path): the
-    values of the GGUF blocks they were made from, as dequant.dequantize gives them, to the bit;
-    into a strided view (gate into gate_up's first rows) and past a group's first expert too."""
-    from ktransformers.kernels.triton.dequant import dequantize
+    values of the GGUF blocks they were made from, as gguf-py dequantizes them (rounded once to
+    bf16), to the bit; into a strided view (gate into gate_up's first rows) and past a group's
+    first expert too."""
     from ktransformers.kernels.triton.pcie_experts import TILE_BYTES, dequantize_tiles
     dev = kernel_device()
     t = gq.ggml_type(name)
@@ -241,8 +256,7 @@ def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     w = tile_weights(runtime, ExpertWeights(raw, int(t)), E * R, C)
     if not w.tiled:
         pytest.skip(f"this build ({runtime.isa}) has no 16-row tiles of {name}")
-    want = dequantize(raw.to(dev), t, (E, R, C), torch.bfloat16).cpu()
-    assert torch.equal(want.float(), gq.dequantize(raw, t, (E, R, C)).bfloat16().float())
+    want = gguf_dequantize(raw, t, (E, R, C)).bfloat16()
     both = torch.full((E, 2 * R, C), float("nan"), dtype=torch.bfloat16, device=dev)
     got = dequantize_tiles(w.data.to(dev), int(t), (E, R, C), both[:, :R])
     assert torch.equal(got.cpu(), want) and torch.isnan(both[:, R:].float()).all()
@@ -261,9 +275,11 @@ def test_dequantize_tiles_equals_the_blocks(runtime, name, E, R, C):
     assert TILE_BYTES[int(t)] * (R // 16) * (C // 256) == per
 
 
+@pytest.mark.triton
 def test_layerwise_group_from_tiles_equals_from_the_blocks(runtime):
     """Layer-wise prefill's two ways of making a group of experts bf16 (tiles read in place, or
-    the GGUF's blocks) give the same weights, to the bit, for every group of a layer."""
+    the GGUF's blocks) give gguf-py's values of that group's experts (rounded once to bf16), to
+    the bit, for every group of a layer."""
     from ktransformers.kernels.triton.dequant import dequantize
     from ktransformers.kernels.triton.pcie_experts import dequantize_tiles
     from ktransformers.operators.experts import ExpertSpec, LayerwisePrefill, expert_groups
@@ -282,10 +298,11 @@ def test_layerwise_group_from_tiles_equals_from_the_blocks(runtime):
         types.append(int(t))
     lw = LayerwisePrefill(ExpertSpec("blk.0", E, H, I, 2, torch.bfloat16), torch.device(dev))
     lw.groups = expert_groups(E, 1, 2)  # groups of two experts: (0, 2), (2, 4), (4, 5)
-    whole = [dequantize(r, t, s, torch.bfloat16) for r, t, s in zip(raws, types, ((E, I, H), (E, I, H), (E, H, I)))]
+    whole = [gguf_dequantize(r, t, s).bfloat16().to(dev)
+             for r, t, s in zip(raws, types, ((E, I, H), (E, I, H), (E, H, I)))]
     for group, (e0, e1) in enumerate(lw.groups):
         from_blocks = lw._to_bf16(group, [(lw._own(r, group), t) for r, t in zip(raws, types)], dequantize)
         from_tiles = lw._to_bf16(group, [(lw._own(x, group), t) for x, t in zip(tiles, types)], dequantize_tiles)
-        assert torch.equal(from_blocks[0], from_tiles[0]) and torch.equal(from_blocks[1], from_tiles[1])
-        assert torch.equal(from_blocks[0], torch.cat([whole[0][e0:e1], whole[1][e0:e1]], 1))
-        assert torch.equal(from_blocks[1], whole[2][e0:e1])
+        for got in (from_blocks, from_tiles):
+            assert torch.equal(got[0], torch.cat([whole[0][e0:e1], whole[1][e0:e1]], 1))
+            assert torch.equal(got[1], whole[2][e0:e1])

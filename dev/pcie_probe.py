@@ -6,7 +6,7 @@
 3. the CPU pool's stream probe alone, then while the GPU reads another pinned buffer in place:
    whether the two rates add up or share one limit.
 
-    python scripts/pcie_probe.py [THREADS]
+    python dev/pcie_probe.py [THREADS]
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 - `timeline`: CUDA-graph steps under torch.profiler, each kernel charged with what it adds to the
   stream's timeline (its end minus the latest end before it: with PDL a kernel starts before the
   one ahead ends, so its own duration double-counts), summed by name.
-    python scripts/gpu_profile.py /tmp/q3-4.gguf [threads] [kernels|host|timeline]"""
+    python dev/gpu_profile.py /tmp/q3-4.gguf [threads] [kernels|host|timeline]"""
 import cProfile
 import pstats
 import statistics

@@ -3,7 +3,7 @@ the kernel, then the same tasks reading the same bytes with no arithmetic (the r
 turns, on a Qwen3-30B-A3B-shaped layer (Q4_K_M, or --format) cycled through 3 copies (as bench.moe does), with
 a 1 GiB stream probe before each pair. Noisy machines move all three together; the ratios of a
 pair move much less than any one figure (the dev VM reads 27-67 GB/s by the minute).
-    python scripts/cpu_overlap.py [THREADS ...] [--rounds N] [--prefetch BYTES:HINT ...]
+    python dev/cpu_overlap.py [THREADS ...] [--rounds N] [--prefetch BYTES:HINT ...]
 --prefetch adds the kernel at other software-prefetch settings (CPURuntime's KT_CPU_PREFETCH
 bytes and hint index 0-3: t0, t1, t2, nta) to the turns, each against the same read-only runs."""
 import argparse

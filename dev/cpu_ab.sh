@@ -3,7 +3,7 @@
 # version of some csrc files, in one call, runs interleaved (base, new, base, new ...), so the
 # host's memory moods fall on both. Carry [".whl", ".peer"]; put the base files in .peer/base-csrc/
 # (e.g. `git show HEAD:csrc/int8.cpp > .peer/base-csrc/int8.cpp`).
-#   device run: ROUNDS=2 MOE_ARGS="--tokens 512 --int8" bash scripts/cpu_ab.sh
+#   device run: ROUNDS=2 MOE_ARGS="--tokens 512 --int8" bash dev/cpu_ab.sh
 #   env: THREADS (16), ROUNDS (2), ORDER (a round's runs, "base new"), MOE_ARGS (bench.moe's flags besides --threads; default T=512 with
 #        the int8 copies, Qwen3 Q4_K_M, no peer), PEER_ARGS (one more run of the new build with these
 #        flags after the rounds, e.g. "--peer-amx --peer-threads 14"; empty: none), TESTS (pytest

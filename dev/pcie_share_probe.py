@@ -3,7 +3,7 @@ kernel's T=1 time (inside the kernel) for a Qwen3 Q4_K_M layer with 8, 7 and 6 o
 experts, alone and while the GPU reads pinned host memory in place without pause (the bus's
 share of the host's memory bandwidth taken). Layer copies cycled as bench.moe does.
 
-    python scripts/pcie_share_probe.py [THREADS] [COPIES]
+    python dev/pcie_share_probe.py [THREADS] [COPIES]
 """
 from __future__ import annotations
 

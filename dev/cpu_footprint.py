@@ -11,7 +11,7 @@ alone reads at), and (4 KiB pages) each call run again right after those reads o
 (its bytes then in the caches: the kernel's rate when memory is not what it waits for). With
 SWEEP=1, then a sweep over all N copies of the tiled kernels' prefetch distance and hint, the
 decode tasks a thread and the tasks' prologue prefetch (two rounds, interleaved).
-    python scripts/cpu_footprint.py [threads] [copies] [k ...]"""
+    python dev/cpu_footprint.py [threads] [copies] [k ...]"""
 import os
 import statistics
 import sys

@@ -6,13 +6,13 @@ calls (cold data: copies cycled past the L2), median of 30 replays:
 - the same read plus a reduction across the programs by a counter (what a split K's "last
   program adds the partial sums" costs beyond the read);
 against the int4 GEMVs of quant_linear at Qwen3-30B-A3B's q and o shapes (6 MB with scales).
-    python scripts/gpu_floor.py"""
+    python dev/gpu_floor.py"""
 import torch
 import triton
 import triton.language as tl
 
 from ktransformers.kernels.triton import quant_linear as Q
-from gpu_tune import timed  # (scripts/: a graph of the calls, median us a call)
+from gpu_tune import timed  # (dev/: a graph of the calls, median us a call)
 
 COPIES = 32
 

@@ -2,7 +2,7 @@
 matrices of N x 2048 values of a GGML type, each multiplied by one token in turn (T=1, as a
 decode step does); bytes of weights / time. One copy of a matrix that fits the L3 cache
 measures the arithmetic; many copies measure RAM.
-    python scripts/cpu_linear_rate.py THREADS [TYPE [N [COPIES]]]     (default Q4_K 16384 8)"""
+    python dev/cpu_linear_rate.py THREADS [TYPE [N [COPIES]]]     (default Q4_K 16384 8)"""
 import statistics
 import sys
 import time

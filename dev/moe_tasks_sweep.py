@@ -1,7 +1,7 @@
 """How finely a decode call's MoE work is split (KT_MOE_TASKS: tasks a thread a phase) against its
 speed: the Qwen3-30B-A3B Q4_K_M layer of bench.moe at T=1 and T=4, timed inside the kernel (what a
 call fed from a GPU stream costs), three rounds over the settings so drifts show.
-    python scripts/moe_tasks_sweep.py THREADS TASKS [TASKS ...]      e.g. 16 2 4 8 16"""
+    python dev/moe_tasks_sweep.py THREADS TASKS [TASKS ...]      e.g. 16 2 4 8 16"""
 import sys
 
 import torch

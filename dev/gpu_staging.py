@@ -1,7 +1,7 @@
 """On the GPU machine: the rates of layer-wise prefill's staging steps, one layer's worth of bytes
 (385 MB, a Qwen3-30B-A3B Q4_K_M layer's experts) read from a mapped GGUF:
 mapped file -> pinned (CPU pool), pinned -> GPU (copy engine), both at once in 32 MiB chunks.
-    python scripts/gpu_staging.py /tmp/q3-48.gguf [threads]"""
+    python dev/gpu_staging.py /tmp/q3-48.gguf [threads]"""
 import sys
 import time
 

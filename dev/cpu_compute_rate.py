@@ -5,7 +5,7 @@ A Qwen3-30B-A3B-shaped Q4_K_M layer cut to 8 experts, with top_k 8: every call r
 24.5 MB (in Q4_K_M), which stay in a large L3 (the GPU host's 300 MiB) from call to call. Where the kernel's
 rate here is close to the stream's, the decode kernel is compute-bound at that thread count, and
 reading its bytes sooner (into the caches) cannot make it faster.
-    python scripts/cpu_compute_rate.py [threads ...]   (default: 1 2 4 8 and all cores)
+    python dev/cpu_compute_rate.py [threads ...]   (default: 1 2 4 8 and all cores)
 KT_RATE_FORMATS (default "Q4_K_M") names the bench.moe formats to time, e.g. "Q4_K Q6_K Q8_0"."""
 import os
 import sys

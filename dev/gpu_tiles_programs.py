@@ -1,7 +1,7 @@
 """Layer-wise prefill from the CPU's tiles, timed by the cap on the dequantizing kernel's programs
 (KT_TILES_PROGRAMS, read at every launch). One model load; the caps take turns within every round
 (the first round a warm-up), so that the host's drift falls on all of them alike.
-    python scripts/gpu_tiles_programs.py FILE.gguf [CAPS [PROMPTS [ROUNDS]]]
+    python dev/gpu_tiles_programs.py FILE.gguf [CAPS [PROMPTS [ROUNDS]]]
 CAPS: comma-separated, 0 = one program a run of four tiles (default "0,264,528,1056"); PROMPTS:
 comma-separated prompt lengths (default "2048,8192"); ROUNDS: timed rounds (default 3).
 THREADS: CPU threads (default 14)."""

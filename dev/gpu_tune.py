@@ -1,6 +1,6 @@
 """On the GPU machine: launch parameters of the decode-sized kernels swept at Qwen3-30B-A3B's shapes,
 each timed as a CUDA graph replays it with cold weights (copies cycled past the L2 cache).
-    python scripts/gpu_tune.py [gemv|attn|dense ...]
+    python dev/gpu_tune.py [gemv|attn|dense ...]
 Prints one line a configuration: microseconds a call (median of replays of a graph of 32 calls)."""
 import statistics
 import sys

@@ -3,7 +3,7 @@ inside the kernel, with the Python thread (the pool's thread 0 of a synchronous 
 move or pinned to the first allowed core, as the doorbell pins itself, in alternating rounds.
 (In 2026-12-01's calls on the GPU host the doorbell's calls took 156-195 us a layer where
 bench.moe's took 222-267 us inside the kernel, for the same bytes.)
-    python scripts/caller_pin_ab.py [threads] [rounds]
+    python dev/caller_pin_ab.py [threads] [rounds]
 The 2-core dev machine, 2026-12-01: 560 / 558 us, no difference."""
 import os
 import sys
