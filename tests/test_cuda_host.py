@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from test_models import q4_k_m
-from tiny import gpu_rules, tiny_model
+from tiny import gpu_rules, tiny_model, with_experts_kwargs
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.engine.generate import Engine
@@ -140,7 +140,6 @@ def test_doorbell_rest_and_wake(monkeypatch):
     wake() and a rest() wins, and a call rung while resting, or right after a wake, is still
     served and right. Spin windows of seconds make a rest() that did not stop them show as
     seconds of a thread's CPU time, where a working one costs microseconds."""
-    monkeypatch.setenv("KT_POOL_REST", "1")
     monkeypatch.setattr(HostStaging, "DOORBELL_SPIN_US", 2_000_000)
     before = _threads()
     runtime = CPURuntime(2, spin_us=500_000)
@@ -280,7 +279,7 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
     """The two hand-offs of CPU experts fed from a GPU stream (kernels/cuda_host.py), with their
     inputs copied or packed by one kernel into pinned memory, or stored by the router's launch
     and y read back by the launch that also adds and normalizes for the next layer
-    (KT_CUDA_FUSE), give the same logits, eagerly and replayed from CUDA graphs; the doorbell,
+    (HostStaging's fuse), give the same logits, eagerly and replayed from CUDA graphs; the doorbell,
     the pack and the fused launches are what the stream used."""
     from ktransformers.kernels.triton import handoff
     hf = tiny_model(family, layers=2)
@@ -292,11 +291,9 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
     monkeypatch.setattr(handoff, "pack_moe_inputs", lambda x, *a, **k: spied["pack"].append(x.shape[0]) or real_pack(x, *a, **k))
     monkeypatch.setattr(handoff, "copy_rows_add_norm", lambda y, *a, **k: spied["back"].append(y.shape[0]) or real_back(y, *a, **k))
     for mode, pack, fuse in (("host", "0", "0"), ("doorbell", "0", "0"), ("doorbell", "1", "0"), ("doorbell", "1", "1")):
-        monkeypatch.setenv("KT_CUDA_HANDOFF", mode)
-        monkeypatch.setenv("KT_CUDA_PACK", pack)
-        monkeypatch.setenv("KT_CUDA_FUSE", fuse)
         model = build_skeleton(hf.config, torch.bfloat16)
         optimize_and_load_gguf(model, gpu_rules(family, tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+        _use_staging(model, mode, pack == "1", fuse == "1")
         for graphs in (False, True):
             engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
             seq = engine.new_sequence()
@@ -314,7 +311,7 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
                     assert (decode_packs > 0) == (pack == "1") and not spied["back"]
         staging = engine.context._staging
         assert set(staging.mode.values()) == {mode}
-        assert set(staging._packs.values()) == {pack == "1"} and staging.runtime.fuse_handoff == (fuse == "1")
+        assert set(staging._packs.values()) == {pack == "1"} and staging.fuse == (fuse == "1")
         assert (staging.doorbell is not None) == (mode == "doorbell")
         if mode == "doorbell":
             assert staging.doorbell.served >= len(ids) and staging.doorbell.bad_rings == 0
@@ -328,7 +325,7 @@ def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("extra", ["", "num_gpu_experts: 3"])
-def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
+def test_pcie_experts_decode_equals_cpu_experts(tmp_path, extra):
     """Decode with pcie_experts: 1 (the GPU computes one of each token's two experts from the CPU
     kernel's tiles, read over the bus, the CPU the other) gives the all-CPU logits, eagerly and
     from CUDA graphs (and in prefill chunks of up to 8 tokens); beside hot experts the share is
@@ -338,9 +335,10 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
     ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(13)).tolist()
     results = {}
     for share in ("0", "1"):
-        monkeypatch.setenv("KT_PCIE_EXPERTS", share)
+        rules = gpu_rules("qwen3_moe", tmp_path, "cuda", extra)
         model = build_skeleton(hf.config, torch.bfloat16)
-        optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda", extra), tmp_path / "m.gguf", hf.config)
+        optimize_and_load_gguf(model, with_experts_kwargs(rules, tmp_path, pcie_experts=int(share)),
+                               tmp_path / "m.gguf", hf.config)
         ops = [op for m in model.modules() if isinstance(op := getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
         assert ops and all((op.pcie is not None) == (share == "1" and not extra) for op in ops)
         for graphs in (False, True):
@@ -358,6 +356,13 @@ def test_pcie_experts_decode_equals_cpu_experts(tmp_path, monkeypatch, extra):
         err = ((a - b).norm() / a.norm()).item()
         assert err < 2e-2, f"pcie share vs CPU, graphs={graphs}: {err:.2e}"
         assert not torch.equal(a, b)  # (the share did run: other roundings)
+
+
+def _use_staging(model, handoff: str, pack: bool, fuse: bool = True) -> None:
+    """The model's CPU experts fed from the GPU through HostStaging(handoff=, pack=, fuse=) (the
+    engine's default is the doorbell, packed and fused)."""
+    ctx = model.kt_context
+    ctx._staging = HostStaging(ctx.cpu_runtime(), pinned=True, handoff=handoff, pack=pack, fuse=fuse)
 
 
 def _gpu_qwen3(tmp_path, layers: int = 2):
@@ -379,13 +384,13 @@ def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch, handoff,
     tokens; stopping early drops the step issued ahead from the cache, and decoding then goes on
     the same; greedy generation takes the same path."""
     from ktransformers.engine.sampling import SamplingParams
-    monkeypatch.setenv("KT_CUDA_HANDOFF", handoff)
-    monkeypatch.setenv("KT_CUDA_PACK", pack)
     hf, model = _gpu_qwen3(tmp_path)
+    _use_staging(model, handoff, pack == "1")
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(12)).tolist()
-    runs = {}
+    runs, decodes_ahead = {}, Engine._decodes_ahead
     for ahead in ("0", "1"):
-        monkeypatch.setenv("KT_DECODE_AHEAD", ahead)
+        # (step by step: as where the decode graph is split in segments)
+        monkeypatch.setattr(Engine, "_decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
         engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
         assert engine.graphs is not None and engine._decodes_ahead() == (ahead == "1")
         seq = engine.new_sequence()
@@ -419,9 +424,10 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
     hf, model = _gpu_qwen3(tmp_path)
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(13)).tolist()
     params = SamplingParams(temperature=1.5, top_p=0.95, seed=7)  # (hot: a tiny random model's draws vary)
-    runs = {}
+    runs, decodes_ahead = {}, Engine._decodes_ahead
     for ahead in ("0", "1"):
-        monkeypatch.setenv("KT_DECODE_AHEAD", ahead)
+        # (step by step: as where the decode graph is split in segments)
+        monkeypatch.setattr(Engine, "_decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
         engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
         assert engine._decodes_ahead() == (ahead == "1")
         seq = engine.new_sequence()

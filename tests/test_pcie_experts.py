@@ -118,9 +118,10 @@ def test_share_reads_page_locked_host_memory(runtime):
 
 
 def _load_tiny_qwen3_cpu(tmp_path):
-    """A function loading a 1-layer tiny Qwen3-MoE (Q4_K_M GGUF) through the shipped CPU rules."""
+    """A function loading a 1-layer tiny Qwen3-MoE (Q4_K_M GGUF) through the shipped CPU rules,
+    its experts rule given pcie_experts=(the argument)."""
     from test_models import q4_k_m
-    from tiny import RULES, tiny_model
+    from tiny import RULES, tiny_model, with_experts_kwargs
 
     from ktransformers import optimize_and_load_gguf
     from ktransformers.loader import RULES_DIR, build_skeleton
@@ -128,32 +129,30 @@ def _load_tiny_qwen3_cpu(tmp_path):
     hf = tiny_model("qwen3_moe", layers=1)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
 
-    def load():
+    def load(pcie_experts):
+        rules = with_experts_kwargs(RULES_DIR / RULES["qwen3_moe"], tmp_path, pcie_experts=pcie_experts)
         model = build_skeleton(hf.config, torch.float32)
-        optimize_and_load_gguf(model, RULES_DIR / RULES["qwen3_moe"], tmp_path / "m.gguf", hf.config)
+        optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
         return model
     return load
 
 
-def test_option_values_are_checked(tmp_path, monkeypatch):
+def test_option_values_are_checked(tmp_path):
     """pcie_experts: a bad value names the layer (with CUDA or without)."""
     load = _load_tiny_qwen3_cpu(tmp_path)
-    monkeypatch.setenv("KT_PCIE_EXPERTS", "two")
     with pytest.raises(ValueError, match="mlp.experts: pcie_experts .* integer or 'auto', got 'two'"):
-        load()
-    monkeypatch.setenv("KT_PCIE_EXPERTS", "2")  # the tiny model routes 2 a token
+        load("two")
     with pytest.raises(ValueError, match=r"pcie_experts must lie in \[0, 1\] \(top-k 2\), got 2"):
-        load()
+        load(2)  # the tiny model routes 2 a token
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")
-def test_option_is_off_without_cuda(tmp_path, monkeypatch):
+def test_option_is_off_without_cuda(tmp_path):
     """pcie_experts on a machine without CUDA: off with a warning, the model the all-CPU one."""
     from ktransformers.operators.experts import KExpertsCPU
     load = _load_tiny_qwen3_cpu(tmp_path)
-    monkeypatch.setenv("KT_PCIE_EXPERTS", "1")
     with pytest.warns(UserWarning, match="pcie_experts=1 is off: no CUDA device"):
-        model = load()
+        model = load(1)
     ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
     assert ops and all(op.pcie is None for op in ops)
 
@@ -174,7 +173,7 @@ def test_auto_share_size_model():
         assert 0 <= n < K
         assert ex.pcie_share_size(K, B, bus * 1.5, cpu) >= n, (K, B, bus, cpu)
         assert ex.pcie_share_size(K, B, bus, cpu * 1.5) <= n, (K, B, bus, cpu)
-        if K * B / (cpu * ex.PCIE_SHARE_CPU_KERNEL * 1e9) <= ex.PCIE_SHARE_OVERHEAD_S:
+        if K * B / (cpu * ex.BUS_SHARE_COSTS.cpu_kernel * 1e9) <= ex.BUS_SHARE_COSTS.gpu_overhead_s:
             assert n == 0
     assert [ex.pcie_share_size(8, 3_060_000, 51.0, cpu) for cpu in (90, 109, 130)] == [2, 2, 2]
     assert ex.pcie_share_size(2, 106_000_000, 51.0, 120.0) == 0
@@ -193,7 +192,7 @@ class _Context:
 
 @pytest.mark.triton
 def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
-    """auto_pcie_experts: experts under PCIE_SHARE_MIN_EXPERT_BYTES are 0 with nothing measured;
+    """auto_pcie_experts: experts under BUS_SHARE_COSTS.min_expert_bytes are 0 with nothing measured;
     the rates are measured once per context and the choice is pcie_share_size's; a failed
     measurement warns and leaves the share off (0) instead of failing the load."""
     import warnings
@@ -210,7 +209,7 @@ def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
     buses = []
     monkeypatch.setattr(pe, "bus_read_gbps", lambda device: buses.append(device) or 51.0)
     ctx = _Context(runtime=Runtime())
-    assert ex.auto_pcie_experts(ctx, 8, ex.PCIE_SHARE_MIN_EXPERT_BYTES - 1) == 0 and ctx.pcie_rates is None
+    assert ex.auto_pcie_experts(ctx, 8, ex.BUS_SHARE_COSTS.min_expert_bytes - 1) == 0 and ctx.pcie_rates is None
     got = [ex.auto_pcie_experts(ctx, 8, 3_060_000) for _ in range(3)]
     assert got == [ex.pcie_share_size(8, 3_060_000, 51.0, 109.0)] * 3 and got[0] > 0
     assert len(buses) == 1 and Runtime.calls == 1 and ctx.pcie_rates == (51.0, 109.0)
@@ -227,16 +226,15 @@ def test_auto_measures_once_and_fails_quietly_to_off(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA's case")
-def test_auto_is_quietly_off_without_cuda(tmp_path, monkeypatch):
+def test_auto_is_quietly_off_without_cuda(tmp_path):
     """pcie_experts: auto (the GPU rule files' default) on a machine without CUDA: off, no warning."""
     import warnings
 
     from ktransformers.operators.experts import KExpertsCPU
     load = _load_tiny_qwen3_cpu(tmp_path)
-    monkeypatch.setenv("KT_PCIE_EXPERTS", "auto")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*pcie_experts")
-        model = load()
+        model = load("auto")
     ops = [m.ops["generate"] for m in model.modules() if isinstance(getattr(m, "ops", {}).get("generate"), KExpertsCPU)]
     assert ops and all(op.pcie is None for op in ops)
 

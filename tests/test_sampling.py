@@ -273,10 +273,11 @@ def test_sampling_gpu_logits_drawn_on_the_gpu(monkeypatch):
     gen = torch.Generator(device=logits.device).manual_seed(11)
     assert torch.equal(got, multinomial_draws(params, logits, 20, gen))
     assert any(k[0] == logits.device and g is not None for k, g in sampling._DRAW_GRAPHS.items())  # (captured)
+    real_draw_graph = sampling._draw_graph
     for dtype in (torch.float32, torch.bfloat16):  # the captured draw is the eager one
         runs = []
-        for graph in ("0", "1"):
-            monkeypatch.setenv("KT_SAMPLER_GRAPH", graph)
+        for graph in (False, True):  # (eager: as where no graph can be captured)
+            monkeypatch.setattr(sampling, "_draw_graph", real_draw_graph if graph else lambda logits, p: None)
             runs.append(draws(params, logits.to(dtype), 10))
         assert torch.equal(runs[0], runs[1]), dtype
     sampler = Sampler(params)

@@ -542,14 +542,16 @@ def test_fused_paths_without_counters_fall_back(dev, monkeypatch):
 
 
 def test_pdl_options(monkeypatch):
-    """Kernels launch as programmatic dependents only on CUDA devices that have PDL, and not with
-    KT_PDL=0; elsewhere their GDC parameter is off (gdc_enter compiles to nothing)."""
+    """Kernels launch as programmatic dependents only on CUDA devices that have PDL; elsewhere
+    their GDC parameter is off (gdc_enter compiles to nothing)."""
+    pytest.importorskip("triton", reason="the launch options are Triton's")
+    from ktransformers.kernels.triton import pdl as pdl_module
     from ktransformers.kernels.triton.pdl import pdl
     assert pdl(torch.device("cpu")) == {"GDC": False}
     if torch.cuda.is_available():
         on = torch.cuda.get_device_capability()[0] >= 9
         assert pdl(torch.device("cuda")) == ({"GDC": True, "launch_pdl": True} if on else {"GDC": False})
-        monkeypatch.setenv("KT_PDL", "0")
+        monkeypatch.setattr(pdl_module, "_has_pdl", lambda index: False)
         assert pdl(torch.device("cuda")) == {"GDC": False}
 
 
@@ -561,11 +563,12 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
     split and merged in the launch -> o GEMV -> residual add + norm -> router -> pack into pinned
     memory), six times over, as programmatic dependent launches: eagerly, and replayed as a CUDA
     graph on a new input each replay, the same bits as the same launches made plainly
-    (KT_PDL=0). A kernel that read its input before waiting for the launch that writes it would
+    (on a device taken for one without PDL). A kernel that read its input before waiting for the launch that writes it would
     read the previous launch's or the previous replay's values here."""
     from ktransformers.kernels.triton import attention as A
     from ktransformers.kernels.triton import handoff, norm_rope
     from ktransformers.kernels.triton import quant_linear as ql
+    from ktransformers.kernels.triton import pdl as pdl_module
     from ktransformers.kernels.triton import router
     from ktransformers.kernels.triton.pdl import pdl
     if not pdl(torch.device("cuda"))["GDC"]:
@@ -609,9 +612,10 @@ def test_pdl_chain_in_graph_equals_plain(monkeypatch):
         torch.cuda.synchronize()
         return outs + caches + [p.clone() for p in pinned]
 
-    monkeypatch.setenv("KT_PDL", "0")
+    has_pdl = pdl_module._has_pdl
+    monkeypatch.setattr(pdl_module, "_has_pdl", lambda index: False)
     want = [run(x) for x in inputs]
-    monkeypatch.setenv("KT_PDL", "1")
+    monkeypatch.setattr(pdl_module, "_has_pdl", has_pdl)
     got = run(inputs[0])  # eagerly (and compiled, the counters made, outside the capture)
     assert all(torch.equal(a, b) for a, b in zip(got, want[0]))
     x_in = inputs[0].clone()

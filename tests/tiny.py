@@ -170,6 +170,20 @@ GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml
              "mixtral": "Mixtral.yaml"}
 
 
+def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:
+    """A copy of the rule file `rules` whose every experts rule (KTransformersExperts) has
+    `kwargs` added to its own, written under tmp_path."""
+    import yaml
+    parsed = yaml.safe_load(Path(rules).read_text())
+    for rule in parsed:
+        replace = rule.get("replace") or {}
+        if str(replace.get("class", "")).rsplit(".", 1)[-1] == "KTransformersExperts":
+            replace.setdefault("kwargs", {}).update(kwargs)
+    path = Path(tmp_path) / f"with-{'-'.join(kwargs)}-{Path(rules).name}"
+    path.write_text(yaml.safe_dump(parsed, sort_keys=False))
+    return path
+
+
 def kernel_device() -> str:
     """Where the Triton kernels run in this session: 'cuda', or 'cpu' under Triton's interpreter
     (Triton >= 3.9; older interpreters fail on NumPy 2.4). Skips the test when neither works."""

@@ -149,7 +149,7 @@ def _rule_file(args):
     value = args.pcie_experts if args.pcie_experts == "auto" else int(args.pcie_experts)
     for rule in rules:
         replace = rule.get("replace") or {}
-        if replace.get("class") == "KTransformersExperts":
+        if str(replace.get("class", "")).rsplit(".", 1)[-1] == "KTransformersExperts":
             replace.setdefault("kwargs", {})["pcie_experts"] = value
     out = Path(tempfile.mkdtemp(prefix="kt-e2e-")) / Path(path).name
     out.write_text(yaml.safe_dump(rules, sort_keys=False))
