@@ -173,7 +173,7 @@ void attend_chunk_grouped(const float* qt, const float* k, const float* v, const
     const float* rows[kChunk];
     // Rows a tile at a time, every kv head of a row together: the cache is read in slot order
     // (whole rows, as stored) and the same rows' values are prefetched for the second GEMM: with
-    // the cache cold, as in a model step, faster than reading kv head by kv head.
+    // the cache cold, as in a model step, whole rows stream where kv head by kv head would stride.
     int j = 0;
     auto tile = [&](auto rows_in_tile) {
         constexpr int R = decltype(rows_in_tile)::value;

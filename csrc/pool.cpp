@@ -1,6 +1,6 @@
 // ThreadPool and Runtime. Workers spin for spin_us after each job (a decode step issues many
 // small parallel regions back to back), then sleep on a condition variable, so an idle pool
-// costs no CPU - which matters on a 2-core machine where Python shares the cores.
+// costs no CPU - which matters on a machine with few cores, where Python shares them.
 #include "pool.h"
 
 #include <chrono>

@@ -5,9 +5,9 @@ import os
 
 # torch's OpenMP workers spin after each of its parallel regions (libgomp: 300000 spins by
 # default) on the cores our own pool is about to use. A short spin keeps torch's back-to-back
-# regions quick to start and gives the cores back soon after: on 2 cores a 512-token prefill took
-# 1.23-1.25 s against 1.27-1.28 s, and the demo server kept its tokens/s (never spinning,
-# OMP_WAIT_POLICY=PASSIVE, cost the server ~10%). libgomp reads this once, when torch loads it:
+# regions quick to start and gives the cores back soon after, so a prefill on few cores gets
+# faster and the server keeps its throughput (never spinning, OMP_WAIT_POLICY=PASSIVE, would
+# make every region start cold and slow the server down). libgomp reads this once, when torch loads it:
 # so it applies only when ktransformers is imported first, a setting of the user's wins, and it
 # is taken back out of the environment so that child processes (llama.cpp in the benchmarks)
 # start as they would have.

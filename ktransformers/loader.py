@@ -93,8 +93,8 @@ def freeze_heap() -> None:
     """For a process that serves one model until it exits (local_chat, the server, the benchmarks),
     once the model is loaded: collect, then move every object alive now out of the cyclic
     collector's reach. What loading leaves (modules, the GGUF's parsed fields: ~400k objects with a
-    32k vocabulary) lives as long as the model, and full collector passes over it cost a 512-token
-    prefill ~3% on 2 cores. At exit they are handed back, so that interpreter shutdown frees them
+    32k vocabulary) lives as long as the model, and full collector passes over it would only
+    slow a prefill down, the more so on few cores. At exit they are handed back, so that interpreter shutdown frees them
     as usual (extension modules check for leaks then)."""
     gc.collect()
     gc.freeze()

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool): build the C++ extension, run the tests (the Triton/GPU ones
-# first), the GPU kernel benchmark, the CPU-kernel benchmark with kt-kernel beside it, and an
-# end-to-end decode benchmark of the GPU rule file. Results go to $OUT. Carry `.whl`, made here
-# once (it is git-ignored through .git/info/exclude):
+# On a CUDA machine: build the C++ extension, run the tests (the Triton/GPU ones first), the GPU
+# kernel benchmark, the CPU-kernel benchmark with kt-kernel beside it, and an end-to-end decode
+# benchmark of the GPU rule file. Results go to $OUT. Needs `.whl/` in the working directory,
+# made once on a machine with network access (git-ignored through .git/info/exclude):
 #   echo /.whl/ >> .git/info/exclude
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp #       --platform manylinux_2_35_x86_64 -d /tmp/ktk kt-kernel==0.7.2
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_35_x86_64 -d /tmp/ktk kt-kernel==0.7.2
 #   unzip -q /tmp/ktk/kt_kernel-*.whl -d /tmp/ktk/x && mkdir -p .whl/site && cp -r /tmp/ktk/x/kt_kernel \
 #       /tmp/ktk/x/kt_kernel.libs /tmp/ktk/x/kt_kernel-0.7.2.dist-info .whl/site/ && \
 #       rm -rf .whl/site/kt_kernel/_kt_kernel_ext_avx* .whl/site/kt_kernel/cli .whl/site/kt_kernel/sft
 # (cpufeature has no cp312 wheel; the kernels then read /proc/cpuinfo.)
-#   device run: bash scripts/gpu_check.sh
+#   run: bash scripts/gpu_check.sh
 #   env: STEPS (default "gpu-tests tests bench-gpu bench-moe e2e"), THREADS, FORMATS, SHAPES,
 #        BENCH_ARGS (bench.moe), E2E_LAYERS (synthetic Qwen3-30B-A3B layers for e2e, default 4)
 set -uo pipefail

@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# On the GPU machine: the hybrid end-to-end benchmark (bench.e2e) of a 48-layer Qwen3-30B-A3B-shaped
+# On a CUDA machine: the hybrid end-to-end benchmark (bench.e2e) of a 48-layer Qwen3-30B-A3B-shaped
 # Q4_K_M file beside llama.cpp's CUDA build with its experts on the CPU, and the hand-off benchmark
-# (bench.handoff). Two device calls on one warm machine (it is released after ~30 s idle, so issue
-# the second at once); carry [".whl", ".peer"]:
+# (bench.handoff, doorbell and host hand-offs). Two parts, run one after the other on the same
+# machine (the second reuses the first's llama-bench build and model file in /tmp); needs .whl/
+# (the Python wheels) and .peer/llama.tar.gz in the working directory:
 #   1) PART=prep  bash scripts/gpu_e2e.sh   starts building llama-bench from .peer/llama.tar.gz
-#      (~5 min, the vendored llama.cpp of llama-cpp-python 0.3.36's sdist, see ../shared/PEERS.md),
-#      builds ours, writes /tmp/q3-48.gguf, runs the CUDA hand-off tests meanwhile (TESTS=0: not),
-#      then, the build done, bench.handoff.
-#   2) PART=bench bash scripts/gpu_e2e.sh   bench.e2e with llama-bench beside it (doorbell hand-off),
-#      then ours again with KT_CUDA_HANDOFF=host (decode only) for the A/B (HOST_AB=0: not), and
-#      decode at the thread counts of THREAD_SWEEP (e.g. "15 16"), and with each setting of AB_ENV
-#      (e.g. "KT_PDL=0 KT_MOE_TASKS=8", one run each); SAMPLED=1: sampled decode (temperature 0.7,
-#      top_p 0.9) one step ahead, then step by step (KT_DECODE_AHEAD=0).
-# PART=all runs both in one call (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
+#      (the vendored llama.cpp of llama-cpp-python 0.3.36's sdist), builds ours, writes
+#      /tmp/q3-48.gguf, runs the CUDA hand-off tests meanwhile (TESTS=0: not), then, the build
+#      done, bench.handoff.
+#   2) PART=bench bash scripts/gpu_e2e.sh   bench.e2e with llama-bench beside it, then decode at the
+#      thread counts of THREAD_SWEEP (e.g. "15 16"); SAMPLED=1: also a sampled decode
+#      (temperature 0.7, top_p 0.9).
+# PART=all runs both in one go (HANDOFF=0 leaves bench.handoff out; TEST_FILES, TEST_MARK pick the
 # tests run while llama.cpp builds; NO_LLAMA=1: no llama.cpp build, no peer row). In prep, also
 # while llama.cpp builds: BENCH_GPU=1 runs bench.gpu, PROFILE=1 dev/gpu_profile.py on a 4-layer file (its kernels),
 # STAGING=1 dev/gpu_staging.py (layer-wise prefill's copy and dequantize rates). Those share the
@@ -61,7 +60,7 @@ if [ "$PART" = prep ] || [ "$PART" = all ]; then
     cat /tmp/llama_done; tail -2 /tmp/llama_build.log; ls -la "$LLAMA"
   fi
   tail -1 "$OUT/synth.txt"
-  sync  # the model file's dirty pages written back now, not while the CPU experts stream (a 1.7x slower run once)
+  sync  # the model file's dirty pages written back now, not while the CPU experts stream (they would slow it)
   if [ "${FOOTPRINT:-0}" = 1 ]; then
     python3 dev/cpu_footprint.py ${FOOTPRINT_ARGS:-$THREADS 48 2 48} 2>&1 | grep -v Warn | tee "$OUT/footprint.txt"
   fi
@@ -87,21 +86,9 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
     python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$t" --repeats 1 --decode 64 --prompts 512 \
         2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
   done
-  for ab in ${AB_ENV:-}; do  # decode again with one setting changed (e.g. AB_ENV="KT_PDL=0 KT_MOE_TASKS=8")
-    echo "# $ab" | tee -a "$OUT/e2e.txt"
-    env "$ab" python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 --decode 64 \
-        --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
-  done
-  if [ "${SAMPLED:-0}" = 1 ]; then  # decode sampled tokens (temperature 0.7, top_p 0.9), ahead and step by step
-    for ahead in 1 0; do
-      echo "# sampled, KT_DECODE_AHEAD=$ahead" | tee -a "$OUT/e2e.txt"
-      KT_DECODE_AHEAD=$ahead python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" \
-          --repeats 1 --decode 64 --prompts 512 --temperature 0.7 --top_p 0.9 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
-    done
-  fi
-  if [ "${HOST_AB:-1}" != 0 ]; then
-    echo "# KT_CUDA_HANDOFF=host" | tee -a "$OUT/e2e.txt"
-    KT_CUDA_HANDOFF=host python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" --repeats 1 \
-        --decode 64 --prompts 512 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
+  if [ "${SAMPLED:-0}" = 1 ]; then  # decode sampled tokens (temperature 0.7, top_p 0.9)
+    echo "# sampled" | tee -a "$OUT/e2e.txt"
+    python3 -m ktransformers.bench.e2e --gguf_path /tmp/q3-48.gguf --threads "$THREADS" \
+        --repeats 1 --decode 64 --prompts 512 --temperature 0.7 --top_p 0.9 2>>"$OUT/e2e.err" | tee -a "$OUT/e2e.txt"
   fi
 fi

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On a machine with two GPUs (device kind nvidia-h200-x2): the GPU tests with the multi-GPU ones
+# On a CUDA machine with two GPUs: the GPU tests with the multi-GPU ones
 # (tests/test_multi_gpu.py: a tiny model split over both GPUs equals one GPU; graph segments equal
 # eager), then bench.e2e of a DeepSeek-V3-shaped synthetic Q4_K_M file on one GPU (beside
-# llama.cpp, experts on the CPU) and split over both by the planner's rule file. Two device calls
-# on one warm machine (released ~30 s after a call: issue the second at once); carry
-# [".whl", ".peer"]:
+# llama.cpp, experts on the CPU) and split over both by the planner's rule file. Two parts, run
+# one after the other on the same machine (the second reuses the first's builds in /tmp); needs
+# .whl/ (as scripts/gpu_check.sh makes it) and .peer/llama.tar.gz in the working directory:
 #   1) PART=tests bash scripts/gpu_multi.sh   build, tests; llama-bench and /tmp/ds.gguf built meanwhile
 #   2) PART=bench bash scripts/gpu_multi.sh   the benchmarks
 #   env: THREADS (CPU expert threads, default 28), DS_LAYERS (default 8: 3 dense + 5 MoE layers),

@@ -1,1 +1,10 @@
-"""bench: (filled in by later issues)."""
+"""bench: benchmarks, each run as `python -m ktransformers.bench.<name>`; the timed ones compare
+their figures with the bound they cannot beat (memory bandwidth measured in the same run) and,
+where installed, with a peer on the same bytes. `synth` writes realistic-size GGUF models of random valid blocks
+(no download); `load` the peak memory of loading one; `moe` one MoE layer on the CPU kernels
+(beside kt-kernel, through `peers`); `decode` a whole model's prefill and decode, beside
+llama.cpp; `e2e` hybrid GPU + CPU prefill and decode against the decode roofline and llama.cpp's
+CUDA build; `gpu` the Triton kernels against the GPU's memory bandwidth; `handoff` what handing
+a layer's experts from a GPU stream to the CPU and back costs; `serve` the OpenAI server under
+concurrent clients. How to run each, what its columns mean and current figures:
+docs/benchmarks.md."""

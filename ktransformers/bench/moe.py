@@ -87,7 +87,7 @@ _PROBE_BUFFERS: dict = {}  # size in bytes -> the probe's buffer, made once a pr
 def stream_gbps(runtime, gib: float = 2.0, repeats: int = 5) -> float:
     """Best-of-N streaming read bandwidth over a buffer much larger than the caches, the same
     buffer every probe of the process (a new one a probe, written and freed around every row's
-    calls, can slow the calls after it by up to half)."""
+    calls, can slow the calls right after it)."""
     size = int(gib * 2**30)
     if size not in _PROBE_BUFFERS:
         _PROBE_BUFFERS[size] = runtime.probe_buffer(gib)

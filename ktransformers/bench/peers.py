@@ -1,6 +1,6 @@
 """Peers run beside ours in the same benchmark process, when installed: kt-kernel (upstream's
-CPU kernels, PyPI `kt-kernel`). Driven through its extension directly, as ../shared/PEERS.md
-describes (its high-level wrapper wants CUDA pinned memory)."""
+CPU kernels, PyPI `kt-kernel`). Driven through its extension module directly (its high-level
+wrapper wants CUDA pinned memory)."""
 from __future__ import annotations
 
 import contextlib
@@ -114,7 +114,7 @@ AMX_CLASSES = ("AMXInt8_MOE", "AMXInt4_MOE", "AMXBF16_MOE")
 
 def time_peers(peers: dict[int, KTKernelMoE], calls: list[tuple]) -> dict | None:
     """The best median over thread counts (its spinning task thread can make 2 threads slower
-    than 1 on a 2-core machine): {name (with class and thread count), median_us}, or None."""
+    than 1 on a machine with few cores): {name (with class and thread count), median_us}, or None."""
     best = None
     with quiet_stdout():
         for threads, peer in peers.items():

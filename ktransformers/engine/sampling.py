@@ -167,8 +167,8 @@ def _draw(logits: torch.Tensor, q: torch.Tensor, p: SamplingParams) -> tuple[tor
 class _DrawGraph:
     """_draw of one logits shape, dtype and set of params on one GPU, captured as a CUDA graph:
     a draw is then three launches (the logits into the graph's input, the noise from the caller's
-    generator, the replay) where it was ~20 (the top-p sort among them), each costing the host
-    5-50 us while the CPU experts keep its cores busy. The same kernels run, so the tokens are
+    generator, the replay) instead of a score of eager launches (the top-p sort among them), each
+    of which costs the host dearly while the CPU experts keep its cores busy. The same kernels run, so the tokens are
     the eager ones."""
 
     def __init__(self, like: torch.Tensor, p: SamplingParams) -> None:

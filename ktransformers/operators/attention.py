@@ -1,5 +1,5 @@
 """Attention over the paged caches: MLA (DeepSeek-V2/V3, Kimi-K2) and grouped-query attention
-(Qwen3-MoE, Qwen2-MoE, Mixtral). Torch reference implementations; GPU kernels plug in later.
+(Qwen3-MoE, Qwen2-MoE, Mixtral). Torch reference implementations, and the Triton decode kernels (`backend`) where they run.
 
 Both keep the original module's projections as children (so linear rules still match
 `...self_attn.q_a_proj` etc.) and keep HF's forward signature and `(output, weights)` return.
@@ -46,7 +46,7 @@ def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device)
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v for q [h, q, d], k/v [h_kv, L, d] (h a multiple of h_kv):
-    explicit matmuls for a few query rows (SDPA's CPU kernel costs ~10x more there; the caller
+    explicit matmuls for a few query rows (SDPA's CPU kernel costs far more there; the caller
     stacks grouped heads), SDPA's 4-D flash path with native GQA for prefill-sized blocks."""
     if q.shape[1] > 16:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,

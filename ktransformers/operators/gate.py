@@ -64,7 +64,7 @@ class _Router(BaseInjectedModule):
         self.kernel = self.gemv = None
         if self.device.type == "cpu" and self.weight.dtype == torch.float32:
             # the same fp32 dot products on the C++ pool (all cores stream the weight; torch's
-            # single-threaded decode GEMV reads it at half the speed)
+            # single-threaded decode GEMV is bound by one core's read rate)
             from ..kernels.cpu import ExpertWeights, LinearKernel
             self.kernel = LinearKernel(self.run_context().cpu_runtime(), in_features=self.weight_shape[1],
                                        out_features=self.weight_shape[0],

@@ -144,8 +144,8 @@ class _TritonLinear:
 
     def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """A dense fallback weight: decode-sized rows on a small weight through the one-launch
-        Triton GEMV (latency-bound: 4.5 us where cuBLAS's bf16 GEMV took 5.8 at Qwen3's 512x2048
-        v_proj on the H200), else cuBLAS (which streams a large one, e.g. an lm_head, faster)."""
+        Triton GEMV (a small projection's cost is launch latency, where cuBLAS's bf16 GEMV is
+        slower), else cuBLAS (which streams a large one, e.g. an lm_head, faster)."""
         from ..kernels.triton.common import runs_on
         from ..kernels.triton.quant_linear import DENSE_GEMV_WEIGHTS, GEMV_ROWS, dense_gemv
         if x.shape[0] <= GEMV_ROWS and self.weight.numel() <= DENSE_GEMV_WEIGHTS and runs_on(x.device):

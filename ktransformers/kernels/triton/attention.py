@@ -202,8 +202,9 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     # Decode is latency-bound: each block of the history is a dependent round trip (slots, then
     # keys and values), so the history is split until a program has about one block, up to
     # MAX_SPLITS (the merge reads every split) and a few programs an SM: at GQA shapes such as
-    # Qwen3's 32/4 heads of 128 that, with 64-token blocks and 8 heads a program, is faster than
-    # 32-token blocks, 16 heads a program and at least 4 blocks a split. Wide rows (MLA's
+    # Qwen3's 32/4 heads of 128, 64-token blocks and 8 heads a program (fewer round trips a
+    # program, more programs to fill the SMs) rather than 32-token blocks, 16 heads a program and
+    # at least 4 blocks a split. Wide rows (MLA's
     # 512-value latent) keep 32-token blocks, for registers.
     BLOCK_T = 64 if max(D1, DV) <= 128 else 32
     BLOCK_H = 8 if group <= 8 else 16

@@ -2,10 +2,10 @@
 their weights, read in place over PCIe while the CPU threads compute the rest.
 
 Decoding on the CPU experts is bound by how fast the host's memory is read. The GPU can read
-host memory too, over the bus, and on the H200 host it does so at ~50 GB/s while the 16 cores
-read ~100-130 GB/s (scripts/pcie_probe.py). The two share one memory system: with the GPU
-reading, the cores' rate falls to ~0.8 of theirs alone, but together they read ~1.3x what the
-cores read alone. So, of a token's top-k experts, the last `share` are computed here from the
+host memory too, over the bus, at a fraction of what the cores read. The two share one memory
+system: with the GPU reading, the cores' rate falls below theirs alone, but together they read
+more than the cores alone (operators/experts/placement.py weighs the two; it measures both
+rates at load). So, of a token's top-k experts, the last `share` are computed here from the
 CPU kernel's 16-row tiles (csrc/blocks.h: `tile_q4_k16`, `tile_q6_k16`; their buffers page-locked
 with cudaHostRegister), and the CPU kernel skips them (their ids packed as -1). No byte is copied
 and no second copy of the weights is kept.

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, Hopper and later) of the decode step's kernels.
 
-A decode step is a chain of small launches, each waiting for the one before: on the H200 a
-Qwen3-30B-A3B layer's GPU part is ~10 launches of 2-10 us, most of it latency. Launched as
+A decode step is a chain of small launches, each waiting for the one before: a MoE layer's GPU
+part is about ten short launches, most of each one's time latency. Launched as
 programmatic dependents, a kernel's programs start while the previous kernel still runs, load
 what no launch of the step writes (weights), then wait in `gdc_enter` for the previous kernel to
 complete with its stores visible, and let the next kernel start in turn. The launch gap and the

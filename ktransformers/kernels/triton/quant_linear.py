@@ -11,11 +11,12 @@ Kernel: one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are u
 in registers, fed to tl.dot in bf16, accumulated in float32. Few rows (decode) split K across
 programs so that every SM streams weights; the last program of a tile adds the splits' partial
 sums in order and writes the output (one launch, the same bits every run; common.plan_split_k).
-(A single-launch GEMV without the split, its own program over all of K for a few columns,
-measured 1.3-2.2x slower on the H200 at Qwen3's shapes: too few loads in flight a program.)
+(A single-launch GEMV without the split, its own program over all of K for a few columns, is
+slower: it keeps too few loads in flight a program to stream the weights.)
 
 `dense_gemv`: float weights W [N, K] as torch stores them against up to GEMV_ROWS rows, in one
-launch (the routers' logits: 5.2 us on the H200 where F.linear and its casts took 8.6).
+launch (the routers' logits: cheaper than F.linear and the casts around it, whose launches
+are the cost at these sizes).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ GROUP = 32
 # Rows of x dense_gemv takes: decode steps (a chosen limit; more rows belong to a GEMM).
 GEMV_ROWS = 4
 # Dense weights up to this many values take the one-launch GEMVs for decode-sized rows (a 4096x4096
-# projection; a 32k-vocabulary lm_head stays on cuBLAS: 33 us a step there, ~95 in the GEMV).
+# projection; a 32k-vocabulary lm_head stays on cuBLAS, which streams a weight that large faster).
 DENSE_GEMV_WEIGHTS = 1 << 24
 
 
@@ -430,9 +431,8 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
 
 def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> torch.Tensor:
     """group_gemm of one row on int4 weights (_int4_gemv_kernel). K is split until there are
-    ~4 programs an SM, down to one 256-value block a split: on the H200 at Qwen3's q/k/o shapes,
-    7.7 / 4.7 / 8.3 us a call against 8.7 / 5.4 / 9.4 for the tl.dot GEMM's 16-row tiles
-    (scripts/gpu_tune.py gemv, cold weights)."""
+    ~4 programs an SM, down to one 256-value block a split: for one row this is quicker than
+    the tl.dot GEMM's 16-row tiles at attention-projection shapes."""
     K, N = w.in_features, w.out_features
     BLOCK_N, BLOCK_K = 64, _block_k(K, 256)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)

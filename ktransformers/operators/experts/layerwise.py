@@ -68,7 +68,7 @@ class LayerwisePrefill:
     by default: all of a Qwen3-30B-A3B layer's 128 in one; a DeepSeek-V3 layer's 256, 22 GB in
     bf16, in groups of 24), so the GPU holds one group dequantized and the next arriving, not a
     layer. The bytes go mapped file -> pinned staging (PinnedSlots, chunks copied by the CPU pool)
-    -> GPU on a copy stream: pageable memory reached the GPU at ~5 GB/s, one driver thread staging
+    -> GPU on a copy stream: pageable memory reaches the GPU far slower, one driver thread staging
     it. Once a group's compute is enqueued the CPU stages the following group's bytes (the layer's
     next, else the next layer's first) chunk by chunk, each chunk's copy to the GPU enqueued as
     soon as it is staged: the bus moves one chunk while the pool fills the next, and both overlap

@@ -56,7 +56,7 @@ def pcie_share_size(top_k: int, expert_bytes: int, bus_gbps: float, cpu_gbps: fl
 
 def auto_pcie_experts(context, top_k: int, expert_bytes: int, costs: BusShareCosts = BUS_SHARE_COSTS) -> int:
     """pcie_experts "auto": pcie_share_size at the rates with which the bus and the CPU's threads
-    read host memory, measured once per run context (about a second)."""
+    read host memory, measured once per run context (a short probe, the first time a layer asks)."""
     if expert_bytes < costs.min_expert_bytes:
         return 0
     rates = context.pcie_rates
