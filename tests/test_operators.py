@@ -7,6 +7,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Experts,
     DeepseekV3TopkRouter,
 )
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -87,12 +89,27 @@ def test_moe_reference_skips_unrouted_experts():
     assert torch.allclose(moe_reference(x, ids, w, gate_up, down), expect, atol=1e-5)
 
 
+def _deepseek_v2_router(method: str):
+    config = tiny_config("deepseek_v2")
+    config.n_routed_experts, config.num_experts_per_tok, config.routed_scaling_factor = 16, 4, 16.0
+    config.topk_method, config.n_group, config.topk_group = method, 4, 2
+    return config, DeepseekV2TopkRouter(config)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v2-greedy", "deepseek_v2-group_limited_greedy"])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_deepseek_router_matches_hf(T):
-    config = tiny_config("deepseek_v3")
-    hf = DeepseekV3TopkRouter(config)
+def test_deepseek_router_matches_hf(T, family):
+    """KMoEGate against the router it replaces: DeepSeek-V3's and GLM-4.5's sigmoid ones (with the
+    correction bias), DeepSeek-V2's softmax one in both of its top-k methods."""
+    if family.startswith("deepseek_v2"):
+        config, hf = _deepseek_v2_router(family.split("-")[1])
+    else:
+        config = tiny_config(family)
+        hf = {"deepseek_v3": DeepseekV3TopkRouter, "glm4_moe": Glm4MoeTopkRouter}[family](config)
     with torch.no_grad():
-        hf.weight.normal_(0, 0.1), hf.e_score_correction_bias.normal_(0, 0.05)
+        hf.weight.normal_(0, 0.1)
+        if hasattr(hf, "e_score_correction_bias"):
+            hf.e_score_correction_bias.normal_(0, 0.05)
     op = KMoEGate("g", prefixed("g", hf), config, hf)
     op.load()
     x = torch.randn(T, config.hidden_size)

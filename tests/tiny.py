@@ -12,7 +12,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -22,9 +24,9 @@ from transformers import (
 from ktransformers.weights.ggml_quants import GGMLType, quantize
 from ktransformers.weights.gguf_write import converter_tensors
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
-RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
-         "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml"}
+FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "deepseek_v2": "DeepSeek-V2-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
+         "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml"}
 
 
 def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
@@ -35,6 +37,11 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
                                 n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
                                 first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16,
                                 v_head_dim=32, qk_nope_head_dim=32, routed_scaling_factor=2.5)
+    if family == "deepseek_v2":  # V2-Lite's shape: q_proj without the low-rank split, greedy softmax routing
+        return DeepseekV2Config(**common, intermediate_size=512, moe_intermediate_size=256, num_key_value_heads=4,
+                                n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=3, topk_method="greedy",
+                                first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+                                v_head_dim=32, qk_nope_head_dim=32, routed_scaling_factor=1.0)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=512,
                               moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
@@ -45,6 +52,13 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
     if family == "mixtral":
         return MixtralConfig(**common, num_key_value_heads=2, intermediate_size=256, num_local_experts=5,
                              num_experts_per_tok=2)
+    if family == "glm4_moe":  # partial rotary, q/k norms, attention biases, a dense first layer, a shared expert
+        return Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                             moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                             first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                             num_nextn_predict_layers=0,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     raise ValueError(family)
 
 
@@ -166,8 +180,8 @@ def reference_rules(family: str, tmp_path) -> Path:
     return path
 
 
-GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
-             "mixtral": "Mixtral.yaml"}
+GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "deepseek_v2": "DeepSeek-V2-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
+             "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml"}
 
 
 def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:

@@ -29,6 +29,17 @@ from ..cache.paged import PagedCache
 from ..kernels.cpu import attend_gqa_decode, rope_write_attend_gqa
 from .base import BaseInjectedModule, Placement, adopt_children, choices
 from .registry import OPERATORS
+from .rope import complex_to_cos_sin
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE (rotate-half pairs) on q, k [B, S, heads, d] over the first cos.shape[-1] dims of each
+    head; the rest pass unrotated (GLM-4.5's and MiniMax-M2's partial rotary)."""
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
 def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device) -> torch.Tensor | None:
@@ -141,7 +152,9 @@ class KDeepseekV2Attention(_CachedAttention):
         o = orig_module
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = o.num_heads, o.q_lora_rank, o.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
-        self.rope_interleave = bool(getattr(config, "rope_interleave", False))
+        # V3's rotary pairs are interleaved where its config says so; V2's always are (its rotary
+        # embedding gives complex factors, which rope.complex_to_cos_sin turns into V3's tables)
+        self.rope_interleave = bool(getattr(config, "rope_interleave", config.model_type == "deepseek_v2"))
         self.w_uk = self.w_uv = None
         self.batched_decode = True
 
@@ -166,7 +179,7 @@ class KDeepseekV2Attention(_CachedAttention):
         q_nope, q_rot = q.split([n, p], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, p], dim=-1)
         c = self.kv_a_layernorm(c)
-        cos, sin = position_embeddings
+        cos, sin = complex_to_cos_sin(position_embeddings) if torch.is_tensor(position_embeddings) else position_embeddings
         rotate = hf_deepseek.apply_rotary_pos_emb_interleave if self.rope_interleave else hf_deepseek.apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot.view(B, 1, S, p), cos, sin)
         dev = self.device
@@ -239,7 +252,7 @@ class KDeepseekV2Attention(_CachedAttention):
 
 class KGQAAttention(_CachedAttention):
     """Grouped-query attention over KGQACache (torch reference); Qwen3's per-head q/k norms,
-    Qwen2's q/k/v biases (inside the projections) and sliding windows are honoured."""
+    Qwen2's q/k/v biases (inside the projections), partial rotary and sliding windows are honoured."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
@@ -347,7 +360,7 @@ class KGQAAttention(_CachedAttention):
                 and cos.shape[1:] == (S, d) and cos.shape[0] in (1, B)
                 and sin.shape == cos.shape and sin.dtype == cos.dtype and q.dtype == k.dtype):
             q, k = self._qk_norm(q, k)
-            return *apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2), False
+            return *rotate_qk(q, k, cos, sin), False
         from ..kernels.triton.norm_rope import qk_norm_rope
         cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for every row: stride 0
         norms = self._fusable_norms(q)
@@ -408,5 +421,6 @@ class KGQAAttention(_CachedAttention):
 
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
 OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
-for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention"):
+for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention",
+              "KGlm4MoeAttention"):
     OPERATORS.register(_name)(KGQAAttention)

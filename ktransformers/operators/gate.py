@@ -1,9 +1,11 @@
 """Routers: pick K of E experts per token. Same contract as HF's routers:
 forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], top_k_index [T, K]).
 
-- KMoEGate: DeepSeek-V3 — sigmoid scores, + e_score_correction_bias for the choice only, group
-  top-k (best `topk_group` of `n_group` groups by the sum of their top-2), weights from the raw
-  scores, optionally normalized, times routed_scaling_factor.
+- KMoEGate: DeepSeek's routers, by the module replaced. V3 (and GLM-4.5): sigmoid scores, +
+  e_score_correction_bias for the choice only, group top-k (best `topk_group` of `n_group` groups
+  by the sum of their top-2), weights from the raw scores, optionally normalized, times
+  routed_scaling_factor. V2: softmax scores, top-k over all experts ("greedy") or over the best
+  `topk_group` groups by their best score ("group_limited_greedy"), times routed_scaling_factor.
 - KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized; for
   decode-sized steps where Triton runs, in one launch (kernels/triton/router.softmax_topk).
 """
@@ -35,6 +37,21 @@ def route_sigmoid_grouped(logits: torch.Tensor, bias: torch.Tensor, *, top_k: in
     weights = scores.gather(1, index)
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, index
+
+
+def route_softmax_grouped(logits: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, index [T, K]) for DeepSeek-V2 routing from fp32 logits [T, E]
+    (n_group 1: greedy top-k)."""
+    T, E = logits.shape
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if n_group > 1:
+        group_best = scores.view(T, n_group, E // n_group).max(dim=-1).values  # [T, G]
+        groups = group_best.topk(topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_best, dtype=torch.bool).scatter_(1, groups, True)
+        scores = scores.masked_fill(~keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E), 0.0)
+    weights, index = scores.topk(top_k, dim=-1, sorted=False)
     return weights * scale, index
 
 
@@ -89,24 +106,34 @@ class _Router(BaseInjectedModule):
 
 @register_operator("KMoEGate")
 class KMoEGate(_Router):
-    """DeepSeek-V3 router (replaces DeepseekV3TopkRouter)."""
+    """DeepSeek's router: V3's sigmoid one (replaces DeepseekV3TopkRouter, Glm4MoeTopkRouter) or
+    V2's softmax one (replaces DeepseekV2TopkRouter, which has a `topk_method`)."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
-        self.n_group, self.topk_group = orig_module.num_group, orig_module.topk_group
-        self.norm, self.scale = orig_module.norm_topk_prob, orig_module.routed_scaling_factor
+        self.softmax = hasattr(orig_module, "topk_method")
+        grouped = not self.softmax or orig_module.topk_method == "group_limited_greedy"
+        self.n_group = (orig_module.num_group or 1) if grouped else 1
+        self.topk_group = (orig_module.topk_group or 1) if grouped else 1
+        self.norm = getattr(orig_module, "norm_topk_prob", False)  # (V2 never normalizes)
+        self.scale = orig_module.routed_scaling_factor
         self.bias: torch.Tensor | None = None
 
     def load(self) -> None:
         super().load()
-        self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32,
-                                      (self.weight_shape[0],))
+        if not self.softmax:
+            self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32,
+                                          (self.weight_shape[0],))
 
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
         logits = self.logits(x)
-        weights, index = route_sigmoid_grouped(logits, self.bias, top_k=self.top_k, n_group=self.n_group,
-                                               topk_group=self.topk_group, norm=self.norm, scale=self.scale)
+        if self.softmax:
+            weights, index = route_softmax_grouped(logits, top_k=self.top_k, n_group=self.n_group,
+                                                   topk_group=self.topk_group, scale=self.scale)
+        else:
+            weights, index = route_sigmoid_grouped(logits, self.bias, top_k=self.top_k, n_group=self.n_group,
+                                                   topk_group=self.topk_group, norm=self.norm, scale=self.scale)
         return logits, weights, index
 
 

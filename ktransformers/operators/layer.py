@@ -30,9 +30,10 @@ from .registry import OPERATORS
 _F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
 
 # transformers' decoder layers whose forward is exactly x1 = x + attn(input_norm(x))[0], then
-# x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.24): the fused plan runs the same with
+# x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.25): the fused plan runs the same with
 # the residual add and post_norm in one launch
-FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer"})
+FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer",
+                            "Glm4MoeDecoderLayer"})
 
 
 @dataclass

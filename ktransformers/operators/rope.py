@@ -1,6 +1,7 @@
 """Rotary embeddings: upstream rule files replace them with their own classes; transformers'
 modules already compute the right cos/sin (default, YaRN, ...), so these operators keep the HF
-module and only place its buffers on the operator's device."""
+module and only place its buffers on the operator's device. DeepSeek-V2's module gives complex
+factors instead; they become the (cos, sin) tables every attention operator and the engine take."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +14,15 @@ UPSTREAM_NAMES = ("RotaryEmbedding", "RotaryEmbeddingV3", "YarnRotaryEmbedding",
                   "DeepSeekV3YarnRotaryEmbedding", "KRotaryEmbedding")
 
 
+def complex_to_cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's rotary factors [B, S, p/2] (complex, scaled) -> (cos, sin) [B, S, p] as
+    DeepSeek-V3's module gives them (each half the same): rotating de-interleaved pairs by these
+    (apply_rotary_pos_emb_interleave) gives V2's complex rotation with its dims permuted the same
+    way in q and k, so every score is the same."""
+    cos, sin = freqs.real.float(), freqs.imag.float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 class KRotaryEmbedding(BaseInjectedModule):
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
@@ -22,7 +32,8 @@ class KRotaryEmbedding(BaseInjectedModule):
         self.inner.to(self.device)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        cos, sin = self.inner(x.to(self.device), position_ids.to(self.device))
+        out = self.inner(x.to(self.device), position_ids.to(self.device))
+        cos, sin = complex_to_cos_sin(out) if torch.is_tensor(out) else out
         return cos.to(x.device), sin.to(x.device)
 
 

@@ -161,11 +161,11 @@ def check_extras(weights: WeightSource, config) -> None:
 
 
 def _ignorable(name: str, config, weights: WeightSource) -> bool:
-    """HF checkpoints keep DeepSeek's multi-token-prediction layers after the last layer; GGUF drops them."""
+    """Multi-token-prediction (next-n) layers after the last layer: HF checkpoints keep them (DeepSeek,
+    GLM), and so do GLM-4.5's GGUFs; the HF model does not build them, so they are left unread."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
     n, mtp = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0) or 0
-    dense = getattr(weights, "dense", weights)  # a CombinedSource's dense part may be the HF checkpoint
-    is_mtp = isinstance(dense, SafetensorsSource) and match is not None and n <= int(match[1]) < n + mtp
+    is_mtp = match is not None and n <= int(match[1]) < n + mtp
     return is_mtp or bool(_ROTARY.search(name))
 
 

@@ -14,8 +14,8 @@ from ..weights.gguf_config import config_from_metadata
 
 RULES_DIR = Path(__file__).parents[1] / "optimize_rules"
 # model_type -> rule file stem; "-cpu" is appended when no GPU is used.
-DEFAULT_RULES = {"deepseek_v3": "DeepSeek-V3-Chat", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe",
-                 "mixtral": "Mixtral"}
+DEFAULT_RULES = {"deepseek_v3": "DeepSeek-V3-Chat", "deepseek_v2": "DeepSeek-V2-Chat", "glm4_moe": "Glm4Moe", "qwen3_moe": "Qwen3Moe",
+                 "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
 
 
 def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,
@@ -31,7 +31,8 @@ def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLi
     embed = files.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{gguf_path}: no token_embd.weight, cannot tell the vocabulary size")
-    return config_from_metadata(files.metadata, embed.shape[0], has_output="output.weight" in files.tensors)
+    return config_from_metadata(files.metadata, embed.shape[0], has_output="output.weight" in files.tensors,
+                                tensors=set(files.tensors))
 
 
 def build_skeleton(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

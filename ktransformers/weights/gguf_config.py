@@ -11,6 +11,7 @@ from typing import Any
 from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -47,19 +48,34 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("expert_group_count", "n_group"),
         ("expert_group_used_count", "topk_group"),
     ),
+    "glm4moe": _COMMON + (
+        ("expert_count", "n_routed_experts"),
+        ("expert_feed_forward_length", "moe_intermediate_size"),
+        ("expert_shared_count", "n_shared_experts"),
+        ("leading_dense_block_count", "first_k_dense_replace"),
+        ("expert_weights_scale", "routed_scaling_factor"),
+        ("expert_weights_norm", "norm_topk_prob"),
+        ("expert_group_count", "n_group"),
+        ("expert_group_used_count", "topk_group"),
+        ("attention.key_length", "head_dim"),
+        ("attention.value_length", "head_dim"),
+        ("nextn_predict_layers", "num_nextn_predict_layers"),
+    ),
     "qwen3moe": _QWEN_MOE + (("attention.key_length", "head_dim"), ("attention.value_length", "head_dim")),
     "qwen2moe": _QWEN_MOE + (("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
 }
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+# HF model_type -> the GGUF architecture llama.cpp's converter writes for it
+GGUF_ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe",
+             "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 
 
 def arch_of(config: PretrainedConfig) -> str:
-    arch = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "qwen3_moe": "qwen3moe",
-            "qwen2_moe": "qwen2moe", "mixtral": "llama"}.get(config.model_type)
+    arch = GGUF_ARCH.get(config.model_type)
     if arch is None:
         raise ValueError(f"model_type {config.model_type!r} has no GGUF architecture here; "
-                         "supported: deepseek_v3, deepseek_v2, qwen3_moe, qwen2_moe, mixtral")
+                         f"supported: {', '.join(GGUF_ARCH)}")
     return arch
 
 
@@ -76,9 +92,25 @@ def metadata_from_config(config: PretrainedConfig) -> dict[str, Any]:
         value = getattr(config, attr, None)
         if value is not None and not (key == "expert_weights_norm" and not value):
             meta[f"{arch}.{key}"] = value
-    if arch == "deepseek2":
-        meta.update(_deepseek_metadata(config))
+    if arch in _EXTRA_METADATA:
+        meta.update(_EXTRA_METADATA[arch](config))
     return meta
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _glm4moe_metadata(config: PretrainedConfig) -> dict[str, Any]:
+    """The converter counts the next-n (MTP) layers in block_count and rotates a part of each head."""
+    nextn = getattr(config, "num_nextn_predict_layers", 0) or 0
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 0.5)
+    return {"glm4moe.block_count": config.num_hidden_layers + nextn,
+            "glm4moe.nextn_predict_layers": nextn,
+            "glm4moe.attention.key_length": _head_dim(config),
+            "glm4moe.attention.value_length": _head_dim(config),
+            "glm4moe.rope.dimension_count": int(_head_dim(config) * partial),
+            "glm4moe.expert_gating_func": GATING_SIGMOID}
 
 
 def _deepseek_metadata(config: PretrainedConfig) -> dict[str, Any]:
@@ -100,8 +132,10 @@ def _deepseek_metadata(config: PretrainedConfig) -> dict[str, Any]:
     return meta
 
 
-def config_from_metadata(meta: dict[str, Any], vocab_size: int, has_output: bool = True) -> PretrainedConfig:
-    """An HF config from GGUF metadata (`vocab_size` from the embedding tensor's rows)."""
+def config_from_metadata(meta: dict[str, Any], vocab_size: int, has_output: bool = True,
+                         tensors: frozenset[str] | set[str] = frozenset()) -> PretrainedConfig:
+    """An HF config from GGUF metadata (`vocab_size` from the embedding tensor's rows; `tensors`:
+    the file's tensor names, for what llama.cpp too tells from the tensors present, such as biases)."""
     arch = meta.get("general.architecture")
     if arch not in KEYS:
         raise WeightError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(KEYS)}")
@@ -116,10 +150,10 @@ def config_from_metadata(meta: dict[str, Any], vocab_size: int, has_output: bool
         token = meta.get(f"tokenizer.ggml.{which}_token_id")
         if token is not None:
             kwargs["pad_token_id" if which == "padding" else f"{which}_token_id"] = int(token)
-    return _BUILDERS[arch](meta, kwargs)
+    return _BUILDERS[arch](meta, kwargs, tensors)
 
 
-def _deepseek_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+def _deepseek_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
     rope_dim = kw["qk_rope_head_dim"]
     if "deepseek2.attention.key_length_mla" in meta:
         kw["qk_nope_head_dim"] = meta["deepseek2.attention.key_length_mla"] - rope_dim
@@ -136,19 +170,19 @@ def _deepseek_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConf
             original_max_position_embeddings=meta["deepseek2.rope.scaling.original_context_length"])
     if meta.get("deepseek2.expert_gating_func", GATING_SIGMOID) == GATING_SIGMOID:
         return DeepseekV3Config(**kw)
-    kw.pop("n_group", None), kw.pop("topk_group", None)
-    return DeepseekV2Config(**kw)
+    grouped = (kw.get("n_group") or 1) > 1
+    return DeepseekV2Config(topk_method="group_limited_greedy" if grouped else "greedy", **kw)
 
 
-def _qwen3_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+def _qwen3_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
     return Qwen3MoeConfig(norm_topk_prob=True, **kw)  # llama.cpp always normalizes qwen3moe's top-k
 
 
-def _qwen2_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+def _qwen2_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
     return Qwen2MoeConfig(norm_topk_prob=False, qkv_bias=True, **kw)
 
 
-def _llama_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
+def _llama_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
     if "num_local_experts" not in kw:
         raise WeightError("GGUF architecture 'llama' without llama.expert_count is a dense model; only MoE (Mixtral) is supported")
     head_dim = meta.get("llama.rope.dimension_count")
@@ -157,7 +191,20 @@ def _llama_config(meta: dict[str, Any], kw: dict[str, Any]) -> PretrainedConfig:
     return MixtralConfig(**kw)
 
 
-_BUILDERS = {"deepseek2": _deepseek_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+def _glm4moe_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    nextn = int(kw.get("num_nextn_predict_layers", 0) or 0)
+    kw["num_hidden_layers"] -= nextn  # block_count counts the next-n layers; the HF model does not build them
+    head_dim = kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    rotary = meta.get("glm4moe.rope.dimension_count", head_dim // 2)
+    kw["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
+    kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    kw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    kw.setdefault("norm_topk_prob", False)
+    return Glm4MoeConfig(**kw)
+
+
+_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "glm4moe": _glm4moe_metadata}
+_BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
 
 
 def routed_experts(config) -> int:

@@ -64,6 +64,17 @@ _ROUTED = (
 _PER_EXPERT = tuple(
     _m(L + "mlp.experts.{e}." + f"{p}_proj.weight", B + f"ffn_{p}." + "{e}.weight") for p in ("gate", "up", "down"))
 
+# Multi-token-prediction (next-n) layers as GLM-4.5's converter keeps them, after the main layers:
+# mapped so that they are recognised (and skipped: the HF model does not build them).
+_NEXTN = (
+    _m(L + "eh_proj.weight", B + "nextn.eh_proj.weight"),
+    _m(L + "enorm.weight", B + "nextn.enorm.weight"),
+    _m(L + "hnorm.weight", B + "nextn.hnorm.weight"),
+    _m(L + "embed_tokens.weight", B + "nextn.embed_tokens.weight"),
+    _m(L + "shared_head.norm.weight", B + "nextn.shared_head_norm.weight"),
+    _m(L + "shared_head.head.weight", B + "nextn.shared_head_head.weight"),
+)
+
 _MLA = (
     _m(L + "self_attn.q_proj.weight", B + "attn_q.weight"),
     _m(L + "self_attn.q_a_proj.weight", B + "attn_q_a.weight"),
@@ -82,6 +93,10 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "qwen3moe": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED,
     "qwen2moe": _GLOBAL + _BLOCK + _gqa(bias=True) + _ROUTED + _mlp("mlp.shared_expert", "_shexp") + (
         _m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),),
+    # GLM-4.5/4.6/4.5-Air: the post-attention norm keeps its own GGUF name here (not ffn_norm)
+    "glm4moe": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"))
+    + _gqa(bias=True, qk_norm=True) + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
+        _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),) + _NEXTN,
     "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
 }
 
