@@ -54,8 +54,16 @@ assert llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) == 0
 """
 
 
-def make_tokenizer(out: Path, vocab: int) -> None:
-    train_tokenizer(vocab).save_pretrained(out)
+# Added tokens the converter looks up by name for a family (past the trained vocabulary)
+SPECIAL_TOKENS = {"glm4_moe": ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]}
+
+
+def make_tokenizer(out: Path, vocab: int, family: str) -> None:
+    special = SPECIAL_TOKENS.get(family, [])
+    tokenizer = train_tokenizer(vocab - len(special))
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.save_pretrained(out)
 
 
 def check_tokenizer(hf_dir: Path, gguf: Path) -> str:
@@ -88,7 +96,7 @@ def check_family(family: str, work: Path, args) -> list[str]:
     model = tiny_model(family)
     hf_dir = work / family
     model.save_pretrained(hf_dir)
-    make_tokenizer(hf_dir, model.config.vocab_size)
+    make_tokenizer(hf_dir, model.config.vocab_size, family)
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     expect = logits(model, ids)
     lines = []
@@ -98,7 +106,7 @@ def check_family(family: str, work: Path, args) -> list[str]:
                         "--outtype", outtype], check=True, capture_output=True)
         lines.append(f"{family:12} {outtype:7} vs original model: rel err {rel(logits(ours(family, model.config, path), ids), expect):.2e}")
     lines.append(f"{family:12} tokenizer from GGUF metadata: {check_tokenizer(hf_dir, work / f'{family}-f32.gguf')}")
-    for name, ftype in QUANTS.items():
+    for name, ftype in ({} if args.no_quantize else QUANTS).items():
         path = work / f"{family}-{name}.gguf"
         subprocess.run([args.llama_python, "-c", QUANTIZE, str(work / f"{family}-f32.gguf"), str(path), ftype],
                        check=True, capture_output=True)
@@ -119,8 +127,9 @@ def check_family(family: str, work: Path, args) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-src", type=Path, required=True)
-    p.add_argument("--llama-python", required=True)
+    p.add_argument("--llama-python", help="a Python with llama_cpp, for the quantized files")
     p.add_argument("--families", nargs="*", default=list(FAMILIES))
+    p.add_argument("--no-quantize", action="store_true", help="only the converter's f32 and bf16 files (no llama_cpp needed)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
