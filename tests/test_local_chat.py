@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -66,6 +67,15 @@ def test_pipe_answers_once_with_stats(gguf):
     assert again.returncode == 0 and "\n".join(again.stdout.splitlines()[:-6]) == answer  # greedy: same text
 
 
+def _controlling_terminal() -> None:
+    """In the chat's process before it starts: the pty becomes its controlling terminal, and
+    SIGINT is delivered and default there, as in a user's shell. (A child inherits its parent's
+    blocked signals and an ignored SIGINT; something earlier in a test session can leave either.)"""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """The chat on a pseudo-terminal, as a user at a keyboard runs it."""
 
@@ -75,7 +85,7 @@ class Terminal:
         # the terminal is the chat's controlling one, so that Ctrl-C is a SIGINT there as it is for users
         self.proc = subprocess.Popen(CHAT + args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
                                      start_new_session=True,
-                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                                     preexec_fn=_controlling_terminal)
         os.close(slave)
         self.seen = b""
 
