@@ -117,7 +117,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
                          int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
                          size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple int8, int int8_min_tokens,
-                         py::tuple int4, int int4_group, int bf16) {
+                         py::tuple int4, int int4_group, int bf16, py::tuple biases, float swiglu_limit,
+                         float swiglu_alpha) {
                  MoEConfig c;
                  c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
                  c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
@@ -125,6 +126,13 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
                  c.int8_min_tokens = int8_min_tokens;
                  c.bf16 = bf16_kernel(bf16);
+                 if (biases.size()) {  // gate, up, down float32 addresses; shapes checked in Python
+                     if (biases.size() != 3) throw std::invalid_argument("MoE: biases needs 3 addresses");
+                     c.gate_bias = cptr<float>(biases[0].cast<uintptr_t>());
+                     c.up_bias = cptr<float>(biases[1].cast<uintptr_t>());
+                     c.down_bias = cptr<float>(biases[2].cast<uintptr_t>());
+                 }
+                 c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
                  if (int8_min_tokens > 0 && !int4.size()) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
                      if (int8.size() != 12) throw std::invalid_argument("MoE: int8 needs 12 addresses");
                      Int8Weights* dst[3] = {&c.gate8, &c.up8, &c.down8};
@@ -151,7 +159,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
              py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
              py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"),
              py::arg("int8") = py::tuple(), py::arg("int8_min_tokens") = 0, py::arg("int4") = py::tuple(),
-             py::arg("int4_group") = 0, py::arg("bf16") = (int)Bf16Kernel::Amx)
+             py::arg("int4_group") = 0, py::arg("bf16") = (int)Bf16Kernel::Amx, py::arg("biases") = py::tuple(),
+             py::arg("swiglu_limit") = 0.f, py::arg("swiglu_alpha") = 1.f)
         .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())

@@ -26,6 +26,8 @@ struct block_q4_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
 struct block_q5_k { fp16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; };
 struct block_q6_k { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; fp16_t d; };
 struct block_iq4_xs { fp16_t d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; };
+// MXFP4 (gpt-oss's experts): value = kMxfp4Values[nibble] * 2^(e - 128), nibbles as block_q4_0's.
+struct block_mxfp4 { uint8_t e; uint8_t qs[QK / 2]; };
 
 static_assert(sizeof(block_q4_0) == 18, "q4_0 block");
 static_assert(sizeof(block_q8_0) == 34, "q8_0 block");
@@ -35,6 +37,17 @@ static_assert(sizeof(block_q4_k) == 144, "q4_k block");
 static_assert(sizeof(block_q5_k) == 176, "q5_k block");
 static_assert(sizeof(block_q6_k) == 210, "q6_k block");
 static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs block");
+static_assert(sizeof(block_mxfp4) == 17, "mxfp4 block");
+
+// MXFP4's e2m1 code book doubled (whole numbers), and its shared exponent byte as the factor
+// 2^(e - 128) that goes with it (e = 0, 1: float subnormals, as ggml decodes them).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 // 16 rows' Q4_K blocks of one block column, interleaved (2304 bytes = 16 x 144): d, dmin of
 // each row; sc[p][r] = bytes 4p..4p+3 of row r's packed scales (unchanged); qs[4j + q] holds,
@@ -86,7 +99,7 @@ struct act_q8_0 { float d; int8_t qs[QK]; };
 struct act_q8_k { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
 
 // ggml type ids (the subset computed on directly).
-enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30 };
+enum GGMLType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, BF16 = 30, MXFP4 = 39 };
 
 #if defined(__F16C__)
 inline float fp16_to_f32(fp16_t h) { return _cvtsh_ss(h); }

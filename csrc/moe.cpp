@@ -1,5 +1,5 @@
 // MoE forward: prepare activations -> group (token, expert) pairs by expert -> gate/up rows ->
-// silu(g)*u -> down rows -> weighted sum per token. Each phase is one parallel_for (a decode call
+// (+ biases) act(g, u) -> down rows -> (+ bias) weighted sum per token. Each phase is one parallel_for (a decode call
 // runs the middle three as one, gate_up_down); work is split by weight rows so that every thread
 // streams its own part of the experts' bytes.
 #include "moe.h"
@@ -99,6 +99,10 @@ void MoE::check_stored(const MoEConfig& c) {
 MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
     if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
         throw std::invalid_argument("MoE: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
+    const int biases = (c.gate_bias != nullptr) + (c.up_bias != nullptr) + (c.down_bias != nullptr);
+    if (biases != 0 && biases != 3) throw std::invalid_argument("MoE: pass the gate, up and down biases together, or none");
+    if (!(c.swiglu_limit >= 0.f) || !std::isfinite(c.swiglu_limit) || !std::isfinite(c.swiglu_alpha))
+        throw std::invalid_argument("MoE: swiglu_limit must be finite and >= 0 (0: plain SwiGLU), swiglu_alpha finite");
     if (copies_only()) {  // no stored weights: every expert through the int8/int4 copies
         if (c.int8_min_tokens != 1)
             throw std::invalid_argument("MoE: without stored weights every expert must take the int8/int4 copies "
@@ -340,7 +344,14 @@ void MoE::activate() {
 void MoE::activate_pair(int p) {
     const int I = cfg_.intermediate;
     float* g = &s_.g[(size_t)p * I];
-    silu_mul(g, &s_.u[(size_t)p * I], I);
+    float* u = &s_.u[(size_t)p * I];
+    if (cfg_.gate_bias) {
+        const size_t at = (size_t)pair_expert_[p] * I;
+        add_row(g, cfg_.gate_bias + at, I);
+        add_row(u, cfg_.up_bias + at, I);
+    }
+    if (cfg_.swiglu_limit > 0.f) swiglu_clamped(g, u, I, cfg_.swiglu_limit, cfg_.swiglu_alpha);
+    else silu_mul(g, u, I);
     if (use_int8(pair_expert_[p])) s_.h_s[p] = quantize_row_u8(g, &s_.h_u8[(size_t)p * I], I);
     else prepare_act(down_fmt_->act, g, &s_.h_act[p * down_act_], I);
 }
@@ -426,7 +437,12 @@ void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
             if (p < 0) continue;
             const float w = weights[t * K + k];
             const float* src = &s_.y_pairs[(size_t)p * H];
-            for (int i = 0; i < H; i++) acc[i] += w * src[i];
+            if (cfg_.down_bias) {
+                const float* b = cfg_.down_bias + (size_t)pair_expert_[p] * H;
+                for (int i = 0; i < H; i++) acc[i] += w * (src[i] + b[i]);
+            } else {
+                for (int i = 0; i < H; i++) acc[i] += w * src[i];
+            }
         }
         if (dtype == Dtype::F32) std::copy(acc, acc + H, (float*)y + (size_t)t * H);
         else for (int i = 0; i < H; i++) ((bf16_t*)y)[(size_t)t * H + i] = f32_to_bf16(acc[i]);

@@ -1,5 +1,7 @@
 // MoE forward on GGML-format expert weights:
-//   y[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k]
+//   y[t] = sum_k w[t,k] * down_e(act(gate_e(x_t), up_e(x_t))),  e = ids[t,k]
+// act(g, u) = silu(g) * u, or gpt-oss's clamped SwiGLU (swiglu_limit > 0); each projection may
+// add a per-expert bias.
 // Shapes: x [T, H] (f32 or bf16), ids [T, K] int64, w [T, K] f32, y [T, H] (x's dtype);
 // gate/up [E, I, H] and down [E, H, I] as stored in the GGUF (rows of blocks), never copied.
 #pragma once
@@ -33,6 +35,13 @@ struct MoEConfig {
     Int4Weights gate4, up4, down4;  // int4 copies instead (gate4.q set): the same path, half the bytes
     int int8_min_tokens = 0;  // 0: no int8/int4 copies
     Bf16Kernel bf16 = Bf16Kernel::Amx;  // BF16 weights: the best kernel allowed (find_format)
+    // Biases, float32 [E, I], [E, I], [E, H]: all three or none.
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+    const float* down_bias = nullptr;
+    // swiglu_limit > 0: act(g, u) = g' * sigmoid(alpha * g') * (u' + 1), g' = min(g, limit),
+    // u' = clamp(u, -limit, limit) (gpt-oss); 0: silu(g) * u.
+    float swiglu_limit = 0.f, swiglu_alpha = 1.f;
 };
 
 enum class Dtype { F32 = 0, BF16 = 1 };

@@ -265,9 +265,13 @@ inline __m256i dot_s8(__m256i a, __m256i b) {
 }
 #endif
 
-// ---- 32-value blocks (Q8_0, Q4_0) x Q8_0 ---------------------------------------------------
+// ---- 32-value blocks (Q8_0, Q4_0, MXFP4) x Q8_0 --------------------------------------------
 // sum over blocks of d_w * d_x * (q_w . q_x); `vec(b)` gives block b's 32 signed weights as bytes,
 // `at(b, i)` the i-th one (scalar build).
+inline float block_scale(const block_q8_0& b) { return fp16_to_f32(b.d); }
+inline float block_scale(const block_q4_0& b) { return fp16_to_f32(b.d); }
+inline float block_scale(const block_mxfp4& b) { return e8m0_half(b.e); }
+
 template <typename Block, typename Vec, typename At>
 inline float dot_blocks32(int n, const Block* w, const act_q8_0* a, Vec vec, At at) {
     const int nb = n / QK;
@@ -276,7 +280,7 @@ inline float dot_blocks32(int n, const Block* w, const act_q8_0* a, Vec vec, At 
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const __m256i p = dot_s8(vec(b), _mm256_loadu_si256((const __m256i*)a[b].qs));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * a[b].d), _mm256_cvtepi32_ps(p), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(w[b]) * a[b].d), _mm256_cvtepi32_ps(p), acc);
     }
     return hsum_f32(acc);
 #else
@@ -285,7 +289,7 @@ inline float dot_blocks32(int n, const Block* w, const act_q8_0* a, Vec vec, At 
     for (int b = 0; b < nb; b++) {
         int s = 0;
         for (int i = 0; i < QK; i++) s += at(b, i) * a[b].qs[i];
-        sum += fp16_to_f32(w[b].d) * a[b].d * s;
+        sum += block_scale(w[b]) * a[b].d * s;
     }
     return sum;
 #endif
@@ -328,6 +332,31 @@ float dot_q4_0(int n, const void* vw, const void* va) {
         [&](int b, int i) { return (i < 16 ? (w[b].qs[i] & 0xF) : (w[b].qs[i - 16] >> 4)) - 8; });
 }
 
+// MXFP4: the nibbles (ordered as Q4_0's) index the doubled e2m1 values, whole numbers in
+// [-12, 12], so the integer dot products are Q4_0's; the exponent is the block's scale.
+#if defined(__AVX2__)
+inline __m256i mxfp4_values(const block_mxfp4& b) {
+    const __m128i lut = _mm_loadu_si128((const __m128i*)kMxfp4Values);
+    const __m128i raw = _mm_loadu_si128((const __m128i*)b.qs), low = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, low));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    return _mm256_set_m128i(hi, lo);
+}
+#endif
+float dot_mxfp4(int n, const void* vw, const void* va) {
+    const block_mxfp4* w = (const block_mxfp4*)vw;
+    return dot_blocks32(
+        n, w, (const act_q8_0*)va,
+        [&](int b) {
+#if defined(__AVX2__)
+            return mxfp4_values(w[b]);
+#else
+            return b;
+#endif
+        },
+        [&](int b, int i) { return (int)kMxfp4Values[i < 16 ? (w[b].qs[i] & 0xF) : (w[b].qs[i - 16] >> 4)]; });
+}
+
 #if defined(__AVX2__)
 // Four activation rows against one weight row of 32-value blocks: the weights' magnitudes and
 // scale are prepared once per block for all four (`vec(b)` as in dot_blocks32). The same integer
@@ -339,7 +368,7 @@ inline void dot4_blocks32(int n, const Block* w, const void* const va[4], float 
     for (int b = 0; b < n / QK; b++) {
         const __m256i q = vec(b);
         const __m256i mag = _mm256_sign_epi8(q, q);
-        const float dw = fp16_to_f32(w[b].d);
+        const float dw = block_scale(w[b]);
         for (int t = 0; t < 4; t++) {
             const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)a[t][b].qs), q);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -361,6 +390,11 @@ void dot4_q8_0(int n, const void* vw, const void* const va[4], float out[4]) {
 void dot4_q4_0(int n, const void* vw, const void* const va[4], float out[4]) {
     const block_q4_0* w = (const block_q4_0*)vw;
     dot4_blocks32(n, w, va, out, [&](int b) { return q4_0_values(w[b]); });
+}
+
+void dot4_mxfp4(int n, const void* vw, const void* const va[4], float out[4]) {
+    const block_mxfp4* w = (const block_mxfp4*)vw;
+    dot4_blocks32(n, w, va, out, [&](int b) { return mxfp4_values(w[b]); });
 }
 #endif
 
@@ -1556,9 +1590,9 @@ float dot_q3_k(int n, const void* vw, const void* va) {
 float dot_f32(int n, const void* w, const void* x) { return fdot((const float*)w, (const float*)x, n); }
 
 #if defined(__AVX2__)
-constexpr Dot4Fn kDot4Q8_0 = dot4_q8_0, kDot4Q4_0 = dot4_q4_0;
+constexpr Dot4Fn kDot4Q8_0 = dot4_q8_0, kDot4Q4_0 = dot4_q4_0, kDot4Mxfp4 = dot4_mxfp4;
 #else
-constexpr Dot4Fn kDot4Q8_0 = nullptr, kDot4Q4_0 = nullptr;
+constexpr Dot4Fn kDot4Q8_0 = nullptr, kDot4Q4_0 = nullptr, kDot4Mxfp4 = nullptr;
 #endif
 #if defined(__AVX512BW__)
 constexpr Dot4Fn kDot4Q4K = dot4_q4_k, kDot4Q5K = dot4_q5_k, kDot4Q6K = dot4_q6_k, kDot4IQ4XS = dot4_iq4_xs;
@@ -1576,6 +1610,7 @@ const Format kFormats[] = {
     {F16, "F16", 1, 2, Act::F32, dot_16<F16Kind>, nullptr, nullptr, rows_16bit<F16Kind>},
     {Q8_0, "Q8_0", QK, sizeof(block_q8_0), Act::Q8_0, dot_q8_0, kDot4Q8_0},
     {Q4_0, "Q4_0", QK, sizeof(block_q4_0), Act::Q8_0, dot_q4_0, kDot4Q4_0},
+    {MXFP4, "MXFP4", QK, sizeof(block_mxfp4), Act::Q8_0, dot_mxfp4, kDot4Mxfp4},
     {Q2_K, "Q2_K", QK_K, sizeof(block_q2_k), Act::Q8_K, dot_q2_k, nullptr},
     {Q3_K, "Q3_K", QK_K, sizeof(block_q3_k), Act::Q8_K, dot_q3_k, nullptr},
     {Q4_K, "Q4_K", QK_K, sizeof(block_q4_k), kActQ4K, dot_q4_k, kDot4Q4K},
@@ -1686,7 +1721,7 @@ const Format* find_format(int type, Bf16Kernel bf16) {
     return nullptr;
 }
 
-const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"; }
+const char* supported_formats() { return "F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4"; }
 
 float row_absmax(const float* x, int n) { return absmax(x, n); }
 void row_round_i8(const float* x, float inv, int8_t* q, int n) { round_to_i8(x, inv, q, n); }
@@ -1702,6 +1737,29 @@ void silu_mul(float* g, const float* u, int n) {
     }
 #endif
     for (; i < n; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+void swiglu_clamped(float* g, const float* u, int n, float limit, float alpha) {
+    int i = 0;
+#if defined(__AVX2__)
+    const __m256 lim = _mm256_set1_ps(limit), neg = _mm256_set1_ps(-limit), a = _mm256_set1_ps(alpha);
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_min_ps(_mm256_loadu_ps(g + i), lim);
+        const __m256 w = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + i), lim), neg);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(a, v)));
+        const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_add_ps(w, one)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float v = std::min(g[i], limit), w = std::max(std::min(u[i], limit), -limit);
+        g[i] = v / (1.f + std::exp(-alpha * v)) * (w + 1.f);
+    }
+}
+
+void add_row(float* x, const float* b, int n) {
+    for (int i = 0; i < n; i++) x[i] += b[i];
 }
 
 void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out) {

@@ -116,6 +116,11 @@ float row_absmax(const float* x, int n);
 void row_round_i8(const float* x, float inv, int8_t* q, int n);
 // g[i] = silu(g[i]) * u[i]
 void silu_mul(float* g, const float* u, int n);
+// gpt-oss's clamped SwiGLU: g' = min(g[i], limit), u' = clamp(u[i], -limit, limit),
+// g[i] = g' * sigmoid(alpha * g') * (u' + 1)
+void swiglu_clamped(float* g, const float* u, int n, float limit, float alpha);
+// x[i] += b[i]
+void add_row(float* x, const float* b, int n);
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for `rows` rows of n floats (RMSNorm at decode).
 void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out);
 

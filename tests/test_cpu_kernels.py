@@ -28,7 +28,7 @@ from ktransformers.operators.experts import moe_reference
 from ktransformers.weights.ggml_quants import GGMLType, dequantize, quantize
 
 FORMATS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0,
-           GGMLType.IQ4_XS,
+           GGMLType.IQ4_XS, GGMLType.MXFP4,
            GGMLType.BF16, GGMLType.F16]
 SHAPES = [(7, 3, 256, 512), (5, 2, 512, 256)]  # E, K, H, I
 
@@ -78,6 +78,39 @@ def test_moe_matches_reference(runtime, fmt, shape):
         assert rel_err(y, float_ref) < limit, (fmt.name, T, runtime.isa)
 
 
+@pytest.mark.parametrize("fmt", [GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_moe_biases_and_clamped_swiglu(runtime, fmt):
+    """gpt-oss's experts: a bias on each projection and the clamped SwiGLU (limit 7, alpha 1.702),
+    with inputs large enough that the clamps bite; the int8 prefill copies where the build has them."""
+    from ktransformers.operators.experts.reference import Activation
+    E, K, H, I = 6, 2, 256, 256
+    gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
+    (g, gd), (u, ud), (d, dd) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    biases = (torch.randn(E, I, generator=gen), torch.randn(E, I, generator=gen), torch.randn(E, H, generator=gen))
+    act = Activation(7.0, 1.702)
+    block = ACTIVATION_BLOCK[int(fmt)]
+    gate_up = torch.cat([gd, ud], dim=1)
+    kernels = [MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64,
+                         biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha)]
+    if runtime.ext.int8_gemm:
+        copies = tuple(Int8Rows.from_blocks(w, shape) for w, shape in zip((g, u, d), ((E, I, H), (E, I, H), (E, H, I))))
+        kernels.append(MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                                 max_tokens=64, biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha,
+                                 int8=copies, int8_min_tokens=2))
+    for T in (1, 3, 17, 128):
+        x = torch.randn(T, H, generator=gen) * 8  # pre-activations past +-7
+        ids, w = routing(T, E, K, gen)
+        ref = moe_reference(x, ids, w, gate_up, dd, act=act, bias=(torch.cat(biases[:2], dim=1), biases[2]))
+        plain = moe_reference(x, ids, w, gate_up, dd, bias=(torch.cat(biases[:2], dim=1), biases[2]))
+        assert rel_err(plain, ref) > 0.1  # the clamps and alpha change the result
+        for kernel in kernels:
+            assert rel_err(kernel.forward(x, ids, w), ref) < 3e-2, (fmt.name, T, runtime.isa, kernel.int8_min_tokens)
+    kernels[0].forward(x, ids, w)
+    with pytest.raises(ValueError, match="the down bias must be"):
+        MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                  biases=(biases[0], biases[1], torch.randn(E, H + 32)))
+
+
 def test_mixed_formats_and_bf16_activations(runtime):
     """Q4_K_M files mix types: gate/up Q4_K, down Q6_K; activations may be bf16."""
     E, K, H, I = 9, 4, 512, 256
@@ -108,7 +141,7 @@ def test_submit_then_sync_overlaps_python(runtime):
 
 
 @pytest.mark.parametrize("fmt", [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0,
-                                 GGMLType.BF16],
+                                 GGMLType.MXFP4, GGMLType.BF16],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_linear_matches_reference(runtime, fmt, T):
@@ -123,7 +156,7 @@ def test_linear_matches_reference(runtime, fmt, T):
 
 
 @pytest.mark.parametrize("fmt", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS,
-                                 GGMLType.BF16, GGMLType.F16],
+                                 GGMLType.MXFP4, GGMLType.BF16, GGMLType.F16],
                          ids=lambda t: t.name)
 def test_linear_rows_together_equal_rows_alone(runtime, fmt):
     """Several tokens go through the formats' four-row dot products; each token's output is

@@ -18,7 +18,7 @@ QUANT_BOUNDS = {
     "F32": 0.0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.01,
     "Q4_0": 0.11, "Q4_1": 0.1, "Q5_0": 0.055, "Q5_1": 0.05,
     "Q2_K": 0.33, "Q3_K": 0.18, "Q4_K": 0.09, "Q5_K": 0.045, "Q6_K": 0.025,
-    "IQ4_NL": 0.1, "IQ4_XS": 0.1,
+    "IQ4_NL": 0.1, "IQ4_XS": 0.1, "MXFP4": 0.15,
 }
 
 
@@ -50,7 +50,7 @@ def test_table_covers_every_type_with_gguf_block_sizes():
 
 
 def test_supported_dequant_types():
-    expected = "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS"
+    expected = "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4"
     assert {t.name for t in DEQUANT_TYPES} == set(expected.split())
 
 
@@ -63,6 +63,25 @@ def test_dequantize_bit_exact_vs_gguf(t, n_blocks):
     ours = dequantize(blocks.reshape(-1), t, (n_blocks * fmt.block_elems,))
     assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
     assert torch.equal(ours.reshape(n_blocks, -1), reference(blocks, t))
+
+
+def test_mxfp4_every_exponent_and_code_bit_exact_vs_gguf():
+    """All 256 exponent bytes (subnormal, huge) with every code pair, against gguf-py."""
+    blocks = torch.randint(0, 256, (256 * 4, 17), dtype=torch.uint8, generator=gen(3))
+    blocks[:, 0] = torch.arange(256, dtype=torch.uint8).repeat_interleave(4)
+    ours = dequantize(blocks.reshape(-1), "MXFP4", (blocks.shape[0] * 32,)).reshape(len(blocks), -1)
+    with np.errstate(over="ignore"):  # (gguf-py computes 2^127 * 12 as inf, as ggml does)
+        expected = reference(blocks, GGMLType.MXFP4)
+    assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
+def test_mxfp4_quantize_equals_gguf_bytes(scale):
+    x = torch.randn(16, 256, generator=gen(4)) * scale
+    x[0, :32] = 0  # an all-zero block
+    ours = quantize(x, "MXFP4").numpy()
+    theirs = gguf_quants.quantize(x.numpy(), GGMLQuantizationType.MXFP4).reshape(-1)
+    assert np.array_equal(ours, theirs)
 
 
 def test_random_blocks_have_small_scales():

@@ -9,7 +9,7 @@ from ktransformers.weights.ggml_quants import GGMLType, dequantize
 from ktransformers.weights.gguf import GGUFFileSet, GGUFSource, gguf_files
 from ktransformers.weights.gguf_config import arch_of
 from ktransformers.weights.gguf_names import ARCH_NAMES, GGUFNameTable
-from ktransformers.weights.gguf_write import write_gguf
+from ktransformers.weights.gguf_write import _split_hf, write_gguf
 from ktransformers.weights.source import MissingTensorError, WeightError
 from tiny import FAMILIES, tiny_model
 
@@ -54,9 +54,8 @@ def test_name_maps_cover_every_parameter(family):
     """Every HF tensor of each family has a GGUF name, and maps back to itself."""
     model = tiny_model(family, layers=2)
     table = GGUFNameTable(arch_of(model.config))
-    for name in model.state_dict():
-        parts = [name[: -len("gate_up_proj")] + p for p in ("gate_proj", "up_proj")] if name.endswith("gate_up_proj") else [name]
-        for part in parts:
+    for name, tensor in model.state_dict().items():
+        for part, _ in _split_hf(name, tensor, model.config, split_kv_b=False):
             gguf_name = table.to_gguf(part)
             assert gguf_name is not None, part
             assert table.to_hf(gguf_name)[0] == part

@@ -35,8 +35,14 @@ def q4_k_m(name: str, shape) -> GGMLType:
     return converter_type(GGMLType.Q4_K)(name, shape)
 
 
+def mxfp4_moe(name: str, shape) -> GGMLType:
+    """As the published gpt-oss GGUFs: the routed experts MXFP4, the rest BF16."""
+    return GGMLType.MXFP4 if name.endswith("_exps.weight") else converter_type(GGMLType.BF16)(name, shape)
+
+
 TYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16, "Q8_0": GGMLType.Q8_0,
-         "Q2_K": GGMLType.Q2_K, "Q3_K": GGMLType.Q3_K, "Q4_K": GGMLType.Q4_K, "Q6_K": GGMLType.Q6_K, "Q4_K_M": q4_k_m}
+         "Q2_K": GGMLType.Q2_K, "Q3_K": GGMLType.Q3_K, "Q4_K": GGMLType.Q4_K, "Q6_K": GGMLType.Q6_K, "Q4_K_M": q4_k_m,
+         "MXFP4_MOE": mxfp4_moe}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

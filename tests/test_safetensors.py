@@ -12,6 +12,7 @@ from ktransformers.loader import RULES_DIR, build_skeleton
 from ktransformers.weights.safetensors import SafetensorsSource, dequant_fp8_blocks
 from ktransformers.weights.source import WeightError
 from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.gguf_write import converter_tensors
 from tiny import FAMILIES, RULES, round_like_cpu_kernels, tiny_model
 
 
@@ -120,3 +121,37 @@ def test_corrupt_safetensors(tmp_path):
     (tmp_path / "m.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(WeightError, match="m.safetensors"):
         SafetensorsSource(tmp_path)
+
+
+def to_openai_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenAI's MXFP4 checkpoint tensors for a float [E, out, in]: blocks [E, out, in/32, 16] (two
+    values a byte, the earlier low) and scales [E, out, in/32], through our ggml quantizer."""
+    from ktransformers.weights.ggml_quants import quantize
+    b = quantize(w, "MXFP4").reshape(*w.shape[:-1], -1, 17)
+    codes = torch.stack([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-2).flatten(-2)  # ggml: j, j + 16 -> value order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), b[..., 0].contiguous()
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path):
+    """gpt-oss as OpenAI ships it: MXFP4 experts (`*_blocks`, `*_scales`), the rest BF16. The
+    reference dequantizes with transformers' own MXFP4 code."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    model = tiny_model("gpt_oss")
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    reference_state = {k: v.float() for k, v in state.items()}  # (the checkpoint's bf16 values)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = to_openai_mxfp4(state.pop(name).float().transpose(1, 2))  # [E, out, in]
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        reference_state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(state, tmp_path / "model.safetensors")
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    reference.load_state_dict({k: v.float() for k, v in reference_state.items()})
+    ids = torch.randint(0, 320, (2, 11))
+    types = {g: GGMLType.MXFP4 if g.endswith("_exps.weight") else GGMLType.BF16
+             for g in converter_tensors(model.state_dict(), model.config)}
+    round_like_cpu_kernels(reference, types)
+    ours = build_skeleton(model.config, torch.float32)
+    optimize_and_load_gguf(ours, RULES_DIR / RULES["gpt_oss"], tmp_path, model.config)
+    source = SafetensorsSource(tmp_path, "gpt_oss")
+    assert source.info("model.layers.1.mlp.experts.up_proj").ggml_type == GGMLType.MXFP4  # computed on as stored
+    assert rel_err(logits(ours, ids), logits(reference, ids)) < 5e-3

@@ -15,6 +15,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -22,11 +23,12 @@ from transformers import (
 )
 
 from ktransformers.weights.ggml_quants import GGMLType, quantize
-from ktransformers.weights.gguf_write import converter_tensors
+from ktransformers.weights.gguf_write import converter_tensors, join_hf
 
-FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "deepseek_v2": "DeepSeek-V2-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
-         "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml"}
+         "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml",
+         "gpt_oss": "GptOss-cpu.yaml"}
 
 
 def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
@@ -59,6 +61,12 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
                              routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                              num_nextn_predict_layers=0,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    if family == "gpt_oss":  # sinks, a sliding window shorter than the tests' prompts, biases everywhere, YaRN
+        return GptOssConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=256, num_local_experts=6,
+                            num_experts_per_tok=2, sliding_window=8, swiglu_limit=7.0, attention_bias=True,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                             "original_max_position_embeddings": 8})
     raise ValueError(family)
 
 
@@ -105,17 +113,11 @@ def reference_state_dict(model, types: dict[str, GGMLType] | None = None, split_
     for name, tensor in model.state_dict().items():
         pieces = converter_tensors({name: tensor}, config, split_kv_b)
         back = {g: piece(g, t) for g, t in pieces.items()}
-        vals = list(back.values())
-        if name.endswith("gate_up_proj"):
-            out[name] = torch.cat(vals, dim=1)
-        elif name.endswith("kv_b_proj.weight") and split_kv_b:
-            k_b, v_b = vals
-            out[name] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(tensor.shape)
-        elif config.model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            out[name] = _unpermute(vals[0], heads)
+            out[name] = _unpermute(next(iter(back.values())), heads)
         else:
-            (out[name],) = vals
+            out[name] = join_hf(name, list(back.values()), config, tuple(tensor.shape), split_kv_b)
     return out
 
 
@@ -159,15 +161,33 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType] | GGMLType) -> 
             module.forward = _rounding_experts(module, blocks)
 
 
+def canonical_experts(module):
+    """(gate_up [E, 2I, H], down [E, H, I], (gate_up bias [E, 2I], down bias [E, H]) or None) of
+    transformers' fused experts, whatever their layout (gpt-oss's are transposed and interleaved)."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    interleaved = not getattr(module, "is_concatenated", True)
+    if interleaved:
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    bias = None
+    if getattr(module, "has_bias", False):
+        b = module.gate_up_proj_bias
+        bias = (torch.cat([b[:, 0::2], b[:, 1::2]], dim=1) if interleaved else b, module.down_proj_bias)
+    return gate_up, down, bias
+
+
 def _rounding_experts(module, blocks):
     from ktransformers.kernels.cpu import round_activations
     from ktransformers.operators.experts import moe_reference
+    from ktransformers.operators.experts.module import expert_activation
     bg, bu, bd = blocks
+    gate_up, down, bias = canonical_experts(module)
 
     def forward(x, top_k_index, top_k_weights):
-        return moe_reference(x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+        return moe_reference(x, top_k_index, top_k_weights, gate_up, down,
                              lambda t: round_activations(t, bg), lambda t: round_activations(t, bd),
-                             lambda t: round_activations(t, bu))
+                             lambda t: round_activations(t, bu), act=expert_activation(module), bias=bias)
     return forward
 
 
@@ -181,7 +201,7 @@ def reference_rules(family: str, tmp_path) -> Path:
 
 
 GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "deepseek_v2": "DeepSeek-V2-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
-             "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml"}
+             "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml", "gpt_oss": "GptOss.yaml"}
 
 
 def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:

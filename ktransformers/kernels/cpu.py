@@ -14,6 +14,7 @@ allows less. CPU experts fed from a CUDA stream: kernels/cuda_host.py.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,7 +30,7 @@ ISA_ORDER = environment.CPU_ISAS  # best first
 # csrc/quants.cpp's format table; round_activations below rounds them the same way.
 BF16_ACTIVATIONS = "bf16"
 ACTIVATION_BLOCK = {0: None, 1: None, 30: BF16_ACTIVATIONS, 8: 32, 2: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,
-                    23: 256}
+                    23: 256, 39: 32}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -369,6 +370,22 @@ def _check_activations(op: str, x: torch.Tensor, width: int) -> None:
         raise ValueError(f"{op}: x must be float32 or bfloat16, got {x.dtype}")
 
 
+def _expert_biases(name: str, biases, experts: int, hidden: int, intermediate: int) -> tuple[torch.Tensor, ...]:
+    """(gate, up, down) biases as contiguous float32 CPU tensors of [E, I], [E, I], [E, H] (checked),
+    or () without them."""
+    if biases is None:
+        return ()
+    shapes = ((experts, intermediate), (experts, intermediate), (experts, hidden))
+    if len(biases) != 3:
+        raise ValueError(f"{name}: biases are (gate, up, down), got {len(biases)} tensors")
+    out = []
+    for which, b, shape in zip(("gate", "up", "down"), biases, shapes):
+        if tuple(b.shape) != shape:
+            raise ValueError(f"{name}: the {which} bias must be {list(shape)}, got {list(b.shape)}")
+        out.append(b.detach().to("cpu", torch.float32).contiguous())
+    return tuple(out)
+
+
 class MoEKernel:
     """Routed experts on the CPU, computed on the GGML blocks directly."""
 
@@ -376,8 +393,12 @@ class MoEKernel:
                  gate: ExpertWeights | None, up: ExpertWeights | None, down: ExpertWeights | None,
                  max_tokens: int = 512, name: str = "MoE",
                  int8: tuple[Int8Rows, Int8Rows, Int8Rows] | None = None, int8_min_tokens: int = 4, tiles: bool = True,
-                 int4: tuple[Int4Rows, Int4Rows, Int4Rows] | None = None):
-        """`int8` (or `int4`, not both): re-quantized copies of gate, up, down for the int8 prefill
+                 int4: tuple[Int4Rows, Int4Rows, Int4Rows] | None = None,
+                 biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.0):
+        """`biases`: gate, up and down biases ([E, I], [E, I], [E, H]); `swiglu_limit`: gpt-oss's
+        clamped SwiGLU with that limit and `swiglu_alpha` instead of silu(g) * u.
+        `int8` (or `int4`, not both): re-quantized copies of gate, up, down for the int8 prefill
         GEMM (AVX512-VNNI builds; AMX tiles where the CPU has them); experts with at least
         `int8_min_tokens` tokens in a call use them. `tiles`: repack the projections this build
         has 16-row tiles for (tile_weights) at construction. gate, up and down all None: the
@@ -415,10 +436,16 @@ class MoEKernel:
             addresses4 = tuple(a for rows, shape in zip(int4, shapes) for a in rows.addresses(shape))
             self._int4, group, min_tokens = int4, int4[0].group, max(1, int8_min_tokens)
         self.int8_min_tokens = min_tokens
+        self._biases = _expert_biases(name, biases, experts, hidden, intermediate)
+        limit = float(swiglu_limit or 0.0)
+        if not (math.isfinite(limit) and limit >= 0 and math.isfinite(swiglu_alpha)):
+            raise ValueError(f"{name}: swiglu_limit must be finite and positive (None: plain SwiGLU), swiglu_alpha "
+                             f"finite; got {swiglu_limit}, {swiglu_alpha}")
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(-1 if w is None else w.kernel_type(runtime.ext) for w in self._weights),
                                     g, gb, u, ub, d, db,
-                                    addresses, min_tokens, addresses4, group, BF16_KERNELS.index(runtime.bf16_kernel))
+                                    addresses, min_tokens, addresses4, group, BF16_KERNELS.index(runtime.bf16_kernel),
+                                    tuple(b.data_ptr() for b in self._biases), limit, float(swiglu_alpha))
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)

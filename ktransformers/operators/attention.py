@@ -55,10 +55,15 @@ def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device)
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v for q [h, q, d], k/v [h_kv, L, d] (h a multiple of h_kv):
     explicit matmuls for a few query rows (SDPA's CPU kernel costs far more there; the caller
-    stacks grouped heads), SDPA's 4-D flash path with native GQA for prefill-sized blocks."""
+    stacks grouped heads), SDPA's 4-D flash path with native GQA for prefill-sized blocks.
+    `sinks` [h, q]: each row's sink logit (gpt-oss), a key without value that takes its share of
+    the softmax; then h == h_kv, and the rows go in blocks of SINK_ROWS (bounded scores)."""
+    if sinks is not None:
+        return _attend_sinks(q, k, v, mask, scale, sinks)
     if q.shape[1] > 16:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                              enable_gqa=k.shape[0] != q.shape[0])
@@ -67,6 +72,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+SINK_ROWS = 512
+
+
+def _attend_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
+    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
+    for r in range(0, q.shape[1], SINK_ROWS):
+        rows = slice(r, r + SINK_ROWS)
+        scores = torch.bmm(q[:, rows], k.transpose(1, 2)).mul_(scale)
+        if mask is not None:
+            scores.masked_fill_(~mask[rows], float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sinks[:, rows, None].to(scores.dtype)], dim=-1), dim=-1)
+        out[:, rows] = torch.bmm(probs[..., :-1], v)
+    return out
 
 
 BACKENDS = ("auto", "torch", "triton")
@@ -252,7 +272,8 @@ class KDeepseekV2Attention(_CachedAttention):
 
 class KGQAAttention(_CachedAttention):
     """Grouped-query attention over KGQACache (torch reference); Qwen3's per-head q/k norms,
-    Qwen2's q/k/v biases (inside the projections), partial rotary and sliding windows are honoured."""
+    Qwen2's q/k/v biases (inside the projections), partial rotary, sliding windows and gpt-oss's
+    per-head sinks are honoured."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
@@ -263,12 +284,20 @@ class KGQAAttention(_CachedAttention):
         layer_types = getattr(config, "layer_types", None)
         sliding = layer_types is None or layer_types[self.layer_idx] == "sliding_attention"
         self.window = getattr(config, "sliding_window", None) if sliding else None
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+        self.has_sinks = isinstance(getattr(o, "sinks", None), torch.Tensor)
+        self.sinks: torch.Tensor | None = None  # [heads] float32, loaded
         self._runtime = None  # the CPU runtime, for the C++ decode path (set by load() on the CPU)
         self.triton_rope = False  # set by load(): q/k norms and RoPE in one Triton launch here
 
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
+        if self.has_sinks:
+            self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32, (self.num_heads,))
         self._choose_backend()
+        if self.has_sinks:  # the Triton attention kernels have no sinks: the torch path
+            self.triton = False
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
         self.triton_rope = runs_on(self.device)
 
@@ -283,8 +312,8 @@ class KGQAAttention(_CachedAttention):
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,
-        no sliding window, a runtime), else None."""
-        if self.window or self._runtime is None:
+        no sliding window or sinks, a runtime), else None."""
+        if self.window or self.has_sinks or self._runtime is None:
             return None
         k_cache, v_cache = self.context.cache.layers[self.layer_idx]
         return (k_cache, v_cache) if k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" else None
@@ -309,6 +338,8 @@ class KGQAAttention(_CachedAttention):
             qkv = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         q, k, v = (t.view(B, S, -1, d) for t in qkv)
         cos, sin = position_embeddings
+        if 2 * cos.shape[-1] == self.rotary_dim:  # one factor per rotated pair (gpt-oss's tables)
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         batch = self.context.batch if self.context is not None else None
         one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
         caches = self._cpp_cache() if one_token_each and cos.shape[-1] == d and cos.dtype == torch.float32 else None
@@ -408,19 +439,22 @@ class KGQAAttention(_CachedAttention):
         q_len, L, kv, d = q.shape[0], k.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
         mask = causal_mask(q_len, start, L, self.window, k.device)
-        if q_len > 16:  # prefill: heads as they are, SDPA groups them
+        if q_len > 16 and self.sinks is None:  # prefill: heads as they are, SDPA groups them
             out = attend(q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), mask,
                          self.scaling)
             return out.transpose(0, 1)
         qg = q.float().reshape(q_len, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * q_len, d)
         if mask is not None:
             mask = mask.repeat(g, 1)  # row (j, i) of the stacked queries is query i
-        out = attend(qg, k.float().transpose(0, 1), v.float().transpose(0, 1), mask, self.scaling)
+        sinks = None
+        if self.sinks is not None:  # row (j, i) of kv head h is query head h*g + j
+            sinks = self.sinks.to(qg.device).view(kv, g, 1).expand(kv, g, q_len).reshape(kv, g * q_len)
+        out = attend(qg, k.float().transpose(0, 1), v.float().transpose(0, 1), mask, self.scaling, sinks)
         return out.reshape(kv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, kv * g, d)
 
 
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
 OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
 for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention",
-              "KGlm4MoeAttention"):
+              "KGlm4MoeAttention", "KGptOssAttention"):
     OPERATORS.register(_name)(KGQAAttention)

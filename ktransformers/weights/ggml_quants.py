@@ -56,6 +56,7 @@ class GGMLType(enum.IntEnum):
     BF16 = 30
     TQ1_0 = 34
     TQ2_0 = 35
+    MXFP4 = 39
 
 
 Blocks = torch.Tensor  # uint8 [N, B]
@@ -69,7 +70,11 @@ class QuantFormat:
     dequant: Callable[[Blocks], torch.Tensor] | None  # uint8 [N, B] -> float32 [N, E]
     quantize: Callable[[torch.Tensor], Blocks] | None = None  # float32 [N, E] -> uint8 [N, B]
     f16_fields: tuple[int, ...] = ()  # byte offsets of the f16 scales (for random_blocks)
+    e8m0_fields: tuple[int, ...] = ()  # byte offsets of the power-of-two exponents (likewise)
 
+
+# MXFP4's e2m1 code book, doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives): x = 2^(e-128) * MXFP4_VALUES[q]
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
 
 # Non-linear 4-bit code book of IQ4_NL / IQ4_XS: x = scale * IQ4_VALUES[q].
 IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -213,6 +218,16 @@ def _dq_iq4_xs(b):
     return (scale * q).reshape(n, QK_K)
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's shared exponent byte as the float32 factor 2^(e-128) (half the OCP E8M0 scale,
+    which the doubled code book makes whole; e = 0 and 1 are float32 subnormals, exact)."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32) - 128)
+
+
+def _dq_mxfp4(b):
+    return e8m0_half(b[:, :1]) * MXFP4_VALUES.to(b.device)[_unpack(b[:, 1:], 4).long()]
+
+
 # --- quantizers: float32 [N, E] -> uint8 [N, B] -----------------------------------------------
 def _h(x):
     """Round to the f16 the file will store, so codes are computed against the stored scale."""
@@ -347,6 +362,15 @@ def _q_iq4_xs(x):
     return torch.cat([_f16_bytes(d), scales_h, scales_l, _pack(q, 4).flatten(1)], -1)
 
 
+def _q_mxfp4(x):
+    """ggml's rule: e = floor(log2(max |x|)) - 2 + 127 (0 for an all-zero block), then each
+    element's nearest code (the first of equals, so 0 is code 0)."""
+    amax = x.abs().amax(-1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) + 125, 0).clamp(0, 255).to(torch.uint8)
+    err = (e8m0_half(e).unsqueeze(-1) * MXFP4_VALUES.to(x.device) - x.unsqueeze(-1)).abs()
+    return torch.cat([e, _pack(err.argmin(-1).to(torch.uint8), 4)], -1)
+
+
 # --- the table --------------------------------------------------------------------------------
 T = GGMLType
 FORMATS: dict[GGMLType, QuantFormat] = {f.type: f for f in [
@@ -374,6 +398,8 @@ FORMATS: dict[GGMLType, QuantFormat] = {f.type: f for f in [
     QuantFormat(T.Q8_1, 32, 2 + 2 + 32, None),
     # IQ4_NL: d f16 | qs[16] as Q4_0             x = d*IQ4_VALUES[q]
     QuantFormat(T.IQ4_NL, 32, 2 + 16, _dq_iq4_nl, _q_iq4_nl, (0,)),
+    # MXFP4: e u8 (shared exponent) | qs[16] as Q4_0   x = 2^(e-128)*MXFP4_VALUES[q]  (gpt-oss's experts)
+    QuantFormat(T.MXFP4, 32, 1 + 16, _dq_mxfp4, _q_mxfp4, e8m0_fields=(0,)),
     # k-quants: 256-element super-blocks of S sub-blocks. A "2-bit plane" field packs 128 elements
     # in 32 bytes: element 32*i + j at bits 2i..2i+1 of byte j (same idea for 1- and 4-bit planes).
     # Q2_K: scales[16] (sub-block scale low nibble, min high) | qs[64] two 2-bit planes | d f16 |
@@ -497,6 +523,8 @@ def random_blocks(t, n_blocks: int, generator: torch.Generator | None = None) ->
         magnitude = 10 ** (torch.rand(n_blocks, 1, generator=generator) - 3)
         sign = torch.randint(0, 2, (n_blocks, 1), generator=generator) * 2 - 1
         b[:, at:at + 2] = _f16_bytes(sign * magnitude)
+    for at in fmt.e8m0_fields:  # 2^-11 .. 2^-7 (times codes up to 6)
+        b[:, at] = torch.randint(117, 122, (n_blocks,), dtype=torch.uint8, generator=generator)
     return b
 
 

@@ -12,6 +12,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -63,12 +64,19 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "qwen3moe": _QWEN_MOE + (("attention.key_length", "head_dim"), ("attention.value_length", "head_dim")),
     "qwen2moe": _QWEN_MOE + (("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),),
+    "gpt-oss": _COMMON + (
+        ("expert_count", "num_local_experts"),
+        ("expert_feed_forward_length", "intermediate_size"),
+        ("attention.key_length", "head_dim"),
+        ("attention.value_length", "head_dim"),
+        ("attention.sliding_window", "sliding_window"),
+    ),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
 }
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # HF model_type -> the GGUF architecture llama.cpp's converter writes for it
 GGUF_ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe",
-             "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+             "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
 
 
 def arch_of(config: PretrainedConfig) -> str:
@@ -129,6 +137,19 @@ def _deepseek_metadata(config: PretrainedConfig) -> dict[str, Any]:
             "deepseek2.rope.scaling.original_context_length": int(rope["original_max_position_embeddings"]),
             "deepseek2.rope.scaling.yarn_log_multiplier": 0.1 * float(rope.get("mscale_all_dim", 0.0)),
         })
+    return meta
+
+
+def _yarn_metadata(arch: str, config: PretrainedConfig) -> dict[str, Any]:
+    """YaRN's keys as the converter writes them (none for other rotary types)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "yarn":
+        return {}
+    meta = {f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": float(rope["factor"]),
+            f"{arch}.rope.scaling.original_context_length": int(rope["original_max_position_embeddings"])}
+    for key, attr in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if rope.get(attr) is not None:
+            meta[f"{arch}.rope.scaling.{key}"] = float(rope[attr])
     return meta
 
 
@@ -203,8 +224,22 @@ def _glm4moe_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pretra
     return Glm4MoeConfig(**kw)
 
 
-_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "glm4moe": _glm4moe_metadata}
-_BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+def _gpt_oss_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    """Sliding-window layers alternate with full ones from the first, as llama.cpp also assumes;
+    the clamped SwiGLU's constants are the config's defaults, which the files do not carry."""
+    if meta.get("gpt-oss.rope.scaling.type") == "yarn":
+        kw["rope_parameters"].update(
+            rope_type="yarn", factor=float(meta["gpt-oss.rope.scaling.factor"]), truncate=False,
+            original_max_position_embeddings=int(meta["gpt-oss.rope.scaling.original_context_length"]),
+            beta_fast=float(meta.get("gpt-oss.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(meta.get("gpt-oss.rope.scaling.yarn_beta_slow", 1.0)))
+    kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return GptOssConfig(**kw)
+
+
+_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "glm4moe": _glm4moe_metadata,
+                   "gpt-oss": lambda config: _yarn_metadata("gpt-oss", config)}
+_BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "gpt-oss": _gpt_oss_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
 
 
 def routed_experts(config) -> int:

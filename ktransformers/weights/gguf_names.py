@@ -4,7 +4,7 @@ Names are what llama.cpp's convert_hf_to_gguf.py writes. `{i}` is the block (lay
 `{e}` an expert index (old per-expert Mixtral files). A transform is how the converter changed
 the tensor; load() undoes it: "unpermute_q"/"unpermute_k" undo llama's Q/K row permutation.
 Virtual HF names (not parameters of the HF model) are composed by WeightSource:
-`experts.{gate,up,down}_proj` [E, ...] and DeepSeek's `k_b_proj`/`v_b_proj`.
+`experts.{gate,up,down}_proj` [E, ...] (and their `_bias` [E, ...]) and DeepSeek's `k_b_proj`/`v_b_proj`.
 """
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ _ROUTED = (
     _m(L + "mlp.gate.weight", B + "ffn_gate_inp.weight"),
     *(_m(L + f"mlp.experts.{p}_proj", B + f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")),
 )
+# gpt-oss: a router with a bias, experts with biases (HF: gate_up_proj [E, H, 2I] with gate and
+# up interleaved, down_proj [E, I, H]; the converter splits and transposes them to the stacks
+# below, whose HF-side names are the composed [E, out, in] ones WeightSource gives)
+_BIASED_ROUTED = (
+    _m(L + "mlp.router.weight", B + "ffn_gate_inp.weight"),
+    _m(L + "mlp.router.bias", B + "ffn_gate_inp.bias"),
+    *(_m(L + f"mlp.experts.{p}_proj", B + f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")),
+    *(_m(L + f"mlp.experts.{p}_proj_bias", B + f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")),
+)
 _PER_EXPERT = tuple(
     _m(L + "mlp.experts.{e}." + f"{p}_proj.weight", B + f"ffn_{p}." + "{e}.weight") for p in ("gate", "up", "down"))
 
@@ -97,6 +106,9 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "glm4moe": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"))
     + _gqa(bias=True, qk_norm=True) + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
         _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),) + _NEXTN,
+    "gpt-oss": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"),
+                          _m(L + "self_attn.o_proj.bias", B + "attn_output.bias"),
+                          _m(L + "self_attn.sinks", B + "attn_sinks.weight")) + _gqa(bias=True) + _BIASED_ROUTED,
     "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
 }
 

@@ -48,16 +48,56 @@ def converter_tensors(state_dict: dict[str, torch.Tensor], config: PretrainedCon
     return out
 
 
+# model_types whose HF experts are [E, in, out] with gate and up interleaved along `out`
+# (transformers' is_transposed, not is_concatenated experts): the converter transposes them and
+# takes every other row apart
+_INTERLEAVED_EXPERTS = frozenset({"gpt_oss"})
+
+
 def _split_hf(name: str, t: torch.Tensor, config, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensor `name` as the converter's pieces, (HF-side name, tensor) each."""
+    interleaved = config.model_type in _INTERLEAVED_EXPERTS
     if name.endswith(".experts.gate_up_proj"):
-        base, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+        base = name[: -len("gate_up_proj")]
+        if interleaved:
+            t = t.transpose(1, 2)
+            return [(base + "gate_proj", t[:, 0::2]), (base + "up_proj", t[:, 1::2])]
+        half = t.shape[1] // 2
         return [(base + "gate_proj", t[:, :half]), (base + "up_proj", t[:, half:])]
+    if name.endswith(".experts.gate_up_proj_bias"):
+        base = name[: -len("gate_up_proj_bias")]
+        if not interleaved:
+            half = t.shape[-1] // 2
+            return [(base + "gate_proj_bias", t[..., :half]), (base + "up_proj_bias", t[..., half:])]
+        return [(base + "gate_proj_bias", t[..., 0::2]), (base + "up_proj_bias", t[..., 1::2])]
+    if name.endswith(".experts.down_proj") and interleaved:
+        return [(name, t.transpose(1, 2))]
     if name.endswith(".self_attn.kv_b_proj.weight") and split_kv_b:
         base = name[: -len("kv_b_proj.weight")]
         nope, v = config.qk_nope_head_dim, config.v_head_dim
         kv = t.reshape(config.num_attention_heads, nope + v, t.shape[-1])
         return [(base + "k_b_proj.weight", kv[:, :nope].transpose(1, 2)), (base + "v_b_proj.weight", kv[:, nope:])]
     return [(name, t)]
+
+
+def join_hf(name: str, pieces: list[torch.Tensor], config, shape: tuple[int, ...], split_kv_b: bool = True) -> torch.Tensor:
+    """The inverse of the converter's split: the HF tensor `name` of `shape` from its pieces (in
+    converter_tensors' order), e.g. as read back from a file."""
+    interleaved = config.model_type in _INTERLEAVED_EXPERTS
+    if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
+        bias = name.endswith("_bias")
+        if not interleaved:
+            return torch.cat(pieces, dim=-1 if bias else 1)
+        if bias:  # [E, I] pairs -> [E, 2I], gate and up alternating
+            return torch.stack(pieces, dim=-1).flatten(-2)
+        return torch.stack(pieces, dim=2).flatten(1, 2).transpose(1, 2)  # [E, I, H] pairs -> [E, H, 2I]
+    if name.endswith(".experts.down_proj") and interleaved:
+        return pieces[0].transpose(1, 2)
+    if name.endswith(".self_attn.kv_b_proj.weight") and split_kv_b:
+        k_b, v_b = pieces
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)
+    (piece,) = pieces
+    return piece.reshape(shape)
 
 
 def converter_type(default: GGMLType) -> TypeChooser:

@@ -9,7 +9,7 @@ import torch
 
 from ..registry import EXPERT_OPS
 from .placement import PcieShare, auto_pcie_experts
-from .reference import ExpertSpec
+from .reference import ExpertSpec, load_biases
 
 
 @EXPERT_OPS.register("KExpertsCPU")
@@ -46,8 +46,13 @@ class KExpertsCPU:
         int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
         if self.spec.int4_decode and int4 is not None:
             gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
+        biases = None
+        if self.spec.bias:
+            gate_up_b, down_b = load_biases(weights, self.spec, "cpu", torch.float32)
+            biases = (*gate_up_b.chunk(2, dim=1), down_b)
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
-                                gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles)
+                                gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles,
+                                biases=biases, swiglu_limit=self.spec.act.limit, swiglu_alpha=self.spec.act.alpha)
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
 
     def _prefill_copies(self, runtime, projections) -> tuple:

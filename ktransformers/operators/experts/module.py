@@ -13,7 +13,7 @@ from ..registry import EXPERT_OPS, register_operator
 from .gpu import KExpertsGPU
 from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots
 from .placement import ExpertPlacement
-from .reference import ExpertSpec, check_routing
+from .reference import SWIGLU, Activation, ExpertSpec, check_routing
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,20 @@ class ExpertsOptions(Placement):
     pcie_experts: int | str = 0
 
 
+def expert_shape(orig_module: nn.Module) -> tuple[int, int, int]:
+    """(E, H, I) of transformers' fused experts, whose gate_up_proj is [E, 2I, H], or [E, H, 2I]
+    where the class says its weights are transposed (gpt-oss)."""
+    E, a, b = orig_module.gate_up_proj.shape
+    return (E, a, b // 2) if getattr(orig_module, "is_transposed", False) else (E, b, a // 2)
+
+
+def expert_activation(orig_module: nn.Module) -> Activation:
+    """The clamped SwiGLU where the experts carry its constants (gpt-oss's `limit` and `alpha`),
+    else the plain one."""
+    limit = getattr(orig_module, "limit", None)
+    return SWIGLU if limit is None else Activation(float(limit), float(orig_module.alpha))
+
+
 @register_operator("KTransformersExperts")
 class KTransformersExperts(BaseInjectedModule):
     """HF experts' forward(hidden_states, top_k_index, top_k_weights) -> [T, H] on out_device."""
@@ -54,14 +68,16 @@ class KTransformersExperts(BaseInjectedModule):
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
-        E, two_i, H = orig_module.gate_up_proj.shape
+        E, H, I = expert_shape(orig_module)
         self.n_experts = E
         top_k = getattr(config, "num_experts_per_tok", None) or E
         o = self.options
         self.placement = ExpertPlacement(key, E, o.num_gpu_experts, o.expert_counts_file, o.pcie_experts)
-        spec = ExpertSpec(key, E, H, two_i // 2, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill,
-                          self.placement.pcie, int4_group=self._int4_group(key, H, two_i // 2),
-                          int4_decode=o.int4_decode)
+        spec = ExpertSpec(key, E, H, I, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill,
+                          self.placement.pcie, int4_group=self._int4_group(key, H, I),
+                          int4_decode=o.int4_decode, act=expert_activation(orig_module),
+                          bias=bool(getattr(orig_module, "has_bias", False)))
+        self._check_gpu_options(spec)
         self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
         same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
@@ -76,6 +92,20 @@ class KTransformersExperts(BaseInjectedModule):
         self.prefill_gpu_threshold: int | None = None  # set_prefill_gpu_threshold's, over the option's
         if o.prefill_gpu_threshold and o.out_device.startswith("cuda"):
             self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device), o.prefill_gpu_group_mb)
+
+    def _check_gpu_options(self, spec: ExpertSpec) -> None:
+        """The GPU expert kernels compute the plain SwiGLU without biases: experts with biases or
+        the clamped SwiGLU (gpt-oss) stay on the CPU, or on KExpertsTorch."""
+        if not (spec.bias or spec.act.limit is not None):
+            return
+        o = self.options
+        asked = [f"{k}={v}" for k, v in (("num_gpu_experts", o.num_gpu_experts), ("pcie_experts", o.pcie_experts),
+                                          ("prefill_gpu_threshold", o.prefill_gpu_threshold)) if v]
+        asked += [f"{phase}_op=KExpertsGPU" for phase, op in (("prefill", o.prefill_op), ("generate", o.generate_op))
+                  if op == "KExpertsGPU"]
+        if asked:
+            raise ValueError(f"{self.key}: {', '.join(asked)}: the GPU expert kernels do not take experts with biases "
+                             "or the clamped SwiGLU (gpt-oss) yet; use KExpertsCPU or KExpertsTorch")
 
     def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
         """ExpertSpec.int4_group from the options (0 without int4_prefill or int4_decode), checked

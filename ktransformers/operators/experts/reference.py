@@ -2,7 +2,9 @@
 and KExpertsTorch, the op that computes with it.
 
 Shapes: x [T, H]; top_k_index, top_k_weights [T, K]; gate_up [E, 2I, H]; down [E, H, I].
-    y[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = top_k_index[t, k]
+    y[t] = sum_k w[t,k] * down_e(act(gate_e(x_t), up_e(x_t))),  e = top_k_index[t, k]
+with act the SwiGLU silu(g) * u, or gpt-oss's clamped form (Activation), and each projection
+optionally with a bias [E, out].
 """
 from __future__ import annotations
 
@@ -25,10 +27,30 @@ def check_routing(key: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         raise ValueError(f"{key}: expert ids must lie in [0, {n_experts}), got min {int(ids.min())} max {int(ids.max())}")
 
 
-def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None, round_up=None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Activation:
+    """h = act(g, u) between the gate/up and down projections: the SwiGLU silu(g) * u, or with a
+    `limit`, gpt-oss's clamped form: g clamped above at limit, u to [-limit, limit], then
+    g * sigmoid(alpha * g) * (u + 1)."""
+    limit: float | None = None
+    alpha: float = 1.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SWIGLU = Activation()
+
+
+def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None, round_up=None,
+                  act: Activation = SWIGLU, bias=None) -> torch.Tensor:
     """The MoE formula, token-grouped per expert, in x's dtype. round_x / round_h, when given,
     transform the inputs of gate/up and of down (to model a kernel's activation rounding);
-    round_up, when up's input is rounded otherwise than gate's (weights of another type)."""
+    round_up, when up's input is rounded otherwise than gate's (weights of another type).
+    `bias`: (gate_up bias [E, 2I], down bias [E, H]) or None."""
     identity = lambda t: t  # noqa: E731
     round_x, round_h = round_x or identity, round_h or identity
     round_up = round_up or round_x
@@ -44,8 +66,9 @@ def moe_reference(x, ids, weights, gate_up, down, round_x=None, round_h=None, ro
         k += n
         tokens = slots // token_of
         gate_w, up_w = gate_up[e].chunk(2, dim=0)
-        gate, up = F.linear(round_x(x[tokens]), gate_w), F.linear(round_up(x[tokens]), up_w)
-        y = F.linear(round_h(F.silu(gate) * up), down[e])
+        gate_b, up_b = (None, None) if bias is None else bias[0][e].chunk(2)
+        gate, up = F.linear(round_x(x[tokens]), gate_w, gate_b), F.linear(round_up(x[tokens]), up_w, up_b)
+        y = F.linear(round_h(act(gate, up)), down[e], None if bias is None else bias[1][e])
         out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None].to(y.dtype))
     return out
 
@@ -64,6 +87,8 @@ class ExpertSpec:
     pcie_experts: int | str = 0
     int4_group: int = 0  # KExpertsCPU: int4 prefill copies in groups of this many columns instead (0: none)
     int4_decode: bool = False  # KExpertsCPU: the int4 copies serve decode too; the stored weights are not kept
+    act: Activation = SWIGLU
+    bias: bool = False  # gate, up and down have biases (experts.<p>_proj_bias [E, out])
 
 
 @EXPERT_OPS.register("KExpertsTorch")
@@ -74,16 +99,26 @@ class KExpertsTorch:
         self.spec, self.key, self.device, self.dtype = spec, spec.key, device, spec.dtype
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load(self, weights, context) -> None:
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         self.gate_up = weights.load(f"{self.key}.gate_up_proj", self.device, self.dtype, (E, 2 * I, H))
         self.down = weights.load(f"{self.key}.down_proj", self.device, self.dtype, (E, H, I))
+        self.bias = load_biases(weights, self.spec, self.device) if self.spec.bias else None
 
     def unload(self) -> None:
-        self.gate_up = self.down = None
+        self.gate_up = self.down = self.bias = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
-        return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down)
+        return moe_reference(x.to(self.dtype), ids, weights, self.gate_up, self.down, act=self.spec.act,
+                             bias=self.bias)
+
+
+def load_biases(weights, spec: ExpertSpec, device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up bias [E, 2I], down bias [E, H]) of the experts `spec` describes."""
+    E, H, I, key, dtype = spec.experts, spec.hidden, spec.intermediate, spec.key, dtype or spec.dtype
+    gate_up = torch.cat([weights.load(f"{key}.{p}_proj_bias", device, dtype, (E, I)) for p in ("gate", "up")], dim=1)
+    return gate_up, weights.load(f"{key}.down_proj_bias", device, dtype, (E, H))
