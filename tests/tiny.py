@@ -16,6 +16,7 @@ from transformers import (
     DeepseekV3Config,
     Glm4MoeConfig,
     GptOssConfig,
+    MiniMaxM2Config,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -25,10 +26,10 @@ from transformers import (
 from ktransformers.weights.ggml_quants import GGMLType, quantize
 from ktransformers.weights.gguf_write import converter_tensors, join_hf
 
-FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
+FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2")
 RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "deepseek_v2": "DeepSeek-V2-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
          "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml",
-         "gpt_oss": "GptOss-cpu.yaml"}
+         "gpt_oss": "GptOss-cpu.yaml", "minimax_m2": "MiniMaxM2-cpu.yaml"}
 
 
 def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
@@ -67,6 +68,10 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
                             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                              "original_max_position_embeddings": 8})
+    if family == "minimax_m2":  # q/k norms over all heads, partial rotary, sigmoid routing with the bias on the block
+        return MiniMaxM2Config(**common, num_key_value_heads=2, head_dim=64, intermediate_size=256, num_local_experts=8,
+                               num_experts_per_tok=2, bos_token_id=0, eos_token_id=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5})
     raise ValueError(family)
 
 
@@ -201,7 +206,8 @@ def reference_rules(family: str, tmp_path) -> Path:
 
 
 GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "deepseek_v2": "DeepSeek-V2-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
-             "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml", "gpt_oss": "GptOss.yaml"}
+             "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml", "gpt_oss": "GptOss.yaml",
+             "minimax_m2": "MiniMaxM2.yaml"}
 
 
 def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:

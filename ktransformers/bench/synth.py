@@ -42,6 +42,19 @@ PRESETS: dict[str, dict] = {
                              topk_method="greedy", first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
                              qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, routed_scaling_factor=1.0,
                              rms_norm_eps=1e-6, max_position_embeddings=163840),
+    # gpt-oss: MXFP4 experts in the published files (--type MXFP4_MOE)
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                        rms_norm_eps=1e-5, max_position_embeddings=131072,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+    "gpt-oss-120b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                         num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         num_local_experts=128, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                         rms_norm_eps=1e-5, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                          num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768),
@@ -74,8 +87,14 @@ def q4_k_m(name: str, shape: tuple[int, ...]) -> GGMLType:
     return converter_type(GGMLType.Q6_K if more_bits else GGMLType.Q4_K)(name, shape)
 
 
+def mxfp4_moe(name: str, shape: tuple[int, ...]) -> GGMLType:
+    """llama-quantize's MXFP4_MOE (the published gpt-oss files): the routed experts MXFP4, the rest Q8_0."""
+    return GGMLType.MXFP4 if name.endswith("_exps.weight") else converter_type(GGMLType.Q8_0)(name, shape)
+
+
 def type_chooser(name: str):
-    return q4_k_m if name.upper() == "Q4_K_M" else converter_type(ggml_type(name))
+    choosers = {"Q4_K_M": q4_k_m, "MXFP4_MOE": mxfp4_moe}
+    return choosers.get(name.upper()) or converter_type(ggml_type(name))
 
 
 POOL_BYTES = 32 << 20
@@ -127,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, help="override num_hidden_layers")
     p.add_argument("--experts", type=int, help="override the routed expert count")
     p.add_argument("--vocab", type=int, help="override vocab_size")
-    p.add_argument("--type", default="Q4_K_M", help="Q4_K_M or a ggml type name (Q8_0, Q4_K, BF16, ...)")
+    p.add_argument("--type", default="Q4_K_M", help="Q4_K_M, MXFP4_MOE or a ggml type name (Q8_0, Q4_K, BF16, ...)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.config:

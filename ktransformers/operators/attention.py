@@ -287,6 +287,9 @@ class KGQAAttention(_CachedAttention):
         rope = getattr(config, "rope_parameters", None) or {}
         self.rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
         self.has_sinks = isinstance(getattr(o, "sinks", None), torch.Tensor)
+        # MiniMax-M2 normalizes q and k over all heads at once (weights of heads * d)
+        q_norm = getattr(o, "q_norm", None)
+        self.norm_all_heads = q_norm is not None and q_norm.weight.shape[0] == self.num_heads * self.head_dim != self.head_dim
         self.sinks: torch.Tensor | None = None  # [heads] float32, loaded
         self._runtime = None  # the CPU runtime, for the C++ decode path (set by load() on the CPU)
         self.triton_rope = False  # set by load(): q/k norms and RoPE in one Triton launch here
@@ -376,7 +379,10 @@ class KGQAAttention(_CachedAttention):
         return None if ys is None else [y.view(*hidden_states.shape[:-1], -1) for y in ys]
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's per-head RMSNorms of q and k [B, S, heads, d], where the model has them."""
+        """Qwen3's per-head RMSNorms of q and k [B, S, heads, d] (MiniMax-M2's over all heads), where
+        the model has them."""
+        if self.norm_all_heads:
+            return self.q_norm(q.flatten(-2)).view_as(q), self.k_norm(k.flatten(-2)).view_as(k)
         if hasattr(self, "q_norm"):
             return self.q_norm(q), self.k_norm(k)
         return q, k
@@ -425,6 +431,8 @@ class KGQAAttention(_CachedAttention):
         from .layernorm import KRMSNorm
         if not hasattr(self, "q_norm"):
             return None, None, (1e-6, 1e-6)
+        if self.norm_all_heads:
+            return None
         qn, kn = self.q_norm, self.k_norm
         if not (isinstance(qn, KRMSNorm) and isinstance(kn, KRMSNorm)):
             return None
@@ -456,5 +464,5 @@ class KGQAAttention(_CachedAttention):
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
 OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
 for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention",
-              "KGlm4MoeAttention", "KGptOssAttention"):
+              "KGlm4MoeAttention", "KGptOssAttention", "KMiniMaxM2Attention"):
     OPERATORS.register(_name)(KGQAAttention)

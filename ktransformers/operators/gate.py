@@ -1,15 +1,17 @@
 """Routers: pick K of E experts per token. Same contract as HF's routers:
 forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], top_k_index [T, K]).
 
-- KMoEGate: DeepSeek's routers, by the module replaced. V3 (and GLM-4.5): sigmoid scores, +
-  e_score_correction_bias for the choice only, group top-k (best `topk_group` of `n_group` groups
-  by the sum of their top-2), weights from the raw scores, optionally normalized, times
-  routed_scaling_factor. V2: softmax scores, top-k over all experts ("greedy") or over the best
+- KMoEGate: DeepSeek's routers, by the module replaced. V3 (and GLM-4.5, MiniMax-M2): sigmoid
+  scores, + e_score_correction_bias for the choice only, group top-k (best `topk_group` of
+  `n_group` groups by the sum of their top-2; MiniMax-M2: one group), weights from the raw scores,
+  optionally normalized, times routed_scaling_factor. V2: softmax scores, top-k over all experts ("greedy") or over the best
   `topk_group` groups by their best score ("group_limited_greedy"), times routed_scaling_factor.
 - KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized; for
   decode-sized steps where Triton runs, in one launch (kernels/triton/router.softmax_topk).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -106,26 +108,31 @@ class _Router(BaseInjectedModule):
 
 @register_operator("KMoEGate")
 class KMoEGate(_Router):
-    """DeepSeek's router: V3's sigmoid one (replaces DeepseekV3TopkRouter, Glm4MoeTopkRouter) or
-    V2's softmax one (replaces DeepseekV2TopkRouter, which has a `topk_method`)."""
+    """DeepSeek's router: V3's sigmoid one (replaces DeepseekV3TopkRouter, Glm4MoeTopkRouter,
+    MiniMaxM2TopKRouter) or V2's softmax one (replaces DeepseekV2TopkRouter, which has a
+    `topk_method`). A router whose forward takes the correction bias from its MoE block
+    (MiniMax-M2) has it loaded from there: `<block>.e_score_correction_bias`."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.softmax = hasattr(orig_module, "topk_method")
         grouped = not self.softmax or orig_module.topk_method == "group_limited_greedy"
-        self.n_group = (orig_module.num_group or 1) if grouped else 1
-        self.topk_group = (orig_module.topk_group or 1) if grouped else 1
-        self.norm = getattr(orig_module, "norm_topk_prob", False)  # (V2 never normalizes)
-        self.scale = orig_module.routed_scaling_factor
+        self.n_group = (getattr(orig_module, "num_group", 1) or 1) if grouped else 1
+        self.topk_group = (getattr(orig_module, "topk_group", 1) or 1) if grouped else 1
+        # (V2 never normalizes; a sigmoid router without the setting, MiniMax-M2's, always does)
+        self.norm = getattr(orig_module, "norm_topk_prob", not self.softmax)
+        self.scale = getattr(orig_module, "routed_scaling_factor", 1.0)
+        takes_bias = "e_score_correction_bias" in inspect.signature(orig_module.forward).parameters
+        self.bias_name = f"{key.rsplit('.', 1)[0] if takes_bias else key}.e_score_correction_bias"
         self.bias: torch.Tensor | None = None
 
     def load(self) -> None:
         super().load()
         if not self.softmax:
-            self.bias = self.weights.load(f"{self.key}.e_score_correction_bias", self.device, torch.float32,
-                                          (self.weight_shape[0],))
+            self.bias = self.weights.load(self.bias_name, self.device, torch.float32, (self.weight_shape[0],))
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, e_score_correction_bias: torch.Tensor | None = None):
+        """`e_score_correction_bias`: what MiniMax-M2's block passes; the loaded one is used."""
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
         logits = self.logits(x)
         if self.softmax:

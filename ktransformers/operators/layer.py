@@ -33,7 +33,7 @@ _F32 = 0  # the kernels' dtype code for float32 (kernels.cpu._DTYPE_CODE)
 # x1 + mlp(post_norm(x1)) (read in transformers 5.17 and 5.25): the fused plan runs the same with
 # the residual add and post_norm in one launch
 FUSABLE_LAYERS = frozenset({"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer",
-                            "Glm4MoeDecoderLayer"})
+                            "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer"})
 
 
 @dataclass

@@ -15,7 +15,7 @@ from .registry import OPERATORS
 
 # Upstream's per-family names for the same operator; all route through this one class.
 BLOCK_NAMES = ("KDeepseekV3MoE", "KDeepseekV2MoE", "KQwen3MoeSparseMoeBlock", "KQwen2MoeSparseMoeBlock",
-               "KMixtralSparseMoeBlock", "KGlm4MoeMoE")
+               "KMixtralSparseMoeBlock", "KGlm4MoeMoE", "KMiniMaxM2SparseMoeBlock")
 
 
 class KMoEBlock(BaseInjectedModule):

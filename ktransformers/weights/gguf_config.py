@@ -13,6 +13,7 @@ from transformers import (
     DeepseekV3Config,
     Glm4MoeConfig,
     GptOssConfig,
+    MiniMaxM2Config,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -71,12 +72,19 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("attention.value_length", "head_dim"),
         ("attention.sliding_window", "sliding_window"),
     ),
+    "minimax-m2": _COMMON + (
+        ("expert_count", "num_local_experts"),
+        ("expert_feed_forward_length", "intermediate_size"),
+        ("attention.key_length", "head_dim"),
+        ("attention.value_length", "head_dim"),
+    ),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
 }
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # HF model_type -> the GGUF architecture llama.cpp's converter writes for it
 GGUF_ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe",
-             "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+             "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+             "minimax_m2": "minimax-m2"}
 
 
 def arch_of(config: PretrainedConfig) -> str:
@@ -237,9 +245,22 @@ def _gpt_oss_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pretra
     return GptOssConfig(**kw)
 
 
+def _minimax_m2_metadata(config: PretrainedConfig) -> dict[str, Any]:
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return {"minimax-m2.rope.dimension_count": int(_head_dim(config) * partial),
+            "minimax-m2.expert_gating_func": GATING_SIGMOID}
+
+
+def _minimax_m2_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    head_dim = kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    kw["rope_parameters"]["partial_rotary_factor"] = meta.get("minimax-m2.rope.dimension_count", head_dim) / head_dim
+    return MiniMaxM2Config(**kw)
+
+
 _EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "glm4moe": _glm4moe_metadata,
-                   "gpt-oss": lambda config: _yarn_metadata("gpt-oss", config)}
-_BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "gpt-oss": _gpt_oss_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+                   "gpt-oss": lambda config: _yarn_metadata("gpt-oss", config), "minimax-m2": _minimax_m2_metadata}
+_BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "gpt-oss": _gpt_oss_config,
+             "minimax-m2": _minimax_m2_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
 
 
 def routed_experts(config) -> int:

@@ -109,6 +109,9 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "gpt-oss": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"),
                           _m(L + "self_attn.o_proj.bias", B + "attn_output.bias"),
                           _m(L + "self_attn.sinks", B + "attn_sinks.weight")) + _gqa(bias=True) + _BIASED_ROUTED,
+    # MiniMax-M2: q/k norms over all heads at once ([heads * d]), the correction bias on the MoE block
+    "minimax-m2": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED + (
+        _m(L + "mlp.e_score_correction_bias", B + "exp_probs_b.bias"),),
     "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
 }
 

@@ -22,14 +22,13 @@ from .source import MissingTensorError, TensorInfo, WeightError, WeightSource
 FP8_BLOCK = 128
 
 # Checkpoint names -> module names of transformers' classes, per model_type (applied in order).
-CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "mixtral": (
-        (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
-        (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
-        (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
-        (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
-    ),
-}
+_BLOCK_SPARSE_MOE = (  # Mixtral's and MiniMax-M2's checkpoints: the MoE block and its per-expert w1/w2/w3
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+    (r"\.block_sparse_moe\.", ".mlp."),
+)
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {"mixtral": _BLOCK_SPARSE_MOE, "minimax_m2": _BLOCK_SPARSE_MOE}
 
 _DTYPE_TO_GGML = {torch.float32: GGMLType.F32, torch.float16: GGMLType.F16, torch.bfloat16: GGMLType.BF16}
 

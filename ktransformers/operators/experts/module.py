@@ -101,8 +101,8 @@ class KTransformersExperts(BaseInjectedModule):
         o = self.options
         asked = [f"{k}={v}" for k, v in (("num_gpu_experts", o.num_gpu_experts), ("pcie_experts", o.pcie_experts),
                                           ("prefill_gpu_threshold", o.prefill_gpu_threshold)) if v]
-        asked += [f"{phase}_op=KExpertsGPU" for phase, op in (("prefill", o.prefill_op), ("generate", o.generate_op))
-                  if op == "KExpertsGPU"]
+        asked += [f"{phase}_op={op}" for phase, op in (("prefill", o.prefill_op), ("generate", o.generate_op))
+                  if EXPERT_OPS.get(op) is KExpertsGPU]
         if asked:
             raise ValueError(f"{self.key}: {', '.join(asked)}: the GPU expert kernels do not take experts with biases "
                              "or the clamped SwiGLU (gpt-oss) yet; use KExpertsCPU or KExpertsTorch")
