@@ -239,7 +239,7 @@ void attend_chunk(const float* q, const float* k, const float* v, const int64_t*
 }
 
 void attend(ThreadPool& pool, const float* q, const float* k, const float* v, const int64_t* slots, int L, int heads,
-            int kv_heads, int d, float scale, float* out) {
+            int kv_heads, int d, float scale, float* out, const float* sinks) {
     const int g = heads / kv_heads;
     const int chunks = (L + kChunk - 1) / kChunk;
     const size_t part = (size_t)heads * (d + 2);  // per chunk: acc [heads, d], max [heads], sum [heads]
@@ -270,12 +270,13 @@ void attend(ThreadPool& pool, const float* q, const float* k, const float* v, co
 #endif
         attend_chunk(q, k, v, slots + j0, n, heads, g, d, scale, scores.data(), acc, mx, sum);
     });
-    for (int h = 0; h < heads; h++) {  // merge: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-        float M = -INFINITY;
+    // merge: out = sum_c e^(m_c - M) acc_c / (sum_c e^(m_c - M) l_c [+ e^(sink - M)])
+    for (int h = 0; h < heads; h++) {
+        float M = sinks ? sinks[h] : -INFINITY;
         for (int c = 0; c < chunks; c++) M = std::max(M, all[(size_t)c * part + (size_t)heads * d + h]);
         float* oh = out + (size_t)h * d;
         std::fill(oh, oh + d, 0.f);
-        float total = 0;
+        float total = sinks ? std::exp(sinks[h] - M) : 0.f;
         for (int c = 0; c < chunks; c++) {
             const float* pc = all + (size_t)c * part;
             const float w = std::exp(pc[(size_t)heads * d + h] - M);
@@ -300,15 +301,17 @@ void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {
 }  // namespace
 
 void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const float* v, int64_t total_slots,
-                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+                       const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out,
+                       const float* sinks) {
     check_gqa("attend_gqa_decode", total_slots, slots, L, heads, kv_heads, d);
-    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out);
+    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out, sinks);
 }
 
 
 void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float* v_new, const float* cos,
                            const float* sin, float* k, float* v, int64_t total_slots, int64_t write_slot,
-                           const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out) {
+                           const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out,
+                           const float* sinks) {
     if (write_slot < 0 || write_slot >= total_slots)
         throw std::invalid_argument("rope_write_attend_gqa: write slot " + std::to_string(write_slot) +
                                     " is outside the cache's " + std::to_string(total_slots));
@@ -319,7 +322,7 @@ void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float
     const size_t row = (size_t)kv_heads * d;
     std::copy(k_new, k_new + row, k + (size_t)write_slot * row);
     std::copy(v_new, v_new + row, v + (size_t)write_slot * row);
-    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out);
+    attend(pool, q, k, v, slots, L, heads, kv_heads, d, scale, out, sinks);
 }
 
 }  // namespace kt

@@ -61,22 +61,26 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
         .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,
-                                     uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out) {
+                                     uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
+                                     uintptr_t sinks) {
                  r.run_inline([&] {
                      attend_gqa_decode(r.pool(), cptr<float>(q), cptr<float>(k), cptr<float>(v), total_slots,
-                                       cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
+                                       cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out),
+                                       cptr<float>(sinks));
                  });
-             }, py::call_guard<py::gil_scoped_release>(), "decode attention read in place from the paged cache")
+             }, py::call_guard<py::gil_scoped_release>(), "decode attention read in place from the paged cache (sinks: 0 for none)")
         .def("rope_write_attend_gqa", [](Runtime& r, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t cos,
                                          uintptr_t sin, uintptr_t k, uintptr_t v, int64_t total_slots, int64_t write_slot,
-                                         uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out) {
+                                         uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
+                                         uintptr_t sinks) {
                  r.run_inline([&] {
                      rope_write_attend_gqa(r.pool(), reinterpret_cast<float*>(q), reinterpret_cast<float*>(k_new),
                                            cptr<float>(v_new), cptr<float>(cos), cptr<float>(sin),
                                            reinterpret_cast<float*>(k), reinterpret_cast<float*>(v), total_slots, write_slot,
-                                           cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out));
+                                           cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out),
+                                           cptr<float>(sinks));
                  });
-             }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence")
+             }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence (sinks: 0 for none)")
         .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {
                  const size_t row = tiled_row_bytes(type, rows, n);
                  if (src_bytes != row * rows || dst_bytes != src_bytes)

@@ -87,6 +87,11 @@ static_assert(sizeof(tile_q5_k16) == 16 * sizeof(block_q5_k), "q5_k tile");
 struct tile_q8_0x16 { fp16_t d[2][16]; int8_t qs[2][8][64]; };
 static_assert(sizeof(tile_q8_0x16) == 32 * sizeof(block_q8_0), "q8_0 tile");
 
+// 16 rows' MXFP4 blocks of one block column (272 bytes = 16 x 17): e[r], then qs[q] lane r = bytes
+// 4q .. 4q + 3 of row r's block (values 4q + i in the low nibbles, 16 + 4q + i in the high ones).
+struct tile_mxfp4x16 { uint8_t e[16]; uint8_t qs[4][64]; };
+static_assert(sizeof(tile_mxfp4x16) == 16 * sizeof(block_mxfp4), "mxfp4 tile");
+
 // 16 rows' IQ4_XS blocks of one block column (2176 bytes = 16 x 136): d, scales_h and scales_l of
 // each row; qs[4j + q] lane r = bytes 16j + 4q .. 16j + 4q + 3 of row r's qs (a byte holds values
 // 32j + x and 32j + 16 + x, x = 4q + i: already the pairing the other tiles use).

@@ -243,6 +243,13 @@ void repack_q8_0x16(const void* src, void* dst, int n) {  // n % 64 == 0
     });
 }
 
+void repack_mxfp4x16(const void* src, void* dst, int n) {
+    repack_group<block_mxfp4, tile_mxfp4x16, QK>(src, dst, n, [](const block_mxfp4& blk, tile_mxfp4x16& t, int r) {
+        t.e[r] = blk.e;
+        for (int q = 0; q < 4; q++) std::memcpy(&t.qs[q][4 * r], blk.qs + 4 * q, 4);
+    });
+}
+
 void repack_iq4_xs16(const void* src, void* dst, int n) {
     repack_group<block_iq4_xs, tile_iq4_xs16>(src, dst, n, [](const block_iq4_xs& blk, tile_iq4_xs16& t, int r) {
         t.d[r] = blk.d, t.sh[r] = blk.scales_h;
@@ -750,9 +757,50 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
+// 16 rows of MXFP4 tiles against T activation rows (Q8_0U): the nibbles through the doubled e2m1
+// table (signed bytes), dpbusd of the tokens' unsigned bytes (value + 128) with them, the +128
+// taken back as 128 * (sum of each row's 32 weights, one dpbusd against ones of low + high);
+// scaled per 32 values by 2^(e - 128) (e8m0_half, subnormal for e < 2).
+template <int T>
+void tile_mxfp4x16_rows(int n, const tile_mxfp4x16* w, const act_q8_0* const* a, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kMxfp4Values));
+    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x00200000);
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)w->e));
+        const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, two), _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23),
+                                                     _mm512_sllv_epi32(tiny, e));
+        const __m512 d = _mm512_castsi512_ps(bits);
+        __m512i dot[T], sum = _mm512_setzero_si512();
+        for (int t = 0; t < T; t++) dot[t] = _mm512_setzero_si512();
+        for (int q = 0; q < 4; q++) {
+            const __m512i v = _mm512_loadu_si512(w->qs[q]);
+            const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+            const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            sum = _mm512_dpbusd_epi32(sum, ones, _mm512_add_epi8(lo, hi));  // (|lo + hi| <= 24: no wrap)
+            for (int t = 0; t < T; t++) {
+                int32_t xl, xh;
+                std::memcpy(&xl, a[t][b].qs + 4 * q, 4);
+                std::memcpy(&xh, a[t][b].qs + 16 + 4 * q, 4);
+                dot[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(xl), lo), _mm512_set1_epi32(xh), hi);
+            }
+        }
+        const __m512i offset = _mm512_slli_epi32(sum, 7);
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], offset)), acc[t]);
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void tiles_mxfp4(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_mxfp4x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows<T>(n, tw, x, o); });
+}
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows<T>(n, tw, x, o); });
 }
@@ -1623,6 +1671,7 @@ const Format kFormats[] = {
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
+    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0U, nullptr, nullptr, tiles_mxfp4},
 #elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 level: the K-quants Q4_K, Q5_K, Q6_K)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
@@ -1643,7 +1692,8 @@ struct Repack {
     int type;
     RepackFn fn;
 };
-const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q5_K, repack_q5_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}, {Q8_0, repack_q8_0x16}};
+const Repack kRepacks[] = {{Q4_K, repack_q4_k16}, {Q5_K, repack_q5_k16}, {Q6_K, repack_q6_k16}, {IQ4_XS, repack_iq4_xs16}, {Q8_0, repack_q8_0x16},
+                           {MXFP4, repack_mxfp4x16}};
 
 }  // namespace
 

@@ -263,9 +263,17 @@ def q8_0_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
     return torch.cat([d, qs], dim=-1).reshape(-1)
 
 
+def mxfp4_tiles_reference(raw, rows: int, cols: int) -> torch.Tensor:
+    """The 16-row MXFP4 tile layout (csrc/blocks.h tile_mxfp4x16, one block a tile), with torch alone."""
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(rows // 16, 16, cols // 32, 17).transpose(1, 2)
+    G, nb = blocks.shape[:2]  # [G, tile, r, 17]
+    qs = blocks[..., 1:].reshape(G, nb, 16, 4, 4).transpose(2, 3).reshape(G, nb, 256)
+    return torch.cat([blocks[..., 0], qs], dim=-1).reshape(-1)
+
+
 TILE_REFERENCES = {GGMLType.Q4_K: q4_k_tiles_reference, GGMLType.Q5_K: q5_k_tiles_reference,
                    GGMLType.Q6_K: q6_k_tiles_reference, GGMLType.IQ4_XS: iq4_xs_tiles_reference,
-                   GGMLType.Q8_0: q8_0_tiles_reference}
+                   GGMLType.Q8_0: q8_0_tiles_reference, GGMLType.MXFP4: mxfp4_tiles_reference}
 
 
 @pytest.mark.parametrize("fmt", list(TILE_REFERENCES), ids=lambda t: t.name)
@@ -289,13 +297,13 @@ def test_tiles_layout_and_kernel(runtime, fmt):
     # Q8_0 sums per 32 values in float, in another order than its row kernel, and the AVX2 tiles
     # scale each row's exact integer sum once where its row kernel scales eight lanes: h (rounded
     # to int8 for down) can flip a step, ~1e-4 of a layer; AVX512's K-quant float steps match the rows'
-    moe_tol = 1e-3 if fmt == GGMLType.Q8_0 or runtime.isa == "avx2" else 1e-6
+    moe_tol = 1e-3 if fmt in (GGMLType.Q8_0, GGMLType.MXFP4) or runtime.isa == "avx2" else 1e-6
     for T in (1, 2, 3, 5, 17, 128):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
         assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < moe_tol, T
     row_bytes = H // 256 * {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_XS: 136,
-                             GGMLType.Q8_0: 272}[fmt]
+                             GGMLType.Q8_0: 272, GGMLType.MXFP4: 136}[fmt]
     lin = LinearKernel(runtime, in_features=H, out_features=96, weight=ExpertWeights(g.data[: 96 * row_bytes], int(fmt)))
     x = torch.randn(9, H, generator=gen)
     assert lin._weight.tiled
@@ -644,6 +652,14 @@ def test_gqa_decode_attention_from_the_paged_cache(runtime, heads, kv_heads, d, 
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     with pytest.raises(ValueError, match="outside"):
         attend_gqa_decode(runtime, q, k, v, torch.tensor([0, total]), scale)
+    # gpt-oss's sinks: one more logit per head in the softmax, with no value
+    sinks = torch.randn(heads) * 2
+    logits = torch.cat([torch.einsum("hd,lhd->hl", q, keys) * scale, sinks[:, None]], dim=-1)
+    want = torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1)[:, :-1], values)
+    got = attend_gqa_decode(runtime, q, k, v, slots, scale, sinks)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="sinks must be"):
+        attend_gqa_decode(runtime, q, k, v, slots, scale, sinks[:-1])
 
 
 @pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 19), (6, 3, 24, 40)])

@@ -529,23 +529,34 @@ def _check_gqa_caches(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return total, kv_heads
 
 
+def _sinks_ptr(op: str, sinks: torch.Tensor | None, heads: int) -> int:
+    """The address of float32 sinks [heads], or 0 without them."""
+    if sinks is None:
+        return 0
+    if sinks.shape != (heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous():
+        raise ValueError(f"{op}: sinks must be contiguous float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    return sinks.data_ptr()
+
+
 def attend_gqa_decode(runtime: CPURuntime, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, scale: float) -> torch.Tensor:
+                      slots: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention read in place from the paged cache: q [heads, d], k_cache and
     v_cache [total_slots, kv_heads, d] (float32, CPU), slots [L] int64 (the sequence's history in
-    order) -> [heads, d]. Slots outside the cache raise ValueError before any read."""
+    order, or the part a sliding window sees) -> [heads, d]; `sinks` [heads]: each head's sink
+    logit (gpt-oss). Slots outside the cache raise ValueError before any read."""
     heads, d = q.shape
     total, kv_heads = _check_gqa_caches("attend_gqa_decode", q, k_cache, v_cache)
     q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     runtime._rt.attend_gqa_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), total, slots.data_ptr(),
-                                  slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr())
+                                  slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr(),
+                                  _sinks_ptr("attend_gqa_decode", sinks, heads))
     return out
 
 
 def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: int,
-                          slots: torch.Tensor, scale: float) -> torch.Tensor:
+                          slots: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step of one sequence after its projections: q [heads, d], k/v [kv_heads, d] (not yet
     rotated), cos/sin [d] (rotate-half RoPE at this position); rotates q and k, stores k and v in
     `write_slot` of the float32 caches [total_slots, kv_heads, d], and attends over `slots` ->
@@ -562,7 +573,8 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     out = torch.empty_like(q)
     runtime._rt.rope_write_attend_gqa(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), total, int(write_slot), slots.data_ptr(),
-                                      slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr())
+                                      slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr(),
+                                      _sinks_ptr("rope_write_attend_gqa", sinks, heads))
     return out
 
 

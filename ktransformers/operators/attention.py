@@ -299,7 +299,7 @@ class KGQAAttention(_CachedAttention):
         if self.has_sinks:
             self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32, (self.num_heads,))
         self._choose_backend()
-        if self.has_sinks:  # the Triton attention kernels have no sinks: the torch path
+        if self.has_sinks:  # the Triton attention kernels have no sinks: the torch path (C++ on the CPU)
             self.triton = False
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
         self.triton_rope = runs_on(self.device)
@@ -315,8 +315,8 @@ class KGQAAttention(_CachedAttention):
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,
-        no sliding window or sinks, a runtime), else None."""
-        if self.window or self.has_sinks or self._runtime is None:
+        a runtime), else None."""
+        if self._runtime is None:
             return None
         k_cache, v_cache = self.context.cache.layers[self.layer_idx]
         return (k_cache, v_cache) if k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" else None
@@ -330,8 +330,14 @@ class KGQAAttention(_CachedAttention):
             return prefill_attention(q, k_cache, v_cache, start, self.scaling, window=self.window or 0, slots=slots)
         caches = self._cpp_cache() if q.shape[0] == 1 else None
         if caches is not None:  # decode: the C++ kernel reads the history in place by slot
-            return attend_gqa_decode(self._runtime, q[0].float(), *caches, batch.read_slots[i], self.scaling)[None]
+            return attend_gqa_decode(self._runtime, q[0].float(), *caches, self._seen(batch.read_slots[i]), self.scaling,
+                                     self.sinks)[None]
         return super()._attend_cached(queries, batch, i, start)
+
+    def _seen(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots of a decode step's history its query attends to: the last `window` ones in a
+        sliding-window layer (the query is the last position), else all."""
+        return slots[-self.window:] if self.window and slots.shape[0] > self.window else slots
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
         B, S, _ = hidden_states.shape
@@ -349,7 +355,8 @@ class KGQAAttention(_CachedAttention):
         if caches is not None:  # RoPE, cache write and attention in one C++ call per sequence
             q, k = self._qk_norm(q, k)
             outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],
-                                          sin[0, t], *caches, int(batch.slots[t]), batch.read_slots[i], self.scaling)
+                                          sin[0, t], *caches, int(batch.slots[t]), self._seen(batch.read_slots[i]),
+                                          self.scaling, self.sinks)
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None

@@ -223,7 +223,8 @@ class KDecoderLayer(BaseInjectedModule):
         linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
         qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
-        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn.window or attn._runtime is None:
+        if (None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn.window
+                or attn.has_sinks or attn.norm_all_heads or attn._runtime is None):
             # (the cache itself is checked each step: _decode_one)
             return None
         H, d, E = gate.hidden_dim, attn.head_dim, gate.weight_shape[0]
@@ -270,7 +271,7 @@ class KDecoderLayer(BaseInjectedModule):
         # (the C++ side checks every slot against the cache before any write)
         p.runtime.rope_write_attend_gqa(q, k, ptr["v"], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                         v_cache.data_ptr(), k_cache.shape[0], int(batch.slots[0]), read.data_ptr(),
-                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"])
+                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"], 0)
         p.o.forward(1, ptr["attn"], ptr["o"], _F32)
         x1 = torch.add(x.view(1, -1), b["o"], out=b["x1"])
         ext.rms_norm(ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], ptr["h2"])
