@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("normal", "long_context"), default="normal",
                    help="long_context: MLA attends in latent space during prefill too (less memory)")
     p.add_argument("--force_think", action="store_true", help="start the answer with <think> (reasoning models)")
+    p.add_argument("--reasoning_effort", choices=("low", "medium", "high"), default="medium",
+                   help="gpt-oss (the harmony format): how much it reasons before answering")
     p.add_argument("--chunk_size", type=int, default=8192, help="prompt tokens per prefill forward")
     p.add_argument("--cache_lens", type=int, default=8192, help="token slots of the KV cache")
     p.add_argument("--device", default=None, help="device of the non-expert parts: cpu, cuda or cuda:N "
@@ -233,10 +235,14 @@ def prompt_ids(tokenizer, message: str, force_think: bool) -> list[int]:
 
 class Conversation:
     """The turns so far, and the cache sequence holding them: each answer's prompt is the whole
-    conversation, whose prefix already in the cache is not computed again."""
+    conversation, whose prefix already in the cache is not computed again. Models of the harmony
+    format (gpt-oss) take their prompts from openai-harmony and show their reasoning (the
+    analysis channel) apart from the answer (the final channel), which alone joins the turns."""
 
     def __init__(self, engine, args: argparse.Namespace, params):
+        from .engine.harmony import harmony_chat
         self.engine, self.args, self.params = engine, args, params
+        self.harmony = harmony_chat(engine.tokenizer, getattr(args, "reasoning_effort", "medium"))
         self.messages: list[dict] = []
         self.seq = engine.new_sequence()
 
@@ -244,6 +250,13 @@ class Conversation:
         """Stream the answer to `message` to `out`, then the timing lines; the exchange joins the
         conversation once the answer is complete (an interrupted one is forgotten)."""
         turn = self.messages + [{"role": "user", "content": message}]
+        if self.harmony is not None:
+            generation = self.engine.generate(self.harmony.render(turn), self.params, self.args.max_new_tokens,
+                                              seq=self.seq, stop_ids=self.harmony.stop_ids)
+            text = stream_harmony(generation, self.harmony, out)
+            self.messages = turn + [{"role": "assistant", "content": text}]
+            _finish(generation, self.engine, out, in_chat=True)
+            return
         ids = render(self.engine.tokenizer, turn, self.args.force_think)
         generation = self.engine.generate(ids, self.params, self.args.max_new_tokens, stop=self.args.stop,
                                           seq=self.seq)
@@ -260,10 +273,38 @@ class Conversation:
 
 def answer(engine, tokenizer, message: str, args, params, out=sys.stdout) -> None:
     """Stream one answer to `out` (no conversation), then the timing lines."""
-    generation = engine.generate(prompt_ids(tokenizer, message, args.force_think), params, args.max_new_tokens,
-                                 stop=args.stop)
-    _stream(generation, out, args.force_think)
+    from .engine.harmony import harmony_chat
+    harmony = harmony_chat(tokenizer, getattr(args, "reasoning_effort", "medium"))
+    if harmony is not None:
+        generation = engine.generate(harmony.render([{"role": "user", "content": message}]), params,
+                                     args.max_new_tokens, stop_ids=harmony.stop_ids)
+        stream_harmony(generation, harmony, out)
+    else:
+        generation = engine.generate(prompt_ids(tokenizer, message, args.force_think), params, args.max_new_tokens,
+                                     stop=args.stop)
+        _stream(generation, out, args.force_think)
     _finish(generation, engine, out, in_chat=False)
+
+
+REASONING, ANSWER = "Thinking: ", "Answer: "
+
+
+def stream_harmony(generation, harmony, out) -> str:
+    """Write a harmony answer as it comes: the reasoning (analysis channel) after "Thinking: ",
+    then the answer (final channel) after "Answer: " on a line of its own; other channels (tool
+    calls) after their name. Returns the final channel's text."""
+    channel, final = None, []
+    for piece in harmony.parse(generation.token_ids()):
+        if piece.channel != channel:
+            label = {"analysis": REASONING, "final": ANSWER}.get(piece.channel, f"[{piece.channel}] ")
+            out.write(("\n\n" if channel is not None else "") + label)
+            channel = piece.channel
+        if piece.channel == "final":
+            final.append(piece.text)
+        out.write(piece.text)
+        out.flush()
+    out.write("\n")
+    return "".join(final)
 
 
 def _stream(generation, out, force_think: bool) -> str:

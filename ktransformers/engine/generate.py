@@ -130,12 +130,10 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     def __iter__(self) -> Iterator[str]:
-        engine = self.engine
-        decoder = StreamDecoder(engine.tokenizer) if engine.tokenizer is not None else None
+        decoder = StreamDecoder(self.engine.tokenizer) if self.engine.tokenizer is not None else None
         stopper = StopMatcher(self.stop) if self.stop else None
-        seq = self.seq or engine.cache.new_sequence()
-        tokens = self._tokens(seq)
-        try:  # (the finally below frees a sequence of our own even when the prefill fails)
+        tokens = self.token_ids()
+        try:
             for token in tokens:
                 if decoder is None:
                     continue
@@ -157,11 +155,21 @@ class Generation:
                 if tail:
                     yield tail
         finally:
+            tokens.close()
+
+    def token_ids(self) -> Iterator[int]:
+        """The answer's token ids as they come (stop strings do not apply: text is not decoded;
+        what harmony's parser reads)."""
+        seq = self.seq or self.engine.cache.new_sequence()
+        tokens = self._tokens(seq)
+        try:  # (the finally below frees a sequence of our own even when the prefill fails)
+            yield from tokens
+        finally:
             try:
                 tokens.close()  # (a step issued ahead and not wanted: waited for, its entry dropped)
             finally:
                 if self.seq is None:
-                    engine.release(seq)
+                    self.engine.release(seq)
 
     def _tokens(self, seq: Sequence) -> Iterator[int]:
         """The answer's tokens, each appended to `tokens` before it is yielded, until EOS, the
@@ -574,11 +582,12 @@ class Engine:
 
     # -- one answer -------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                 stop: Seq[str] = (), seq: Sequence | None = None) -> Generation:
-        """An answer to `prompt_ids`; iterate the result for text. Pass `seq` (from
-        new_sequence) to keep its cache across calls (a chat: the next prompt's common prefix is
-        not recomputed); without it the cache is freed when the answer ends."""
+                 stop: Seq[str] = (), seq: Sequence | None = None, stop_ids: Seq[int] = ()) -> Generation:
+        """An answer to `prompt_ids`; iterate the result for text (or its token_ids()). Pass `seq`
+        (from new_sequence) to keep its cache across calls (a chat: the next prompt's common prefix
+        is not recomputed); without it the cache is freed when the answer ends. `stop_ids`: tokens
+        that end the answer besides the model's EOS (harmony's <|return|>, <|call|>)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         return Generation(self, list(prompt_ids), params or SamplingParams(do_sample=False), max_new_tokens,
-                          tuple(stop), eos_token_ids(self.model, self.tokenizer), seq)
+                          tuple(stop), eos_token_ids(self.model, self.tokenizer) | set(stop_ids), seq)

@@ -106,8 +106,9 @@ def _text(content) -> str:
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
                gen_defaults: SamplingParams | None = None) -> FastAPI:
     app = FastAPI(title="ktransformers", version="0.1.0")
+    from ..engine.harmony import harmony_chat
     served = _Served(scheduler, scheduler.tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
-                     int(time.time()))
+                     int(time.time()), harmony_chat(scheduler.tokenizer))
     _add_error_handlers(app)
     if api_key:
         _require_api_key(app, api_key)
@@ -127,6 +128,7 @@ class _Served:
     default_max_tokens: int
     defaults: SamplingParams
     created: int  # when the app was made: the model's "created" in the listings
+    harmony: Any = None  # engine.harmony.HarmonyChat for a model of the harmony format (gpt-oss)
 
     def sampling(self, temperature, top_p, top_k, repetition_penalty, seed) -> SamplingParams:
         """The served defaults, overridden by whichever of the request's values it set."""
@@ -142,6 +144,11 @@ class _Served:
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
+        if self.harmony is not None:
+            try:
+                return self.harmony.render(conversation)
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
         if getattr(self.tokenizer, "chat_template", None):
             try:
                 return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
@@ -152,11 +159,14 @@ class _Served:
                                      + "\nassistant:")
 
     def start(self, ids: list[int], params: SamplingParams, max_tokens: int | None, stop,
-              ignore_eos: bool = False) -> Request:
-        """Submit a request after checking that it fits the context; 429 when the queue is full."""
+              ignore_eos: bool = False, chat: bool = False) -> Request:
+        """Submit a request after checking that it fits the context; 429 when the queue is full. A
+        chat of a harmony model has its answer split into channels (the final one is the text)."""
         max_tokens = self._max_tokens(ids, max_tokens)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue())
+        if chat and self.harmony is not None:
+            r.harmony, r.stop_ids = self.harmony, frozenset(self.harmony.stop_ids)
         try:
             self.scheduler.submit(r)
         except QueueFull as e:
@@ -177,13 +187,14 @@ class _Served:
         return max_tokens
 
 
-async def _pieces(r: Request):
-    """Text pieces of a request as they come; cancels it when the consumer goes away."""
+async def _events(r: Request):
+    """(kind, text) pieces of a request as they come, kind "text" or "reasoning"; cancels it when
+    the consumer goes away."""
     try:
         while True:
             kind, payload = await r.events.get()
-            if kind == "text":
-                yield payload
+            if kind in ("text", "reasoning"):
+                yield kind, payload
             elif kind == "error":
                 raise RuntimeError(payload)
             else:
@@ -191,6 +202,13 @@ async def _pieces(r: Request):
     finally:
         if r.finish_reason is None:
             r.cancel()
+
+
+async def _pieces(r: Request):
+    """Text pieces of a request as they come (a harmony model's reasoning left out)."""
+    async for kind, piece in _events(r):
+        if kind == "text":
+            yield piece
 
 
 async def _whole_text(r: Request, error_kind: str) -> str:
@@ -289,12 +307,15 @@ class _OpenAIReply:
         """The response's "object" field."""
         return "chat.completion" if self.chat else "text_completion"
 
-    def choice(self, text: str, reason: str | None, streamed: bool) -> dict:
+    def choice(self, text: str, reason: str | None, streamed: bool, reasoning: str = "") -> dict:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         if streamed:
             return {"index": 0, "delta": text, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        if reasoning:  # (a harmony model's analysis channel, as vLLM and SGLang return it)
+            message["reasoning_content"] = reasoning
+        return {"index": 0, "message": message, "finish_reason": reason}
 
     def chunk(self, delta_or_text, reason=None) -> str:
         """One server-sent event: a chat delta (dict) or a piece of completion text."""
@@ -307,12 +328,18 @@ class _OpenAIReply:
 async def _openai_run(s: _Served, body: OpenAISampling, ids: list[int], chat: bool):
     s.check_model(body.model)
     params = s.sampling(body.temperature, body.top_p, body.top_k, body.repetition_penalty, body.seed)
-    r = s.start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos)
+    r = s.start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos, chat=chat)
     reply = _OpenAIReply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", chat, s.model_name)
     if not body.stream:
-        text = await _whole_text(r, "server_error")
+        parts = {"text": [], "reasoning": []}
+        try:
+            async for kind, piece in _events(r):
+                parts[kind].append(piece)
+        except RuntimeError as e:
+            raise APIError(500, str(e), kind="server_error") from None
+        choice = reply.choice("".join(parts["text"]), _finish(r), streamed=False, reasoning="".join(parts["reasoning"]))
         return {"id": reply.id, "object": reply.kind, "created": int(time.time()), "model": s.model_name,
-                "choices": [reply.choice(text, _finish(r), streamed=False)], "usage": _usage(r)}
+                "choices": [choice], "usage": _usage(r)}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(_openai_events(r, reply, include_usage), media_type="text/event-stream")
 
@@ -321,8 +348,11 @@ async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool):
     if reply.chat:
         yield reply.chunk({"role": "assistant", "content": ""})
     try:
-        async for piece in _pieces(r):
-            yield reply.chunk({"content": piece} if reply.chat else piece)
+        async for kind, piece in _events(r):
+            if kind == "reasoning":
+                yield reply.chunk({"reasoning_content": piece})
+            else:
+                yield reply.chunk({"content": piece} if reply.chat else piece)
     except RuntimeError as e:
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
         return
@@ -361,7 +391,7 @@ async def _ollama_run(s: _Served, body: OllamaGenerateBody | OllamaChatBody, ids
     o = body.options
     params = s.sampling(o.temperature, o.top_p, o.top_k, o.repeat_penalty, o.seed)
     max_tokens = o.num_predict if o.num_predict and o.num_predict > 0 else None
-    r = s.start(ids, params, max_tokens, o.stop)
+    r = s.start(ids, params, max_tokens, o.stop, chat=chat)
     model = body.model or s.model_name
     if not body.stream:
         return _ollama_message(r, model, chat, await _whole_text(r, "invalid_request_error"), done=True)

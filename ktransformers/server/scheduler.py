@@ -44,7 +44,8 @@ _ids = itertools.count(1)
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress. Events put on `events` (in `loop`):
-    ("text", str), then ("done", finish_reason) or ("error", message)."""
+    ("text", str) and, for a harmony model's chat, ("reasoning", str) (its analysis channel), then
+    ("done", finish_reason) or ("error", message)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -55,6 +56,8 @@ class Request:
     events: asyncio.Queue | None = None
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
+    harmony: object | None = None  # engine.harmony.HarmonyChat: its parser splits the answer into channels
+    stop_ids: frozenset = frozenset()  # tokens that end the answer besides the model's EOS
     # progress, owned by the scheduler thread
     seq: Sequence | None = None
     begin: int | None = None  # next prompt position to compute; None once the prompt is in
@@ -302,12 +305,21 @@ class Scheduler:
             r._decoder = StreamDecoder(self.tokenizer)
             r._stopper = StopMatcher(r.stop) if r.stop else None
             r._history = list(r.prompt_ids)
+            r._channels = r.harmony.stream() if r.harmony is not None else None
         if token is None:
             token = int(r._sampler(logits.float().cpu()[None], [r._history])[0])
         r.tokens.append(token)
         r._history.append(token)
-        if token in self.eos_ids and not r.ignore_eos:
+        if (token in self.eos_ids or token in r.stop_ids) and not r.ignore_eos:
             self._finish(r, "stop")
+            return
+        if r._channels is not None:  # harmony: the final channel is the text, the others reasoning
+            for piece in r._channels.push(token):
+                r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
+            if len(r.tokens) >= r.max_tokens:
+                self._finish(r, "length")
+                return
+            r.next_token = token
             return
         text = r._decoder.push(token)
         if r._stopper is not None:
@@ -328,7 +340,10 @@ class Scheduler:
         r.finish_reason, r.t_done = reason, time.perf_counter()
         if r in self.running:
             self.running.remove(r)
-        if reason in ("stop", "length") and flush and hasattr(r, "_decoder"):
+        if reason in ("stop", "length") and getattr(r, "_channels", None) is not None:
+            for piece in r._channels.finish():
+                r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
+        elif reason in ("stop", "length") and flush and hasattr(r, "_decoder"):
             tail = r._decoder.flush()
             if r._stopper is not None:
                 text, stopped = r._stopper.push(tail)
