@@ -18,6 +18,7 @@ from .optimize.rules import load_rules
 from .optimize.skeleton import DEFAULT_RULES, RULES_DIR, build_skeleton, default_rule_file, load_config  # noqa: F401
 from .weights.gguf import GGUFFileSet, GGUFSource
 from .weights.gguf_config import arch_of
+from .weights.gguf_tokenizer import set_pre_tokenizer
 
 
 @dataclass
@@ -38,9 +39,10 @@ def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.Pat
     if (file.parent / "tokenizer.json").is_file():  # tokenizer files shipped beside the GGUF win
         return PreTrainedTokenizerFast.from_pretrained(file.parent)
     try:  # the fast-tokenizer class directly: AutoTokenizer would first want an HF config for the architecture
-        return PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
     except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
         return None
+    return set_pre_tokenizer(tokenizer, GGUFFileSet(file).metadata.get("tokenizer.ggml.pre"))
 
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,

@@ -312,3 +312,39 @@ def test_gpu_expert_options_refused_for_gpt_oss_experts(tmp_path, kwargs):
     key = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"{key}.*biases or the clamped SwiGLU"):
         optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, tmp_path / "m.gguf", model.config)
+
+
+def _regex_pieces(text: str, patterns) -> list[str]:
+    """The pieces llama.cpp's pre-tokenizer makes: each pattern in turn splits every piece into its
+    matches and the text between them (Python's `regex` module: an independent engine)."""
+    import regex
+    pieces = [text]
+    for pattern in patterns:
+        out = []
+        for piece in pieces:
+            at = 0
+            for m in regex.finditer(pattern, piece):
+                if m.start() > at:
+                    out.append(piece[at:m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                at = m.end()
+            if at < len(piece):
+                out.append(piece[at:])
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4"])
+def test_tokenizer_from_gguf_splits_as_llama_cpp(tmp_path, pre):
+    """GGUF pre-tokenizers transformers' builder does not know get llama.cpp's split: digits in
+    runs of three, CJK and punctuation runs apart (GPT-2's split would keep "12345" whole)."""
+    from ktransformers.weights.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    model = tiny_model("deepseek_v3", layers=1)
+    write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(),
+               extra_metadata=tokenizer_metadata(train_tokenizer(320), pre=pre))
+    rebuilt = load_tokenizer(None, tmp_path / "m.gguf")
+    text = "The year 12345, I'LL say: 你好世界!\n\n  ok?? (x+y)=2"
+    got = [text[a:b] for _, (a, b) in rebuilt.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert got == _regex_pieces(text, PRE_TOKENIZER_SPLITS[pre])
+    assert "123" in got and "45" in got
