@@ -8,6 +8,7 @@ from tiny import (
     reference_rules,
     reference_state_dict,
     round_like_cpu_kernels,
+    tiny_config,
     tiny_model,
     train_tokenizer,
     with_experts_kwargs,
@@ -321,9 +322,10 @@ def _regex_pieces(text: str, patterns) -> list[str]:
     pieces = [text]
     for pattern in patterns:
         out = []
+        flags = regex.V1 if "&&" in pattern else 0  # (set intersection: Kimi-K2's pattern)
         for piece in pieces:
             at = 0
-            for m in regex.finditer(pattern, piece):
+            for m in regex.finditer(pattern, piece, flags=flags):
                 if m.start() > at:
                     out.append(piece[at:m.start()])
                 if m.end() > m.start():
@@ -335,7 +337,7 @@ def _regex_pieces(text: str, patterns) -> list[str]:
     return pieces
 
 
-@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4"])
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "kimi-k2"])
 def test_tokenizer_from_gguf_splits_as_llama_cpp(tmp_path, pre):
     """GGUF pre-tokenizers transformers' builder does not know get llama.cpp's split: digits in
     runs of three, CJK and punctuation runs apart (GPT-2's split would keep "12345" whole)."""
@@ -344,7 +346,30 @@ def test_tokenizer_from_gguf_splits_as_llama_cpp(tmp_path, pre):
     write_gguf(tmp_path / "m.gguf", model.config, model.state_dict(),
                extra_metadata=tokenizer_metadata(train_tokenizer(320), pre=pre))
     rebuilt = load_tokenizer(None, tmp_path / "m.gguf")
-    text = "The year 12345, I'LL say: 你好世界!\n\n  ok?? (x+y)=2"
+    text = "The year 12345, I'LL say: 你好世界!\n\n  ok?? (x+y)=2 WORLD日本語 café"
     got = [text[a:b] for _, (a, b) in rebuilt.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
     assert got == _regex_pieces(text, PRE_TOKENIZER_SPLITS[pre])
     assert "123" in got and "45" in got
+
+
+def test_kimi_k2_shape_through_the_deepseek_v3_rules(tmp_path):
+    """Kimi-K2 is DeepSeek-V3's architecture with one expert group (and its own pre-tokenizer): a
+    file of that shape loads with nothing but the GGUF (config, tokenizer, the DeepSeek-V3 CPU rules)."""
+    config = tiny_config("deepseek_v3")
+    config.n_group, config.topk_group, config.n_routed_experts = 1, 1, 12
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if name.endswith("norm.weight") else 0))
+    types = write_gguf(tmp_path / "k2.gguf", model.config, model.state_dict(), types=GGMLType.F16,
+                       extra_metadata=tokenizer_metadata(train_tokenizer(320), pre="kimi-k2"))
+    loaded = load_model(tmp_path / "k2.gguf", dtype=torch.float32, progress=False)
+    assert (loaded.config.n_group, loaded.config.n_routed_experts) == (1, 12)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.load_state_dict(reference_state_dict(model, types))
+    ids = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(2))
+    assert rel_err(logits(loaded.model, ids), logits(reference, ids)) < TOL
+    text = "WORLD日本語 12345"
+    pieces = [text[a:b] for _, (a, b) in loaded.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert pieces == ["WORLD", "日本語", " ", "123", "45"]  # Han apart from other letters, digits in threes

@@ -28,6 +28,16 @@ PRESETS: dict[str, dict] = {
                         n_group=8, topk_group=4, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
                         qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, routed_scaling_factor=2.5,
                         norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=163840),
+    # Kimi-K2 / K2-Thinking: DeepSeek-V3's architecture with one expert group and 384 experts
+    "kimi-k2": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+                    n_shared_experts=1, n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                    qk_nope_head_dim=128, routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-6,
+                    max_position_embeddings=131072,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 4096}),
     # GLM-4.5-Air (its next-n layer left out: the model never runs it)
     "glm-4.5-air": dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
                         moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96,

@@ -17,6 +17,13 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     ),
     # GLM-4.5/4.6: Llama 3's split
     "glm4": (_LLAMA3,),
+    # Kimi-K2: its tiktoken pattern (Han runs apart from other letters, set intersections)
+    "kimi-k2": (
+        r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
 }
 
 
