@@ -288,8 +288,9 @@ void attend(ThreadPool& pool, const float* q, const float* k, const float* v, co
     }
 }
 
-void rope_rows(float* x, int rows, const float* cos, const float* sin, int d) {
-    const int half = d / 2;
+// rows of d values, the first `rotary` of each rotated (rotate-half pairs i, i + rotary / 2)
+void rope_rows(float* x, int rows, const float* cos, const float* sin, int d, int rotary) {
+    const int half = rotary / 2;
     for (int r = 0; r < rows; r++, x += d)
         for (int i = 0; i < half; i++) {
             const float a = x[i], b = x[i + half];
@@ -311,14 +312,17 @@ void attend_gqa_decode(ThreadPool& pool, const float* q, const float* k, const f
 void rope_write_attend_gqa(ThreadPool& pool, float* q, float* k_new, const float* v_new, const float* cos,
                            const float* sin, float* k, float* v, int64_t total_slots, int64_t write_slot,
                            const int64_t* slots, int L, int heads, int kv_heads, int d, float scale, float* out,
-                           const float* sinks) {
+                           const float* sinks, int rotary) {
     if (write_slot < 0 || write_slot >= total_slots)
         throw std::invalid_argument("rope_write_attend_gqa: write slot " + std::to_string(write_slot) +
                                     " is outside the cache's " + std::to_string(total_slots));
-    if (d % 2) throw std::invalid_argument("rope_write_attend_gqa: head_dim must be even");
+    if (rotary == 0) rotary = d;
+    if (rotary % 2 || rotary < 0 || rotary > d)
+        throw std::invalid_argument("rope_write_attend_gqa: the rotated part of a head (" + std::to_string(rotary) +
+                                    ") must be even and at most head_dim (" + std::to_string(d) + ")");
     check_gqa("rope_write_attend_gqa", total_slots, slots, L, heads, kv_heads, d);  // all before any write
-    rope_rows(q, heads, cos, sin, d);
-    rope_rows(k_new, kv_heads, cos, sin, d);
+    rope_rows(q, heads, cos, sin, d, rotary);
+    rope_rows(k_new, kv_heads, cos, sin, d, rotary);
     const size_t row = (size_t)kv_heads * d;
     std::copy(k_new, k_new + row, k + (size_t)write_slot * row);
     std::copy(v_new, v_new + row, v + (size_t)write_slot * row);

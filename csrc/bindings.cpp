@@ -72,13 +72,13 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def("rope_write_attend_gqa", [](Runtime& r, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t cos,
                                          uintptr_t sin, uintptr_t k, uintptr_t v, int64_t total_slots, int64_t write_slot,
                                          uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
-                                         uintptr_t sinks) {
+                                         uintptr_t sinks, int rotary) {
                  r.run_inline([&] {
                      rope_write_attend_gqa(r.pool(), reinterpret_cast<float*>(q), reinterpret_cast<float*>(k_new),
                                            cptr<float>(v_new), cptr<float>(cos), cptr<float>(sin),
                                            reinterpret_cast<float*>(k), reinterpret_cast<float*>(v), total_slots, write_slot,
                                            cptr<int64_t>(slots), L, heads, kv_heads, d, scale, reinterpret_cast<float*>(out),
-                                           cptr<float>(sinks));
+                                           cptr<float>(sinks), rotary);
                  });
              }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence (sinks: 0 for none)")
         .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {

@@ -682,6 +682,18 @@ def test_rope_write_attend_gqa(runtime, heads, kv_heads, d, L):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     with pytest.raises(ValueError, match="outside"):
         rope_write_attend_gqa(runtime, q, k, v, cos, sin, k_cache, v_cache, total, slots, d ** -0.5)
+    # partial rotary (GLM-4.5, MiniMax-M2): the first r values of each head rotated, the rest as they are
+    from ktransformers.operators.attention import rotate_qk
+    r = d // 2 if d // 2 % 2 == 0 else d - 2
+    angle = torch.rand(r // 2) * 10
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
+    q_rot, k_rot = rotate_qk(q[None, None], k[None, None], cos[None, None], sin[None, None])  # the torch reference
+    want_k[slots[-1]] = k_rot[0, 0]
+    want = attend_gqa_decode(runtime, q_rot[0, 0], want_k, want_v, slots, d ** -0.5)
+    got = rope_write_attend_gqa(runtime, q, k, v, cos, sin, k_cache, v_cache, int(slots[-1]), slots, d ** -0.5)
+    assert torch.allclose(k_cache, want_k, atol=1e-6) and ((got - want).norm() / want.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="r even"):
+        rope_write_attend_gqa(runtime, q, k, v, cos[:-1], sin[:-1], k_cache, v_cache, int(slots[-1]), slots, 1.0)
 
 
 def test_runtime_copy_moves_every_byte():

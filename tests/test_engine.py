@@ -54,7 +54,7 @@ def test_cached_decode_equals_full_recompute(tmp_path, family):
         assert err < TOL, f"{family}, chunks of {chunk}: cached vs full {err:.2e}"
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "gpt_oss", "glm4_moe", "minimax_m2"])
 def test_cached_decode_with_cpu_kernels(tmp_path, family):
     """The shipped rules (C++ experts and linears, int8 activations) agree with their own recompute."""
     ours, hf = load(tmp_path, family, reference_ops=False, types=GGMLType.Q8_0)

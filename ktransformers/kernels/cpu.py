@@ -558,14 +558,17 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: int,
                           slots: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step of one sequence after its projections: q [heads, d], k/v [kv_heads, d] (not yet
-    rotated), cos/sin [d] (rotate-half RoPE at this position); rotates q and k, stores k and v in
-    `write_slot` of the float32 caches [total_slots, kv_heads, d], and attends over `slots` ->
-    [heads, d]. Same checks as attend_gqa_decode, all before any write."""
+    rotated), cos/sin [r] (rotate-half RoPE at this position over the first r <= d values of each
+    head, r even: partial rotary where r < d); rotates q and k, stores k and v in `write_slot` of the
+    float32 caches [total_slots, kv_heads, d], and attends over `slots` -> [heads, d]. Same checks
+    as attend_gqa_decode, all before any write."""
     heads, d = q.shape
     total, kv_heads = _check_gqa_caches("rope_write_attend_gqa", q, k_cache, v_cache)
-    if k.shape != (kv_heads, d) or v.shape != (kv_heads, d) or cos.shape != (d,) or sin.shape != (d,):
-        raise ValueError(f"rope_write_attend_gqa: k/v must be [{kv_heads}, {d}] and cos/sin [{d}], got "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    r = cos.shape[0] if cos.dim() == 1 else -1
+    if (k.shape != (kv_heads, d) or v.shape != (kv_heads, d) or not 0 < r <= d or r % 2 or cos.shape != (r,)
+            or sin.shape != (r,)):
+        raise ValueError(f"rope_write_attend_gqa: k/v must be [{kv_heads}, {d}] and cos/sin [r] (r even, at most {d}), "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
     if any(t.dtype != torch.float32 for t in (k, v, cos, sin)):
         raise ValueError("rope_write_attend_gqa: k, v, cos and sin must be float32")
     q, k, v = q.contiguous().clone(), k.contiguous().clone(), v.contiguous()
@@ -574,7 +577,7 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     runtime._rt.rope_write_attend_gqa(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), total, int(write_slot), slots.data_ptr(),
                                       slots.numel(), heads, kv_heads, d, float(scale), out.data_ptr(),
-                                      _sinks_ptr("rope_write_attend_gqa", sinks, heads))
+                                      _sinks_ptr("rope_write_attend_gqa", sinks, heads), r)
     return out
 
 

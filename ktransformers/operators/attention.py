@@ -351,7 +351,8 @@ class KGQAAttention(_CachedAttention):
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         batch = self.context.batch if self.context is not None else None
         one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
-        caches = self._cpp_cache() if one_token_each and cos.shape[-1] == d and cos.dtype == torch.float32 else None
+        caches = (self._cpp_cache() if one_token_each and cos.shape[-1] == self.rotary_dim and cos.dtype == torch.float32
+                  else None)
         if caches is not None:  # RoPE, cache write and attention in one C++ call per sequence
             q, k = self._qk_norm(q, k)
             outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],

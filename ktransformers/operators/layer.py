@@ -271,7 +271,7 @@ class KDecoderLayer(BaseInjectedModule):
         # (the C++ side checks every slot against the cache before any write)
         p.runtime.rope_write_attend_gqa(q, k, ptr["v"], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                         v_cache.data_ptr(), k_cache.shape[0], int(batch.slots[0]), read.data_ptr(),
-                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"], 0)
+                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"], 0, p.d)
         p.o.forward(1, ptr["attn"], ptr["o"], _F32)
         x1 = torch.add(x.view(1, -1), b["o"], out=b["x1"])
         ext.rms_norm(ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], ptr["h2"])
