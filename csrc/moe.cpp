@@ -512,6 +512,7 @@ void Doorbell::rest() {  // (the pool is told by this object's thread, in the or
 }
 
 void Doorbell::loop() {
+    block_terminal_signals();
     rt_->pool().pin_caller();  // where the dispatcher runs: this thread is the pool's thread 0 when serving
     std::vector<Slot> slots;
     uint64_t seen = ~uint64_t(0);

@@ -8,9 +8,19 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #endif
 
 namespace kt {
+void block_terminal_signals() {
+#if defined(__linux__)
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGINT, SIGQUIT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+#endif
+}
+
 namespace {
 void pin_to(int core) {
 #if defined(__linux__)
@@ -93,6 +103,7 @@ void ThreadPool::rouse() {
 }
 
 void ThreadPool::worker(int id) {
+    block_terminal_signals();
     if (pin_) pin_to(id);
     uint64_t seen = 0;
     for (;;) {
@@ -177,6 +188,7 @@ void Runtime::sync() {
 }
 
 void Runtime::dispatch() {
+    block_terminal_signals();
     pool_.pin_caller();
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {

@@ -86,4 +86,9 @@ class Runtime {
     std::thread dispatcher_;
 };
 
+// Block the terminal's signals (SIGINT, SIGQUIT, SIGTERM, SIGHUP) in the calling thread: the
+// kernels' own threads never take them, so they reach a thread that acts on them (Python's main
+// thread: a Ctrl-C at a chat prompt wakes its blocked read, which one landing here would not).
+void block_terminal_signals();
+
 }  // namespace kt

