@@ -29,9 +29,10 @@ class LoadedModel:
     plan: list[PlanRow]
 
 
-def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None):
+def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,
+                   files: GGUFFileSet | None = None):
     """The tokenizer from --model_path, else from tokenizer files beside the GGUF, else rebuilt by
-    transformers from the GGUF metadata (None if it can't)."""
+    transformers from the GGUF metadata (None if it can't); `files`: the GGUF already open."""
     if model_path is not None:
         return AutoTokenizer.from_pretrained(model_path)
     path = Path(gguf_path)
@@ -42,7 +43,7 @@ def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.Pat
         tokenizer = PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
     except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
         return None
-    return set_pre_tokenizer(tokenizer, GGUFFileSet(file).metadata.get("tokenizer.ggml.pre"))
+    return set_pre_tokenizer(tokenizer, (files or GGUFFileSet(file)).metadata.get("tokenizer.ggml.pre"))
 
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
@@ -58,9 +59,10 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     weights = GGUFSource(gguf_path) if is_gguf(gguf_path) else None  # the GGUF's header, read once
-    config = load_config(model_path, gguf_path, weights.files if weights else None)
+    files = weights.files if weights else None
+    config = load_config(model_path, gguf_path, files)
     if weights is not None:
-        check_architecture(config, weights.files)
+        check_architecture(config, files)
     if dtype is None:  # float32 on the CPU: torch's bf16 GEMV/norms there are slow; bf16 on GPUs
         dtype = torch.bfloat16 if torch.device(default_device).type == "cuda" else torch.float32
     model = build_skeleton(config, dtype)
@@ -88,7 +90,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
                           "tiles (decode and prefill on the CPU run slower)", stacklevel=2)
     plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
                                   progress=progress, cpu_infer=cpu_infer, cpu_tiles=tiles)
-    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path) if tokenizer else None, plan)
+    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path, files) if tokenizer else None, plan)
 
 
 def freeze_heap() -> None:

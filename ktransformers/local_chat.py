@@ -254,13 +254,11 @@ class Conversation:
             generation = self.engine.generate(self.harmony.render(turn), self.params, self.args.max_new_tokens,
                                               seq=self.seq, stop_ids=self.harmony.stop_ids)
             text = stream_harmony(generation, self.harmony, out)
-            self.messages = turn + [{"role": "assistant", "content": text}]
-            _finish(generation, self.engine, out, in_chat=True)
-            return
-        ids = render(self.engine.tokenizer, turn, self.args.force_think)
-        generation = self.engine.generate(ids, self.params, self.args.max_new_tokens, stop=self.args.stop,
-                                          seq=self.seq)
-        text = _stream(generation, out, self.args.force_think)
+        else:
+            ids = render(self.engine.tokenizer, turn, self.args.force_think)
+            generation = self.engine.generate(ids, self.params, self.args.max_new_tokens, stop=self.args.stop,
+                                              seq=self.seq)
+            text = _stream(generation, out, self.args.force_think)
         self.messages = turn + [{"role": "assistant", "content": text}]
         _finish(generation, self.engine, out, in_chat=True)
 

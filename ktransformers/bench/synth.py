@@ -59,16 +59,11 @@ PRESETS: dict[str, dict] = {
                         rms_norm_eps=1e-5, max_position_embeddings=131072,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
-    "gpt-oss-120b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-                         num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                         num_local_experts=128, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
-                         rms_norm_eps=1e-5, max_position_embeddings=131072,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                          num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768),
 }
+PRESETS["gpt-oss-120b"] = dict(PRESETS["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)
 
 
 def preset_config(name: str, layers: int | None = None, experts: int | None = None,

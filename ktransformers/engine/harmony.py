@@ -43,21 +43,23 @@ def o200k_base_file(token_bytes) -> bytes | None:
 
 def tokenizer_bytes(tokenizer):
     """`token_bytes(rank)` of a byte-level BPE tokenizer (the GPT-2 alphabet, as GGUF files and
-    HF's fast tokenizers show gpt-oss's tokens), or None when its vocabulary is too small."""
+    HF's fast tokenizers show gpt-oss's tokens), or None when its vocabulary is too small. Its
+    pieces are read at the first call (only where the vocabulary file is to be written)."""
     if tokenizer is None or len(tokenizer) < O200K_BASE_TOKENS:
         return None
-    decoder = _byte_decoder()
-    pieces = tokenizer.convert_ids_to_tokens(list(range(O200K_BASE_TOKENS)))
-    return lambda rank: bytes(decoder[c] for c in pieces[rank])
+    decoder, pieces = _byte_decoder(), []
+
+    def token_bytes(rank: int) -> bytes:
+        if not pieces:
+            pieces.extend(tokenizer.convert_ids_to_tokens(list(range(O200K_BASE_TOKENS))))
+        return bytes(decoder[c] for c in pieces[rank])
+    return token_bytes
 
 
 def load_encoding(token_bytes):
     """openai-harmony's gpt-oss encoding over the vocabulary `token_bytes` gives, or None where it
-    is not o200k_base or openai-harmony is not installed (`pip install openai-harmony`)."""
-    try:
-        import openai_harmony
-    except ImportError:
-        return None
+    is not o200k_base (openai-harmony must be installed)."""
+    import openai_harmony
     if token_bytes is None:
         return None
     folder = cache_dir()

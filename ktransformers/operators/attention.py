@@ -296,10 +296,9 @@ class KGQAAttention(_CachedAttention):
 
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
-        if self.has_sinks:
-            self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32, (self.num_heads,))
         self._choose_backend()
         if self.has_sinks:  # the Triton attention kernels have no sinks: the torch path (C++ on the CPU)
+            self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32, (self.num_heads,))
             self.triton = False
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
         self.triton_rope = runs_on(self.device)

@@ -34,6 +34,12 @@ def _put_all(events) -> None:
         q.put_nowait(event)
 
 
+def _emit_channels(r: "Request", pieces) -> None:
+    """A harmony answer's pieces as events: the final channel is text, the others reasoning."""
+    for piece in pieces:
+        r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
+
+
 class QueueFull(RuntimeError):
     """More requests are waiting than the scheduler accepts (HTTP 429)."""
 
@@ -314,23 +320,18 @@ class Scheduler:
             self._finish(r, "stop")
             return
         if r._channels is not None:  # harmony: the final channel is the text, the others reasoning
-            for piece in r._channels.push(token):
-                r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
-            if len(r.tokens) >= r.max_tokens:
-                self._finish(r, "length")
-                return
-            r.next_token = token
-            return
-        text = r._decoder.push(token)
-        if r._stopper is not None:
-            text, stopped = r._stopper.push(text)
-            if text:
+            _emit_channels(r, r._channels.push(token))
+        else:
+            text = r._decoder.push(token)
+            if r._stopper is not None:
+                text, stopped = r._stopper.push(text)
+                if text:
+                    r.emit("text", text)
+                if stopped:
+                    self._finish(r, "stop", flush=False)
+                    return
+            elif text:
                 r.emit("text", text)
-            if stopped:
-                self._finish(r, "stop", flush=False)
-                return
-        elif text:
-            r.emit("text", text)
         if len(r.tokens) >= r.max_tokens:
             self._finish(r, "length")
             return
@@ -341,8 +342,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
         if reason in ("stop", "length") and getattr(r, "_channels", None) is not None:
-            for piece in r._channels.finish():
-                r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
+            _emit_channels(r, r._channels.finish())
         elif reason in ("stop", "length") and flush and hasattr(r, "_decoder"):
             tail = r._decoder.flush()
             if r._stopper is not None:

@@ -117,15 +117,26 @@ def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _rotary_dims(config: PretrainedConfig, default_factor: float) -> int:
+    """`rope.dimension_count`: the rotated part of a head (partial rotary)."""
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", default_factor)
+    return int(_head_dim(config) * partial)
+
+
+def _set_partial_rotary(arch: str, meta: dict[str, Any], kw: dict[str, Any], default_dims) -> None:
+    """The config's head_dim and partial_rotary_factor from `{arch}.rope.dimension_count`."""
+    head_dim = kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    kw["rope_parameters"]["partial_rotary_factor"] = meta.get(f"{arch}.rope.dimension_count", default_dims(head_dim)) / head_dim
+
+
 def _glm4moe_metadata(config: PretrainedConfig) -> dict[str, Any]:
     """The converter counts the next-n (MTP) layers in block_count and rotates a part of each head."""
     nextn = getattr(config, "num_nextn_predict_layers", 0) or 0
-    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 0.5)
     return {"glm4moe.block_count": config.num_hidden_layers + nextn,
             "glm4moe.nextn_predict_layers": nextn,
             "glm4moe.attention.key_length": _head_dim(config),
             "glm4moe.attention.value_length": _head_dim(config),
-            "glm4moe.rope.dimension_count": int(_head_dim(config) * partial),
+            "glm4moe.rope.dimension_count": _rotary_dims(config, 0.5),
             "glm4moe.expert_gating_func": GATING_SIGMOID}
 
 
@@ -223,9 +234,7 @@ def _llama_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pretrain
 def _glm4moe_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
     nextn = int(kw.get("num_nextn_predict_layers", 0) or 0)
     kw["num_hidden_layers"] -= nextn  # block_count counts the next-n layers; the HF model does not build them
-    head_dim = kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    rotary = meta.get("glm4moe.rope.dimension_count", head_dim // 2)
-    kw["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
+    _set_partial_rotary("glm4moe", meta, kw, lambda head_dim: head_dim // 2)
     kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
     kw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     kw.setdefault("norm_topk_prob", False)
@@ -246,14 +255,12 @@ def _gpt_oss_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pretra
 
 
 def _minimax_m2_metadata(config: PretrainedConfig) -> dict[str, Any]:
-    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    return {"minimax-m2.rope.dimension_count": int(_head_dim(config) * partial),
+    return {"minimax-m2.rope.dimension_count": _rotary_dims(config, 1.0),
             "minimax-m2.expert_gating_func": GATING_SIGMOID}
 
 
 def _minimax_m2_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
-    head_dim = kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    kw["rope_parameters"]["partial_rotary_factor"] = meta.get("minimax-m2.rope.dimension_count", head_dim) / head_dim
+    _set_partial_rotary("minimax-m2", meta, kw, lambda head_dim: head_dim)
     return MiniMaxM2Config(**kw)
 
 

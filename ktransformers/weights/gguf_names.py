@@ -37,6 +37,10 @@ _BLOCK = (
     _m(L + "self_attn.o_proj.weight", B + "attn_output.weight"),
 )
 
+# GLM-4.5's and gpt-oss's converters keep the post-attention norm's own GGUF name (not ffn_norm)
+_BLOCK_POST_ATTENTION_NORM = (_BLOCK[0], _BLOCK[2],
+                              _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"))
+
 
 def _gqa(permute: bool = False, bias: bool = False, qk_norm: bool = False) -> tuple[NameMap, ...]:
     q, k = ("unpermute_q", "unpermute_k") if permute else ("", "")
@@ -102,13 +106,12 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "qwen3moe": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED,
     "qwen2moe": _GLOBAL + _BLOCK + _gqa(bias=True) + _ROUTED + _mlp("mlp.shared_expert", "_shexp") + (
         _m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),),
-    # GLM-4.5/4.6/4.5-Air: the post-attention norm keeps its own GGUF name here (not ffn_norm)
-    "glm4moe": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"))
-    + _gqa(bias=True, qk_norm=True) + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
+    "glm4moe": _GLOBAL + _BLOCK_POST_ATTENTION_NORM + _gqa(bias=True, qk_norm=True) + _ROUTED + _mlp("mlp", "")
+    + _mlp("mlp.shared_experts", "_shexp") + (
         _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),) + _NEXTN,
-    "gpt-oss": _GLOBAL + (_BLOCK[0], _BLOCK[2], _m(L + "post_attention_layernorm.weight", B + "post_attention_norm.weight"),
-                          _m(L + "self_attn.o_proj.bias", B + "attn_output.bias"),
-                          _m(L + "self_attn.sinks", B + "attn_sinks.weight")) + _gqa(bias=True) + _BIASED_ROUTED,
+    "gpt-oss": _GLOBAL + _BLOCK_POST_ATTENTION_NORM + (_m(L + "self_attn.o_proj.bias", B + "attn_output.bias"),
+                                                     _m(L + "self_attn.sinks", B + "attn_sinks.weight"))
+    + _gqa(bias=True) + _BIASED_ROUTED,
     # MiniMax-M2: q/k norms over all heads at once ([heads * d]), the correction bias on the MoE block
     "minimax-m2": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED + (
         _m(L + "mlp.e_score_correction_bias", B + "exp_probs_b.bias"),),
