@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from test_models import q4_k_m
+from test_models import mxfp4_moe, q4_k_m
 from tiny import gpu_rules, tiny_model, with_experts_kwargs
 
 from ktransformers import optimize_and_load_gguf
@@ -458,6 +458,29 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
     assert len(set(got)) > 3  # it samples (a greedy decode of a tiny model repeats itself)
     with pytest.raises(ValueError, match="repetition penalty"):
         next(engine.decode_tokens(engine.new_sequence(), first, 3, Sampler(SamplingParams(repetition_penalty=1.2))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layerwise_prefill_of_gpt_oss_mxfp4_experts(tmp_path):
+    """gpt-oss's MXFP4 experts (biases, clamped SwiGLU) prefilled layer by layer on the GPU: the
+    CPU experts' logits, and the sinks attention's on the Triton kernels."""
+    hf = tiny_model("gpt_oss", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=mxfp4_moe)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules("gpt_oss", tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    layers = [m for m in model.modules() if getattr(m, "layerwise", None) is not None]
+    assert len(layers) == 2 and all(m.layerwise.bias is not None for m in layers)
+    engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
+    ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    results = []
+    for threshold in (0, 8):
+        engine.context.prefill_gpu_threshold = threshold
+        seq = engine.new_sequence()
+        results.append(engine.prefill(seq, ids).float().cpu())
+        engine.release(seq)
+    err = ((results[0] - results[1]).norm() / results[0].norm()).item()
+    assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
 
 
 @pytest.mark.gpu

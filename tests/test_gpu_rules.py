@@ -4,7 +4,7 @@ On CUDA as shipped; without CUDA, with their cuda placements moved to the CPU so
 interpreter runs the same kernels (that is how CI checks the wiring)."""
 import pytest
 import torch
-from test_models import q4_k_m
+from test_models import mxfp4_moe, q4_k_m
 from tiny import FAMILIES, gpu_rules, kernel_device, reference_rules, tiny_model
 
 from ktransformers import optimize_and_load_gguf
@@ -102,16 +102,53 @@ def test_gpu_cached_decode_equals_full_recompute(tmp_path, dev, family):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_gpt_oss_triton_attention_with_sinks_and_windows(tmp_path, dev, monkeypatch):
+    """gpt-oss's attention on the Triton kernels (sinks, every other layer a sliding window of 8):
+    prefill in chunks and cached decode across the window's edge give transformers' full forward."""
+    from ktransformers.kernels.triton import attention as A
+    from ktransformers.operators.attention import KGQAAttention
+    hf = tiny_model("gpt_oss", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.F32)
+    rules = gpu_rules("gpt_oss", tmp_path, dev)
+    text = rules.read_text().replace("KGptOssAttention\n    kwargs: {", "KGptOssAttention\n    kwargs: {backend: triton, ")
+    assert "backend: triton" in text
+    rules.write_text(text.replace("KExpertsCPU", "KExpertsTorch"))  # (the experts exact: attention is tested)
+    ours = load(tmp_path / "m.gguf", hf.config, rules, dev)
+    attention = [m for m in ours.modules() if isinstance(m, KGQAAttention)]
+    assert [m.triton for m in attention] == [True, True] and all(m.sinks is not None for m in attention)
+    assert [m.window for m in attention] == [8, None]
+    calls = []
+    for name in ("decode_attention", "prefill_attention"):
+        real = getattr(A, name)
+        monkeypatch.setattr(A, name, (lambda f, n: lambda *a, **k: calls.append((n, k["sinks"] is not None)) or f(*a, **k))(real, name))
+    ids = torch.randint(0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(12)).tolist()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=5)
+    seq = engine.new_sequence()
+    got = [engine.prefill(seq, ids[:11])[0]] + [engine.decode(seq, t)[0] for t in ids[11:-1]]
+    err = rel_err(torch.stack(got).cpu(), want[10:-1])
+    assert err < (5e-2 if dev == "cuda" else 1e-4), f"cached Triton attention vs transformers: {err:.2e}"
+    assert {"decode_attention", "prefill_attention"} <= {n for n, _ in calls} and all(s for _, s in calls)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_hot_experts_split_equals_all_cpu(tmp_path, dev, family):
     """num_gpu_experts: the hot experts' pairs run on the GPU kernel, the rest on the CPU; the
-    summed output equals all experts on the CPU."""
+    summed output equals all experts on the CPU. gpt-oss's as published: MXFP4 (kept so on the
+    GPU), with biases and the clamped SwiGLU."""
+    from ktransformers.kernels.triton.fused_moe import StackedGroupWeight
     hf = tiny_model(family, layers=2)
-    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=converter_type(GGMLType.Q8_0))
+    types = mxfp4_moe if family == "gpt_oss" else converter_type(GGMLType.Q8_0)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=types)
     all_cpu = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev), dev)
     split = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev, f"num_gpu_experts: 3\n      gpu_experts_device: {dev}"), dev)
     layers = [m for m in split.modules() if isinstance(m, KTransformersExperts)]
     assert layers and all(int(m.hot_mask.sum()) == 3 for m in layers)
+    if family == "gpt_oss":
+        assert all(isinstance(m.hot.gate_up, StackedGroupWeight) and m.hot.gate_up.e2m1 and m.hot.bias is not None
+                   for m in layers)
     calls = []
     for m in layers:
         m.hot.forward = (lambda f: lambda *a: calls.append(1) or f(*a))(m.hot.forward)

@@ -297,9 +297,9 @@ class KGQAAttention(_CachedAttention):
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
         self._choose_backend()
-        if self.has_sinks:  # the Triton attention kernels have no sinks: the torch path (C++ on the CPU)
-            self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32, (self.num_heads,))
-            self.triton = False
+        if self.has_sinks:
+            self.sinks = self.weights.load(f"{self.key}.sinks", self.device, torch.float32,
+                                           (self.num_heads,)).contiguous()
         self._runtime = self.run_context().cpu_runtime() if self.device.type == "cpu" and not self.triton else None
         self.triton_rope = runs_on(self.device)
 
@@ -310,7 +310,7 @@ class KGQAAttention(_CachedAttention):
         k_cache, v_cache = self.context.cache.layers[self.layer_idx]
         slots, lens = batch.slot_table(k_cache.device)
         return decode_attention(q, k_cache, v_cache, slots, lens, self.scaling, window=self.window or 0,
-                                out_dtype=q.dtype)  # (what o_proj takes: no cast after)
+                                out_dtype=q.dtype, sinks=self.sinks)  # (what o_proj takes: no cast after)
 
     def _cpp_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's K/V buffers when the C++ decode kernels can read them (float32 on the CPU,
@@ -326,7 +326,8 @@ class KGQAAttention(_CachedAttention):
             from ..kernels.triton.attention import prefill_attention
             k_cache, v_cache = self.context.cache.layers[self.layer_idx]
             slots = batch.read_slots[i].to(k_cache.device, torch.int32)
-            return prefill_attention(q, k_cache, v_cache, start, self.scaling, window=self.window or 0, slots=slots)
+            return prefill_attention(q, k_cache, v_cache, start, self.scaling, window=self.window or 0, slots=slots,
+                                     sinks=self.sinks)
         caches = self._cpp_cache() if q.shape[0] == 1 else None
         if caches is not None:  # decode: the C++ kernel reads the history in place by slot
             return attend_gqa_decode(self._runtime, q[0].float(), *caches, self._seen(batch.read_slots[i]), self.scaling,

@@ -109,8 +109,9 @@ def _linear_bytes(op: str, ggml_type, stored: int, numel: int, dtype_bytes: int,
 def _experts_bytes(op: str, stored: int, numel: int, dtype_bytes: int, types: list) -> float:
     if op == "KExpertsCPU":
         return stored or numel * 2
-    if op in ("KExpertsGPU", "KExpertsMarlin"):
-        return sum(_group_bytes(t, numel // 3, 2) for t in types) if types else numel * 2
+    if op in ("KExpertsGPU", "KExpertsMarlin"):  # (MXFP4 stays e2m1 codes, a float32 scale per 32)
+        return sum(numel // 3 * (0.5 + 4 / 32) if t == GGMLType.MXFP4 else _group_bytes(t, numel // 3, 2)
+                   for t in types) if types else numel * 2
     return numel * dtype_bytes
 
 

@@ -532,6 +532,20 @@ def random_blocks(t, n_blocks: int, generator: torch.Generator | None = None) ->
 GROUP_AFFINE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0)
 
 
+def mxfp4_codes(raw, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 matrix [rows, cols] as (e2m1 codes uint8 [rows, cols] in 0..15, scale float32
+    [rows, cols / 32] = 2^(e-128)), losslessly: value = scale * MXFP4_VALUES[code]."""
+    rows, cols = (int(s) for s in shape)
+    if cols % 32:
+        raise ValueError(f"row length {cols} is not a multiple of the MXFP4 block size (32)")
+    data = _as_bytes(raw)
+    expected = tensor_nbytes(GGMLType.MXFP4, rows * cols)
+    if data.numel() != expected:
+        raise ValueError(f"MXFP4 tensor of shape {(rows, cols)}: expected {expected} bytes, got {data.numel()}")
+    b = data.view(-1, 17)
+    return _unpack(b[:, 1:], 4).reshape(rows, cols), e8m0_half(b[:, 0]).reshape(rows, -1)
+
+
 def group_affine(raw, t, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A Q4_0, Q4_K or Q8_0 matrix [rows, cols] as codes and per-32 scale/offset, losslessly:
     value = scale * code + offset for each group of 32 consecutive values of a row.

@@ -48,14 +48,15 @@ def _online_softmax(scores, v, m, l, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, lse_ptr, out_ptr, count_ptr,
-                   s_q1b, s_q1h, s_q2b, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_slb,
+def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, sinks_ptr, acc_ptr, lse_ptr, out_ptr,
+                   count_ptr, s_q1b, s_q1h, s_q2b, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_slb,
                    Hq, group, D1, D2, DV, scale, window, tokens_per_split, num_splits,
                    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, DOT_F32: tl.constexpr,
-                   MERGE: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, V_IS_K1: tl.constexpr, HAS_SINKS: tl.constexpr,
+                   DOT_F32: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
     """One program: sequence program_id(0), a block of BLOCK_H query heads of one kv head
-    (program_id(1)), one split of the history (program_id(2)); stores the split's partial output."""
+    (program_id(1)), one split of the history (program_id(2)); stores the split's partial output.
+    A head's sink (HAS_SINKS) is folded into split 0 as a key of that logit with a zero value."""
     b = tl.program_id(0)
     gdc_enter(GDC)  # (q and the step's k/v rows are the previous launch's)
     kvh, heads, hmask = _head_block(group, BLOCK_H)
@@ -67,6 +68,9 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
         q2 = _load_heads(q2_ptr + b * s_q2b, heads, hmask, s_q2h, D2, BLOCK_D2)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
+    if HAS_SINKS:
+        if split == 0:
+            m, l = _sink_start(sinks_ptr, heads, hmask, m, l)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
     for t0 in range(start, end, BLOCK_T):
         rt = t0 + tl.arange(0, BLOCK_T)
@@ -88,6 +92,14 @@ def _decode_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, lens_ptr, a
     if MERGE:  # the last split of these heads to arrive merges them all (its counter back to 0)
         counter = count_ptr + b * tl.num_programs(1) + tl.program_id(1)
         _merge_if_last(counter, acc_ptr, lse_ptr, out_ptr, b * Hq + heads, hmask, num_splits, DV, BLOCK_S, BLOCK_DV)
+
+
+@triton.jit
+def _sink_start(sinks_ptr, heads, mask, m, l):
+    """The running (max, sum) of rows that start with their head's sink logit: a key whose value
+    is zero, so it only takes its share of the softmax (rows outside `mask` keep m, l)."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, sink, m), tl.where(mask, 1.0, l)
 
 
 @triton.jit
@@ -181,12 +193,13 @@ def _merge_rows(acc_ptr, lse_ptr, out_ptr, rows, rmask, splits, DV, BLOCK_S: tl.
 def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
                      window: int = 0, max_len: int | None = None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its cached history.
 
     q1 [B, Hq, D1], q2 [B, Hq, D2]; k1 [S, Hkv, D1], k2 [S, Hkv, D2], v [S, Hkv, DV] (cache rows by
     slot; any row stride), or v=None when the value is k1 itself (MLA); slots [B, max_len] int32,
-    lens [B] int32 (>= 1). Returns [B, Hq, DV] of out_dtype (float32 math, rounded once)."""
+    lens [B] int32 (>= 1); sinks [Hq] float32: each head's sink logit (gpt-oss), which joins the
+    softmax without a value. Returns [B, Hq, DV] of out_dtype (float32 math, rounded once)."""
     B, Hq, D1 = q1.shape
     Hkv = k1.shape[1]
     if Hq % Hkv:
@@ -197,6 +210,7 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
         raise ValueError("decode_attention: q2 and k2 come together")
     DV = k1.shape[2] if v is None else v.shape[2]
     D2 = q2.shape[2] if has_k2 else 1
+    _check_sinks("decode_attention", sinks, Hq, q1.device)
     max_len = int(max_len if max_len is not None else slots.shape[1])
     span = min(max_len, window) if window else max_len
     # Decode is latency-bound: each block of the history is a dependent round trip (slots, then
@@ -222,12 +236,14 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     # narrow rows (GQA) merge in the launch, by the last split of each head block to arrive
     counters = split_counters(q1.device) if splits > 1 and DV <= 128 and B * grid[1] <= MAX_SPLIT_TILES else None
     out = torch.empty(B, Hq, DV, device=q1.device, dtype=out_dtype) if splits > 1 else acc
-    _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, acc, lse, out, counters if counters is not None else lse,
+    _decode_kernel[grid](q1, q2_, k1, k2_, v_, slots, lens, lse if sinks is None else sinks, acc, lse, out,
+                         counters if counters is not None else lse,
                          q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1.stride(1),
                          k2_.stride(0), k2_.stride(1), v_.stride(0), v_.stride(1), slots.stride(0),
                          Hq, group, D1, D2, DV, float(scale), int(window or 0), tokens_per_split, splits,
                          BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2), BLOCK_DV=_pow2(DV),
-                         HAS_K2=has_k2, V_IS_K1=v is None, DOT_F32=dot_f32(), MERGE=counters is not None,
+                         HAS_K2=has_k2, V_IS_K1=v is None, HAS_SINKS=sinks is not None, DOT_F32=dot_f32(),
+                         MERGE=counters is not None,
                          BLOCK_S=_pow2(splits, 2), num_warps=8 if max(D1, DV) >= 256 else 4,
                          num_stages=2 if q1.device.type == "cuda" else 1, **pdl(q1.device))
     if splits == 1:
@@ -237,6 +253,13 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), CHUNK_S=8,
                                     BLOCK_DV=_pow2(DV), num_warps=4)
     return out
+
+
+def _check_sinks(what: str, sinks: torch.Tensor | None, heads: int, device) -> None:
+    if sinks is not None and (sinks.shape != (heads,) or sinks.dtype != torch.float32 or sinks.device != device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"{what}: sinks must be a contiguous float32 [{heads}] on {device}, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
 
 
 @triton.jit
@@ -249,11 +272,12 @@ def _merge_splits_kernel(acc_ptr, lse_ptr, out_ptr, splits, DV, BLOCK_S: tl.cons
 
 
 @triton.jit
-def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, out_ptr,
+def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, sinks_ptr, out_ptr,
                     s_q1t, s_q1h, s_q2t, s_q2h, s_k1s, s_k1h, s_k2s, s_k2h, s_vs, s_vh, s_ot, s_oh,
                     Tq, start, group, D1, D2, DV, scale, window,
                     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, PAGED: tl.constexpr, DOT_F32: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, HAS_K2: tl.constexpr, PAGED: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    DOT_F32: tl.constexpr):
     h = tl.program_id(1)
     kvh = h // group
     rq = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,6 +293,8 @@ def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, out_ptr,
                      mask=qmask[:, None] & (d2 < D2)[None, :], other=0.0)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
+    if HAS_SINKS:
+        m, l = _sink_start(sinks_ptr, h + tl.zeros((BLOCK_M,), tl.int32), qmask, m, l)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     last = tl.minimum(start + tl.program_id(0) * BLOCK_M + BLOCK_M, start + Tq)  # keys < last are visible to some row
     lo = 0
@@ -303,12 +329,13 @@ def _prefill_kernel(q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, slots_ptr, out_ptr,
 
 def prefill_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                       q2: torch.Tensor | None = None, k2: torch.Tensor | None = None, window: int = 0,
-                      slots: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      slots: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of Tq queries at positions start..start+Tq-1 over keys 0..start+Tq-1.
 
     q1 [Tq, Hq, D1], q2 [Tq, Hq, D2]; k1 [L, Hk, D1], k2 [L, Hk or 1, D2] (a head stride of 0
-    shares one head), v [L, Hk, DV]; with `slots` [L] int32 the rows are cache slots. Returns
-    [Tq, Hq, DV] in out_dtype."""
+    shares one head), v [L, Hk, DV]; with `slots` [L] int32 the rows are cache slots; sinks [Hq]
+    float32 as in decode_attention. Returns [Tq, Hq, DV] in out_dtype."""
     Tq, Hq, D1 = q1.shape
     Hkv = v.shape[1]
     if Hq % Hkv:
@@ -317,6 +344,7 @@ def prefill_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, start
     if has_k2 != (k2 is not None):
         raise ValueError("prefill_attention: q2 and k2 come together")
     DV, D2 = v.shape[2], (q2.shape[2] if has_k2 else 1)
+    _check_sinks("prefill_attention", sinks, Hq, q1.device)
     out = torch.empty(Tq, Hq, DV, device=q1.device, dtype=out_dtype)
     q2_, k2_ = (q2, k2) if has_k2 else (q1, k1)
     k2_head_stride = 0 if has_k2 and k2.shape[1] == 1 else k2_.stride(1)
@@ -325,19 +353,22 @@ def prefill_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, start
     big = max(D1 + D2, DV) > 256
     BLOCK_M, BLOCK_T = (32, 32) if big else (64, 32)
     grid = (triton.cdiv(Tq, BLOCK_M), Hq)
-    _prefill_kernel[grid](q1, q2_, k1, k2_, v, slots_, out,
+    _prefill_kernel[grid](q1, q2_, k1, k2_, v, slots_, out if sinks is None else sinks, out,
                           q1.stride(0), q1.stride(1), q2_.stride(0), q2_.stride(1), k1.stride(0), k1_head_stride,
                           k2_.stride(0), k2_head_stride, v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           Tq, int(start), Hq // Hkv, D1, D2, DV, float(scale), int(window or 0),
                           BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(D2),
-                          BLOCK_DV=_pow2(DV), HAS_K2=has_k2, PAGED=slots is not None, DOT_F32=dot_f32(),
+                          BLOCK_DV=_pow2(DV), HAS_K2=has_k2, PAGED=slots is not None, HAS_SINKS=sinks is not None,
+                          DOT_F32=dot_f32(),
                           num_warps=8 if big else 4, num_stages=2 if q1.device.type == "cuda" else 1)
     return out
 
 
-def attention_reference(q1, k1, v, start: int, scale: float, q2=None, k2=None, window: int = 0) -> torch.Tensor:
+def attention_reference(q1, k1, v, start: int, scale: float, q2=None, k2=None, window: int = 0,
+                        sinks=None) -> torch.Tensor:
     """float32 reference: q [Tq, Hq, D], keys/values [L, Hk, D] (k2 may have 1 head), causal
-    from position `start`, optional sliding window."""
+    from position `start`, optional sliding window, optional per-head sink logits [Hq] (a column
+    of the softmax whose value is zero)."""
     Tq, Hq, _ = q1.shape
     L = k1.shape[0]
     g = Hq // v.shape[1]
@@ -353,4 +384,9 @@ def attention_reference(q1, k1, v, start: int, scale: float, q2=None, k2=None, w
     if window:
         visible &= kpos > qpos - window
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
-    return torch.einsum("hql,lhd->qhd", torch.softmax(scores, -1), v.float().repeat_interleave(g, 1))
+    if sinks is not None:
+        column = sinks.float().view(Hq, 1, 1).expand(Hq, Tq, 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :L]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.einsum("hql,lhd->qhd", probs, v.float().repeat_interleave(g, 1))

@@ -2,8 +2,8 @@
 layer's expert bytes once they are copied to the GPU (weights.ggml_quants.dequantize, the torch
 reference, decodes the same blocks in a dozen elementwise launches over float32 temporaries).
 
-Types: Q4_K, Q6_K, Q8_0 (what Q4_K_M / Q6_K / Q8_0 files store their experts in); others go to
-the reference (`dequantize` falls back). Each program decodes BLOCKS blocks, every value computed
+Types: Q4_K, Q6_K, Q8_0, MXFP4 (what Q4_K_M / Q6_K / Q8_0 files and gpt-oss's store their experts
+in); others go to the reference (`dequantize` falls back). Each program decodes BLOCKS blocks, every value computed
 from its own bytes with the reference's float32 arithmetic (bit-identical after the rounding).
 """
 from __future__ import annotations
@@ -66,6 +66,15 @@ def _dequant_kernel(src_ptr, out_ptr, n_blocks, group, stride, TYPE: tl.constexp
         sc = tl.load(base + 192 + (e // 16)[None, :], mask=m, other=0).to(tl.int8, bitcast=True)
         scale = d[:, None] * sc.to(tl.float32)
         v = scale * (q.to(tl.float32) - 32)
+    elif TYPE == 39:  # MXFP4: e u8 | 16 bytes of e2m1 nibbles (values 0-15 low, 16-31 high)
+        ex = tl.load(src_ptr + blk * BLOCK_BYTES, mask=valid, other=0).to(tl.int32)
+        # 2^(e-128) from its bits (e = 0, 1: float32 subnormals), exact where exp2 may not be
+        scale = tl.where(ex >= 2, (ex - 1) << 23, 1 << (21 + tl.minimum(ex, 1))).to(tl.float32, bitcast=True)
+        c = tl.load(base + 1 + (e % 16)[None, :], mask=m, other=0).to(tl.int32)
+        c = (c >> (4 * (e // 16))[None, :]) & 15
+        c7 = c & 7
+        mag = tl.where(c7 < 2, c7, (2 + (c7 & 1)) << tl.maximum((c7 >> 1) - 1, 0))  # 0,1,2,3,4,6,8,12
+        v = scale[:, None] * tl.where(c >= 8, -mag, mag).to(tl.float32)
     else:  # Q8_0: d f16 | 32 int8
         d = _f16_at(src_ptr + blk * BLOCK_BYTES, valid)
         q = tl.load(base + 2 + e[None, :], mask=m, other=0).to(tl.int8, bitcast=True)
@@ -75,7 +84,7 @@ def _dequant_kernel(src_ptr, out_ptr, n_blocks, group, stride, TYPE: tl.constexp
     tl.store(out, round_to(v, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=m)
 
 
-KERNEL_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
+KERNEL_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.MXFP4)
 
 
 def dequantize(raw: torch.Tensor, t, shape, dtype: torch.dtype = torch.bfloat16,

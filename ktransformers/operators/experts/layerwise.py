@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .cpu import KExpertsCPU
-from .reference import ExpertSpec
+from .reference import ExpertSpec, load_biases
 
 
 class PinnedSlots:
@@ -93,6 +93,7 @@ class LayerwisePrefill:
         self._context = None
         self.slots: PinnedSlots | None = None  # shared with the other layers (link_layerwise_prefill)
         self.tiles = None  # ((gate, up, down) tile buffers the GPU reads in place, their ggml types)
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I], down [E, H]) float32, on the GPU
         self._registration = None  # a HostRegistration of those tiles made here (None: pcie_experts' own)
 
     @staticmethod
@@ -117,6 +118,9 @@ class LayerwisePrefill:
             self.parts.append((data, int(stored[1].ggml_type), shape))
         self.groups = expert_groups(E, 3 * I * H * 2, self.group_bytes)
         self.tiles = self._tiles(cpu_op)
+        if self.spec.bias:
+            self.bias = tuple(b.to(self.device) for b in load_biases(weights, self.spec, torch.device("cpu"),
+                                                                     torch.float32))
 
     def _tiles(self, cpu_op):
         """(tile buffers, types) of the CPU experts where the GPU can read them in place (what
@@ -141,7 +145,7 @@ class LayerwisePrefill:
         if self._registration is not None:
             self._registration.close()
             self._registration = None
-        self.tiles = None
+        self.tiles = self.bias = None
 
     def _copy(self, group: int):
         """Send group `group` to the GPU on the copy stream; (group, event, GPU tensors). From
@@ -237,7 +241,8 @@ class LayerwisePrefill:
         for group, (e0, e1) in enumerate(self.groups):
             gate_up, down = self._weights(group)
             local = torch.where((ids >= e0) & (ids < e1), ids - e0, -1)
-            fused_moe(x, local, weights, gate_up, down, pairs=pairs, block_m=block_m)
+            bias = None if self.bias is None else (self.bias[0][e0:e1], self.bias[1][e0:e1])
+            fused_moe(x, local, weights, gate_up, down, pairs=pairs, block_m=block_m, bias=bias, act=self.spec.act)
             del gate_up, down  # (freed on the compute stream: the next group's dequantize reuses them)
             self._prefetch_after(group)
         return pairs.view(T, K, H).sum(1)

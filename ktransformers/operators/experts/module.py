@@ -94,18 +94,12 @@ class KTransformersExperts(BaseInjectedModule):
             self.layerwise = LayerwisePrefill(spec, torch.device(o.out_device), o.prefill_gpu_group_mb)
 
     def _check_gpu_options(self, spec: ExpertSpec) -> None:
-        """The GPU expert kernels compute the plain SwiGLU without biases: experts with biases or
-        the clamped SwiGLU (gpt-oss) stay on the CPU, or on KExpertsTorch."""
-        if not (spec.bias or spec.act.limit is not None):
-            return
-        o = self.options
-        asked = [f"{k}={v}" for k, v in (("num_gpu_experts", o.num_gpu_experts), ("pcie_experts", o.pcie_experts),
-                                          ("prefill_gpu_threshold", o.prefill_gpu_threshold)) if v]
-        asked += [f"{phase}_op={op}" for phase, op in (("prefill", o.prefill_op), ("generate", o.generate_op))
-                  if EXPERT_OPS.get(op) is KExpertsGPU]
-        if asked:
-            raise ValueError(f"{self.key}: {', '.join(asked)}: the GPU expert kernels do not take experts with biases "
-                             "or the clamped SwiGLU (gpt-oss) yet; use KExpertsCPU or KExpertsTorch")
+        """The PCIe share's kernels compute the plain SwiGLU without biases: experts with biases or
+        the clamped SwiGLU (gpt-oss) take hot experts and layer-wise prefill on the GPU, not it."""
+        if (spec.bias or spec.act.limit is not None) and self.options.pcie_experts:
+            raise ValueError(f"{self.key}: pcie_experts={self.options.pcie_experts}: the PCIe share's kernels do not "
+                             "take experts with biases or the clamped SwiGLU (gpt-oss); use num_gpu_experts "
+                             "(hot experts on the GPU) instead")
 
     def _int4_group(self, key: str, hidden: int, intermediate: int) -> int:
         """ExpertSpec.int4_group from the options (0 without int4_prefill or int4_decode), checked
