@@ -1,5 +1,5 @@
 """KDecoderLayer: a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)): Qwen3-MoE,
-Qwen2-MoE, Mixtral) that keeps the original's children under the same names, so the rules for
+Qwen2-MoE, Mixtral, GLM-4.5, gpt-oss, MiniMax-M2) that keeps the original's children under the same names, so the rules for
 `...self_attn`, `...mlp.gate`, `...mlp.experts` still apply, and runs one of three plans, chosen
 once after load (`LayerPlan`):
 
@@ -13,6 +13,8 @@ once after load (`LayerPlan`):
                 rule files): the kernels called back to back on buffers the plan holds, the same
                 kernels with the same inputs as module by module, so the same result to the bit,
                 without the ~25 module calls, argument checks and small torch ops between them.
+                A gate or router other than KMoEGateSoftmax (GLM's, gpt-oss's) and shared experts
+                are called as the modules they are.
 
 Where a step does not fit its plan's kernels (more rows than the Triton norm takes, several
 sequences in a CPU decode step), it runs the `hf` steps.
@@ -47,13 +49,20 @@ class CpuDecode:
     k: object
     v: object
     o: object
-    router: object
+    biases: tuple  # float32 biases of q, k, v and o (None where a projection has none)
+    router: object  # the C++ linear of a KMoEGateSoftmax gate, routed here; None: `route` routes
+    route: object  # None, or the router module's call: h [1, H] -> (weights [1, K], ids [1, K])
+    shared: object  # None, or the MoE block's shared experts: h [1, H] -> [1, H]
     moe: object
     top_k: int
     renorm: bool
     heads: int
     kv_heads: int
     d: int
+    rotary: int  # the leading values of each head RoPE rotates
+    norm_all_heads: bool  # the q and k norms span all heads (MiniMax-M2), not each head
+    window: int  # a sliding-window layer's window, else 0
+    sinks: torch.Tensor | None  # [heads] float32 (gpt-oss)
     scale: float
     buf: dict[str, torch.Tensor]
     ptr: dict[str, int]  # the buffers' addresses
@@ -81,11 +90,29 @@ def link_decoder_layers(layers) -> None:
 
 
 def _cpu_linear(module):
-    """The C++ Linear of a KTransformersLinear whose generate op is KLinearCPU without a bias."""
+    """(the C++ Linear, its float32 bias or None) of a KTransformersLinear whose generate op is
+    KLinearCPU, else None."""
     from .linear import KLinearCPU
     op = getattr(module, "ops", {}).get("generate")
-    if isinstance(op, KLinearCPU) and op.kernel is not None and op.bias is None:
-        return op.kernel._linear
+    if isinstance(op, KLinearCPU) and op.kernel is not None and (op.bias is None or op.bias.dtype == torch.float32):
+        return op.kernel._linear, op.bias
+    return None
+
+
+def _cpu_route(mlp):
+    """How the cpu_decode plan routes a token through `mlp`: (C++ linear of a KMoEGateSoftmax gate,
+    None) routed inline, or (None, the gate's or router module's call -> (weights, ids)); None
+    where the block is not a MoE of these kinds."""
+    from .gate import KMoEGateSoftmax
+    from .moe import KMoEBlock
+    if isinstance(mlp, KMoEBlock):
+        gate = getattr(mlp, "gate", None)
+        if isinstance(gate, KMoEGateSoftmax) and gate.kernel is not None:
+            return gate.kernel._linear, None
+        return None, lambda h: gate(h)[1:]
+    router = getattr(mlp, "router", None)  # gpt-oss: transformers' own top-k router
+    if type(mlp).__name__ == "GptOssMLP" and isinstance(router, nn.Module):
+        return None, lambda h: router(h)[1:]
     return None
 
 
@@ -205,16 +232,18 @@ class KDecoderLayer(BaseInjectedModule):
         return done if done is not None else add_rms_norm(x1, y, norm.weight, norm.eps)  # (x2 rounded as x1 + y)
 
     def _find_cpu_decode(self) -> CpuDecode | None:
-        """The kernels of this layer where every part of it runs on the C++ CPU kernels in float32."""
+        """The kernels of this layer where every part of it runs on the C++ CPU kernels in float32
+        (a gate or router module, and shared experts, called as they are)."""
         from .attention import KGQAAttention
         from .experts import KExpertsCPU, KTransformersExperts
         from .gate import KMoEGateSoftmax
         from .moe import KMoEBlock
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, KGQAAttention) or not isinstance(mlp, KMoEBlock) or mlp._has_shared():
+        route = _cpu_route(mlp)
+        if not isinstance(attn, KGQAAttention) or route is None:
             return None
-        gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
-        if not isinstance(gate, KMoEGateSoftmax) or gate.kernel is None or not isinstance(experts, KTransformersExperts):
+        experts = getattr(mlp, "experts", None)
+        if not isinstance(experts, KTransformersExperts):
             return None
         op = experts.ops.get("generate")
         if (not isinstance(op, KExpertsCPU) or op.kernel is None or experts.hot is not None
@@ -223,19 +252,23 @@ class KDecoderLayer(BaseInjectedModule):
         linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
         qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
-        if (None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn.window
-                or attn.has_sinks or attn.norm_all_heads or attn._runtime is None):
+        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn._runtime is None:
             # (the cache itself is checked each step: _decode_one)
             return None
-        H, d, E = gate.hidden_dim, attn.head_dim, gate.weight_shape[0]
+        shared = mlp._shared if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
+        gate = mlp.gate if isinstance(getattr(mlp, "gate", None), KMoEGateSoftmax) else None
+        H, d = self.input_layernorm.weight.shape[0], attn.head_dim
         heads, kv = attn.num_heads, attn.num_kv_heads
         sizes = {"h": H, "q": heads * d, "k": kv * d, "v": kv * d, "qn": heads * d, "kn": kv * d,
-                 "attn": heads * d, "o": H, "x1": H, "h2": H, "logits": E, "y": H}
+                 "attn": heads * d, "o": H, "x1": H, "h2": H, "y": H,
+                 "logits": gate.weight_shape[0] if gate is not None else 1}
         buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
         runtime = attn._runtime
-        return CpuDecode(runtime.ext, runtime._rt, tuple(norms + qk), *linears, gate.kernel._linear,
-                           op.kernel._moe, gate.top_k, gate.norm, heads, kv, d, float(attn.scaling), buf,
-                           {name: t.data_ptr() for name, t in buf.items()})
+        (q, bq), (k, bk), (v, bv), (o, bo) = linears
+        return CpuDecode(runtime.ext, runtime._rt, tuple(norms + qk), q, k, v, o, (bq, bk, bv, bo), *route, shared,
+                         op.kernel._moe, gate.top_k if gate is not None else 0, gate.norm if gate is not None else False,
+                         heads, kv, d, attn.rotary_dim, attn.norm_all_heads, attn.window or 0,
+                         attn.sinks, float(attn.scaling), buf, {name: t.data_ptr() for name, t in buf.items()})
 
     def _decode_one(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
         """x [1, 1, H] float32 -> the layer's output, or None when this step is not the CPU case."""
@@ -246,8 +279,11 @@ class KDecoderLayer(BaseInjectedModule):
                 or x.shape[-1] != p.buf["h"].shape[1]):
             return None
         cos, sin = position_embeddings
-        if (cos.numel() != p.d or sin.numel() != p.d or cos.dtype != torch.float32 or sin.dtype != torch.float32
-                or not (cos.is_contiguous() and sin.is_contiguous())):
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != sin.numel():
+            return None
+        if 2 * cos.numel() == p.rotary:  # one factor per rotated pair (gpt-oss's tables), as the attention does
+            cos, sin = torch.cat([cos.view(-1), cos.view(-1)]), torch.cat([sin.view(-1), sin.view(-1)])
+        if cos.numel() != p.rotary or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         caches = self.self_attn._cpp_cache()  # (the engine's cache: float32 on the CPU, else None)
         if caches is None:
@@ -255,32 +291,44 @@ class KDecoderLayer(BaseInjectedModule):
         read = batch.read_slots[0]
         if read.dtype != torch.int64 or not read.is_contiguous():
             return None
+        if p.window and read.numel() > p.window:  # a sliding-window layer sees its last `window` slots
+            read = read[-p.window:]
         b, ptr, ext = p.buf, p.ptr, p.ext
         (w_in, eps_in), (w_post, eps_post), qn, kn = p.norms
         ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], ptr["h"])
-        p.q.forward(1, ptr["h"], ptr["q"], _F32)
-        p.k.forward(1, ptr["h"], ptr["k"], _F32)
-        p.v.forward(1, ptr["h"], ptr["v"], _F32)
+        for name, linear, bias in (("q", p.q, p.biases[0]), ("k", p.k, p.biases[1]), ("v", p.v, p.biases[2])):
+            linear.forward(1, ptr["h"], ptr[name], _F32)
+            if bias is not None:
+                b[name].add_(bias)
         q, k = ptr["q"], ptr["k"]
-        if qn is not None:  # per-head RMSNorm of q and k (Qwen3)
-            ext.rms_norm(q, qn[0].data_ptr(), qn[1], p.heads, p.d, ptr["qn"])
-            ext.rms_norm(k, kn[0].data_ptr(), kn[1], p.kv_heads, p.d, ptr["kn"])
+        if qn is not None:  # RMSNorm of q and k, per head (Qwen3) or over all heads (MiniMax-M2)
+            q_rows, k_rows = (1, 1) if p.norm_all_heads else (p.heads, p.kv_heads)
+            ext.rms_norm(q, qn[0].data_ptr(), qn[1], q_rows, p.heads * p.d // q_rows, ptr["qn"])
+            ext.rms_norm(k, kn[0].data_ptr(), kn[1], k_rows, p.kv_heads * p.d // k_rows, ptr["kn"])
             q, k = ptr["qn"], ptr["kn"]
         k_cache, v_cache = caches
         # RoPE on q and k in place, k and v stored at the step's slot, attention over the history
         # (the C++ side checks every slot against the cache before any write)
         p.runtime.rope_write_attend_gqa(q, k, ptr["v"], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                         v_cache.data_ptr(), k_cache.shape[0], int(batch.slots[0]), read.data_ptr(),
-                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"], 0, p.d)
+                                        read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"],
+                                        0 if p.sinks is None else p.sinks.data_ptr(), p.rotary)
         p.o.forward(1, ptr["attn"], ptr["o"], _F32)
+        if p.biases[3] is not None:
+            b["o"].add_(p.biases[3])
         x1 = torch.add(x.view(1, -1), b["o"], out=b["x1"])
         ext.rms_norm(ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], ptr["h2"])
-        p.router.forward(1, ptr["h2"], ptr["logits"], _F32)
-        weights, ids = torch.softmax(b["logits"], dim=-1).topk(p.top_k, dim=-1)
-        if p.renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if p.route is None:
+            p.router.forward(1, ptr["h2"], ptr["logits"], _F32)
+            weights, ids = torch.softmax(b["logits"], dim=-1).topk(p.top_k, dim=-1)
+            if p.renorm:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            weights, ids = p.route(b["h2"])
+            ids, weights = ids.to("cpu", torch.int64).contiguous(), weights.to("cpu", torch.float32).contiguous()
         p.moe.forward(1, ids.data_ptr(), weights.data_ptr(), ptr["h2"], ptr["y"], _F32)
-        return (x1 + b["y"]).view(x.shape)
+        y = b["y"] if p.shared is None else b["y"] + p.shared(b["h2"])
+        return (x1 + y).view(x.shape)
 
 
 OPERATORS.register("KDecoderLayer")(KDecoderLayer)
