@@ -96,43 +96,57 @@ inline void weighted_rows64(const float* p, int stride, const float* const* rows
 #endif
 
 #if defined(__AVX512F__)
-// Grouped-query heads (g a multiple of 8, d of 32): per kv head the scores of its g heads are a
-// small GEMM, scores [rows, g] = K [rows, d] . Q_g^T, taken 8 heads x R rows a tile with the
-// queries transposed (qt [d, heads]): per column one query vector and one broadcast key value
+// Grouped-query heads (g a multiple of 4, d of 32): per kv head the scores of its g heads are a
+// small GEMM, scores [rows, g] = K [rows, d] . Q_g^T, taken HT (8 or 4) heads x R rows a tile with
+// the queries transposed (qt [d, heads]): per column one query vector and one broadcast key value
 // per row, R independent accumulators and no horizontal sums. rows[r]: row r's key, at its kv head.
-template <int R>
+template <int R, int HT>
 inline void score_tile(const float* qt, int heads, const float* const* rows, int d, int h0, float scale, float* s) {
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int c = 0; c < d; c++) {
-        const __m256 qv = _mm256_loadu_ps(qt + (size_t)c * heads + h0);
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(rows[r] + c), acc[r]);
+    if constexpr (HT == 8) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int c = 0; c < d; c++) {
+            const __m256 qv = _mm256_loadu_ps(qt + (size_t)c * heads + h0);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(rows[r] + c), acc[r]);
+        }
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(s + (size_t)r * heads + h0, _mm256_mul_ps(acc[r], sc));
+    } else {
+        static_assert(HT == 4, "score tiles are 8 or 4 heads wide");
+        __m128 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm_setzero_ps();
+        for (int c = 0; c < d; c++) {
+            const __m128 qv = _mm_loadu_ps(qt + (size_t)c * heads + h0);
+            for (int r = 0; r < R; r++) acc[r] = _mm_fmadd_ps(qv, _mm_broadcast_ss(rows[r] + c), acc[r]);
+        }
+        const __m128 sc = _mm_set1_ps(scale);
+        for (int r = 0; r < R; r++) _mm_storeu_ps(s + (size_t)r * heads + h0, _mm_mul_ps(acc[r], sc));
     }
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + (size_t)r * heads + h0, _mm256_mul_ps(acc[r], sc));
 }
 
-// The weighted sum of the values, the GEMM out [g, d] = P^T V per kv head, 8 heads x 32 columns a
-// tile (16 accumulators): acc[h0 + i, c0..c0+32) = sum_j p[j, h0 + i] * rows[j][c0..c0+32).
+// The weighted sum of the values, the GEMM out [g, d] = P^T V per kv head, HT heads x 32 columns a
+// tile (2 HT accumulators): acc[h0 + i, c0..c0+32) = sum_j p[j, h0 + i] * rows[j][c0..c0+32).
+template <int HT>
 inline void value_tile(const float* p, int heads, const float* const* rows, int n, int h0, int c0, int d, float* acc) {
-    __m512 a[8][2];
-    for (int i = 0; i < 8; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    __m512 a[HT][2];
+    for (int i = 0; i < HT; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
         const __m512 v0 = _mm512_loadu_ps(rows[j] + c0), v1 = _mm512_loadu_ps(rows[j] + c0 + 16);
         const float* pj = p + (size_t)j * heads + h0;
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < HT; i++) {
             const __m512 w = _mm512_set1_ps(pj[i]);
             a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
             a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);
         }
     }
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < HT; i++) {
         _mm512_storeu_ps(acc + (size_t)(h0 + i) * d + c0, a[i][0]);
         _mm512_storeu_ps(acc + (size_t)(h0 + i) * d + c0 + 16, a[i][1]);
     }
 }
 
-inline bool grouped_tiles(int g, int d) { return g % 8 == 0 && d % 32 == 0; }
+// g = 12 (GLM-4.5-Air's 96/8 heads) as one 8-head and one 4-head tile a kv head
+inline bool grouped_tiles(int g, int d) { return g % 4 == 0 && d % 32 == 0; }
 #else
 inline bool grouped_tiles(int, int) { return false; }
 #endif
@@ -184,7 +198,10 @@ void attend_chunk_grouped(const float* qt, const float* k, const float* v, const
         for (int kvh = 0; kvh < heads / g; kvh++) {
             const float* kr[R];
             for (int r = 0; r < R; r++) kr[r] = k + (size_t)slots[j + r] * row + (size_t)kvh * d;
-            for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 8) score_tile<R>(qt, heads, kr, d, h0, scale, s + (size_t)j * heads);
+            for (int h0 = kvh * g, end = (kvh + 1) * g; h0 < end; h0 += h0 + 8 <= end ? 8 : 4) {
+                if (h0 + 8 <= end) score_tile<R, 8>(qt, heads, kr, d, h0, scale, s + (size_t)j * heads);
+                else score_tile<R, 4>(qt, heads, kr, d, h0, scale, s + (size_t)j * heads);
+            }
         }
         j += R;
     };
@@ -193,8 +210,11 @@ void attend_chunk_grouped(const float* qt, const float* k, const float* v, const
     chunk_softmax(s, n, heads, mx, sum);
     for (int kvh = 0; kvh < heads / g; kvh++) {
         for (int r = 0; r < n; r++) rows[r] = v + (size_t)slots[r] * row + (size_t)kvh * d;
-        for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 8)
-            for (int c0 = 0; c0 < d; c0 += 32) value_tile(s, heads, rows, n, h0, c0, d, acc);
+        for (int h0 = kvh * g, end = (kvh + 1) * g; h0 < end; h0 += h0 + 8 <= end ? 8 : 4)
+            for (int c0 = 0; c0 < d; c0 += 32) {
+                if (h0 + 8 <= end) value_tile<8>(s, heads, rows, n, h0, c0, d, acc);
+                else value_tile<4>(s, heads, rows, n, h0, c0, d, acc);
+            }
     }
 }
 #endif
