@@ -11,9 +11,10 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVXVNNI = AVX2 + ["-mavxvnni"]
 AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 AMX = AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
-ISA_FLAGS = {"avx2": AVX2, "avx512": AVX512, "amx": AMX}
+ISA_FLAGS = {"avx2": AVX2, "avxvnni": AVXVNNI, "avx512": AVX512, "amx": AMX}
 
 
 def cpu_extension(isa: str) -> Pybind11Extension:

@@ -15,7 +15,7 @@
 #error "KT_MODULE (the extension's name) must be defined by the build"
 #endif
 #ifndef KT_ISA
-#error "KT_ISA (avx2, avx512, amx) must be defined by the build"
+#error "KT_ISA (avx2, avxvnni, avx512, amx) must be defined by the build"
 #endif
 #define KT_STR2(x) #x
 #define KT_STR(x) KT_STR2(x)

@@ -265,10 +265,15 @@ inline int hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
 }
-// Sum of products of signed bytes a and b, as 8 int32 lanes (maddubs needs an unsigned side).
+// Sum of products of signed bytes a and b, as 8 int32 lanes (maddubs and dpbusd need an unsigned
+// side; |a| <= 128 and |b| <= 127 keep maddubs's int16 pair sums from saturating, so both agree).
 inline __m256i dot_s8(__m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+#else
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 #endif
 
@@ -380,6 +385,8 @@ inline void dot4_blocks32(int n, const Block* w, const void* const va[4], float 
             const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)a[t][b].qs), q);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag, x);
+#elif defined(__AVXVNNI__)
+            const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), mag, x);
 #else
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1));
 #endif

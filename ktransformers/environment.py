@@ -1,6 +1,6 @@
 """The environment variables ktransformers reads, each read and validated here and nowhere else.
 
-KT_CPU_ISA=avx2|avx512|amx
+KT_CPU_ISA=avx2|avxvnni|avx512|amx
     Run the CPU kernels built for this ISA level instead of the best one the CPU has. Only a
     level the CPU supports is accepted (a lower one than the best: the tests use it to run every
     level this CPU has). Unset or empty: the best level.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-CPU_ISAS = ("amx", "avx512", "avx2")  # best first
+CPU_ISAS = ("amx", "avx512", "avxvnni", "avx2")  # best first
 
 
 def cpu_isa() -> str | None:

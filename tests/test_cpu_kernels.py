@@ -282,8 +282,8 @@ def test_tiles_layout_and_kernel(runtime, fmt):
     time, then 3, 2, 1) gives what the row kernel gives on the same rounded activations."""
     from ktransformers.kernels.cpu import tile_weights
     if not runtime.ext.has_tiles(int(fmt)):
-        # AVX512-VNNI has every format's tiles; the AVX2 level the K-quants' (Q4_K, Q5_K, Q6_K)
-        assert runtime.isa == "avx2" and fmt not in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+        # AVX512-VNNI has every format's tiles; the AVX2 levels the K-quants' (Q4_K, Q5_K, Q6_K)
+        assert runtime.isa in ("avx2", "avxvnni") and fmt not in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
         pytest.skip(f"the {runtime.isa} build has no {fmt.name} tiles (the AVX2 level tiles the K-quants only)")
     gen = torch.Generator().manual_seed(5)
     E, K, H, I = 7, 3, 512, 256
@@ -297,7 +297,7 @@ def test_tiles_layout_and_kernel(runtime, fmt):
     # Q8_0 sums per 32 values in float, in another order than its row kernel, and the AVX2 tiles
     # scale each row's exact integer sum once where its row kernel scales eight lanes: h (rounded
     # to int8 for down) can flip a step, ~1e-4 of a layer; AVX512's K-quant float steps match the rows'
-    moe_tol = 1e-3 if fmt in (GGMLType.Q8_0, GGMLType.MXFP4) or runtime.isa == "avx2" else 1e-6
+    moe_tol = 1e-3 if fmt in (GGMLType.Q8_0, GGMLType.MXFP4) or runtime.isa in ("avx2", "avxvnni") else 1e-6
     for T in (1, 2, 3, 5, 17, 128):
         x = torch.randn(T, H, generator=gen)
         ids, w = routing(T, E, K, gen)
@@ -463,7 +463,7 @@ def test_isa_override(monkeypatch):
         monkeypatch.setenv("KT_CPU_ISA", isa)
         assert default_isa() == isa and CPURuntime(1).isa == isa
     monkeypatch.setenv("KT_CPU_ISA", "sse2")
-    with pytest.raises(ValueError, match="valid values are amx, avx512, avx2"):
+    with pytest.raises(ValueError, match="valid values are amx, avx512, avxvnni, avx2"):
         default_isa()
     if "amx" not in have:
         monkeypatch.setenv("KT_CPU_ISA", "amx")
@@ -480,11 +480,19 @@ def disassemble(path: str, *flags: str) -> str:
     return subprocess.run(["objdump", "-d", *flags, path], capture_output=True, text=True, check=True).stdout
 
 
-def test_avx2_build_has_no_avx512_instructions():
-    """One build must run on any AVX2 CPU: its module may not contain a single zmm register."""
-    from ktransformers.kernels import _cpu_avx2
+def test_avx2_builds_have_no_avx512_instructions():
+    """One build must run on any AVX2 CPU: its module may not contain a single zmm register nor
+    vpdpbusd; the avxvnni build neither zmm registers nor an EVEX-encoded instruction (its
+    vpdpbusd is AVX-VNNI's, VEX-encoded: `{vex}` in objdump's listing)."""
+    import re
+
+    from ktransformers.kernels import _cpu_avx2, _cpu_avxvnni
     listing = disassemble(_cpu_avx2.__file__)
     assert "zmm" not in listing and "vpdpbusd" not in listing
+    listing = disassemble(_cpu_avxvnni.__file__)
+    assert "zmm" not in listing and re.search(r"%k[0-7]\b", listing) is None  # (no opmask registers either)
+    dpbusd = [line for line in listing.splitlines() if "vpdpbusd" in line]
+    assert dpbusd and all("{vex}" in line for line in dpbusd), dpbusd[:3]
 
 
 def test_tiled_kernels_prefetch():

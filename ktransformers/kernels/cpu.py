@@ -62,7 +62,7 @@ def _features() -> set[str]:
         return set()
     if not f.get("OS_AVX512"):
         from_cpuid = {n for n in from_cpuid if not n.startswith("avx512")}
-    return from_cpuid | {n for n in flags if n.startswith("amx") or n == "avx512_bf16"}
+    return from_cpuid | {n for n in flags if n.startswith("amx") or n in ("avx512_bf16", "avx_vnni")}
 
 
 @lru_cache(maxsize=1)
@@ -72,6 +72,8 @@ def supported_isas() -> tuple[str, ...]:
     have = []
     if {"avx2", "fma"} <= f:
         have.append("avx2")
+        if "avx_vnni" in f:  # vpdpbusd on 256-bit registers (Alder Lake and newer, Zen 4)
+            have.append("avxvnni")
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= f:
             have.append("avx512")
             if {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= f:
