@@ -3,12 +3,14 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "linear.h"
 #include "attention.h"
+#include "checked.h"
 #include "moe.h"
 
 #ifndef KT_MODULE
@@ -46,6 +48,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("supported_formats", &supported_formats);
     m.def("rms_norm", [](uintptr_t x, uintptr_t w, float eps, int rows, int n, uintptr_t out) {
               if (rows < 0 || n <= 0) throw std::invalid_argument("rms_norm: rows must be >= 0 and n > 0");
+              if (!(eps >= 0.f) || !std::isfinite(eps)) throw std::invalid_argument("rms_norm: eps must be finite and >= 0");
               rms_norm_rows(cptr<float>(x), cptr<float>(w), eps, rows, n, reinterpret_cast<float*>(out));
           }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
     m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
@@ -82,10 +85,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  });
              }, py::call_guard<py::gil_scoped_release>(), "RoPE, cache write and decode attention of one sequence (sinks: 0 for none)")
         .def("repack_tiles", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, uintptr_t dst, size_t dst_bytes, int rows, int n) {
-                 const size_t row = tiled_row_bytes(type, rows, n);
-                 if (src_bytes != row * rows || dst_bytes != src_bytes)
+                 const size_t row = tiled_row_bytes(type, rows, n), want = checked_product("repack_tiles", {row, (size_t)rows});
+                 if (src_bytes != want || dst_bytes != src_bytes)
                      throw std::invalid_argument("repack_tiles: " + std::to_string(rows) + " rows of " + std::to_string(n) + " values are " +
-                                                 std::to_string(row * rows) + " bytes; got source " + std::to_string(src_bytes) + ", destination " + std::to_string(dst_bytes));
+                                                 std::to_string(want) + " bytes; got source " + std::to_string(src_bytes) + ", destination " + std::to_string(dst_bytes));
                  const int groups = rows / kTileRows, per_task = 64;  // 1024 rows a task
                  r.run_inline([&] {
                      r.pool().parallel_for((groups + per_task - 1) / per_task, [&](int task, int) {

@@ -1,6 +1,8 @@
 // The CPU linear op: activations prepared once per call, then rows of W split across threads.
 #include "linear.h"
 
+#include "checked.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -27,11 +29,13 @@ Linear::Linear(std::shared_ptr<Runtime> runtime, int in_features, int out_featur
     if (rows_step(fmt_) > 1 && out_ % kTileRows)
         throw std::invalid_argument("Linear: tiled weights need out_features % 16 == 0, got " + std::to_string(out_));
     row_ = (size_t)(in_ / fmt_->block_elems) * fmt_->block_bytes;
-    if (weight_bytes != row_ * out_)
-        throw std::invalid_argument("Linear: weight holds " + std::to_string(weight_bytes) + " bytes, expected " + std::to_string(row_ * out_));
+    const size_t want = checked_product("Linear: weight", {row_, (size_t)out_});
+    if (weight_bytes != want)
+        throw std::invalid_argument("Linear: weight holds " + std::to_string(weight_bytes) + " bytes, expected " + std::to_string(want));
     act_ = act_row_bytes(fmt_->act, in_);
-    off_act_ = ((size_t)max_tokens_ * in_ * sizeof(float) + 63) / 64 * 64;
-    rt_->reserve_scratch(off_act_ + (size_t)max_tokens_ * act_);
+    const size_t x_bytes = checked_product("Linear: scratch", {(size_t)max_tokens_, (size_t)in_, sizeof(float)});
+    off_act_ = checked_sum("Linear: scratch", {x_bytes, 63}) / 64 * 64;
+    rt_->reserve_scratch(checked_sum("Linear: scratch", {off_act_, checked_product("Linear: scratch", {(size_t)max_tokens_, act_})}));
 }
 
 void Linear::forward(int tokens, const void* x, void* y, Dtype dtype) {

@@ -4,6 +4,8 @@
 // streams its own part of the experts' bytes.
 #include "moe.h"
 
+#include "checked.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -83,9 +85,10 @@ void MoE::check_stored(const MoEConfig& c) {
     gate_row_ = row_bytes(gate_fmt_, c.hidden, "gate");
     up_row_ = row_bytes(up_fmt_, c.hidden, "up");
     down_row_ = row_bytes(down_fmt_, c.intermediate, "down");
-    need_bytes(c.gate_bytes, gate_row_ * c.intermediate * c.experts, "gate");
-    need_bytes(c.up_bytes, up_row_ * c.intermediate * c.experts, "up");
-    need_bytes(c.down_bytes, down_row_ * c.hidden * c.experts, "down");
+    const size_t I = c.intermediate, H = c.hidden, E = c.experts;
+    need_bytes(c.gate_bytes, checked_product("MoE: gate", {gate_row_, I, E}), "gate");
+    need_bytes(c.up_bytes, checked_product("MoE: up", {up_row_, I, E}), "up");
+    need_bytes(c.down_bytes, checked_product("MoE: down", {down_row_, H, E}), "down");
     if ((rows_step(gate_fmt_) > 1 || rows_step(up_fmt_) > 1) && c.intermediate % kTileRows)
         throw std::invalid_argument("MoE: tiled gate/up weights need intermediate % 16 == 0, got " + std::to_string(c.intermediate));
     if (rows_step(down_fmt_) > 1 && c.hidden % kTileRows)
@@ -110,19 +113,23 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     } else {
         check_stored(c);
     }
-    const size_t T = c.max_tokens, P = T * c.top_k;
-    auto align = [](size_t n) { return (n + 63) / 64 * 64; };
-    off_gate_ = align(T * c.hidden * sizeof(float));
-    off_x_up_ = off_gate_ + align(T * gate_act_);
-    off_g_ = off_x_up_ + (separate_up_ ? align(T * up_act_) : 0);
-    off_u_ = off_g_ + align(P * c.intermediate * sizeof(float));
-    off_h_ = off_u_ + align(P * c.intermediate * sizeof(float));
-    off_y_ = off_h_ + align(P * down_act_);
-    off_xu8_ = off_y_ + align(P * c.hidden * sizeof(float));
-    off_hu8_ = off_xu8_ + (c.int8_min_tokens ? align(T * c.hidden) : 0);
-    off_xs_ = off_hu8_ + (c.int8_min_tokens ? align(P * c.intermediate) : 0);
-    off_hs_ = off_xs_ + align(T * sizeof(float));
-    rt_->reserve_scratch(off_hs_ + align(P * sizeof(float)));
+    // the scratch's parts, each 64-byte aligned, every size and offset checked against overflow
+    const size_t T = c.max_tokens, P = checked_product("MoE: max_tokens * top_k", {T, (size_t)c.top_k});
+    auto part = [](std::initializer_list<size_t> factors) {
+        return checked_sum("MoE: scratch", {checked_product("MoE: scratch", factors), 63}) / 64 * 64;
+    };
+    auto next = [](size_t at, size_t bytes) { return checked_sum("MoE: scratch", {at, bytes}); };
+    off_gate_ = part({T, (size_t)c.hidden, sizeof(float)});
+    off_x_up_ = next(off_gate_, part({T, gate_act_}));
+    off_g_ = next(off_x_up_, separate_up_ ? part({T, up_act_}) : 0);
+    off_u_ = next(off_g_, part({P, (size_t)c.intermediate, sizeof(float)}));
+    off_h_ = next(off_u_, part({P, (size_t)c.intermediate, sizeof(float)}));
+    off_y_ = next(off_h_, part({P, down_act_}));
+    off_xu8_ = next(off_y_, part({P, (size_t)c.hidden, sizeof(float)}));
+    off_hu8_ = next(off_xu8_, c.int8_min_tokens ? part({T, (size_t)c.hidden}) : 0);
+    off_xs_ = next(off_hu8_, c.int8_min_tokens ? part({P, (size_t)c.intermediate}) : 0);
+    off_hs_ = next(off_xs_, part({T, sizeof(float)}));
+    rt_->reserve_scratch(next(off_hs_, part({P, sizeof(float)})));
     if (c.int8_min_tokens > 0) {
         if (!int8_gemm_available()) throw std::invalid_argument("MoE: this build has no int8 GEMM (needs AVX512-VNNI)");
         if (c.hidden % 64 || c.intermediate % 64)

@@ -719,3 +719,27 @@ def test_runtime_copy_moves_every_byte():
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="copy: 5 source bytes into a 4-byte destination"):
         runtime.copy(torch.zeros(4, dtype=torch.uint8), np.zeros(5, dtype=np.uint8))
+
+
+def test_sizes_that_overflow_are_refused(runtime):
+    """Dimensions whose byte counts wrap 64 bits are refused before any memory is read (an
+    unchecked 4·H·I·E once wrapped to 0 and matched empty weights, and the forward read unmapped
+    memory); so are a NaN eps, an empty row and zero kv heads."""
+    empty = ExpertWeights(np.zeros(0, dtype=np.uint8), int(GGMLType.F32))
+    with pytest.raises(ValueError, match="overflows 64 bits"):
+        MoEKernel(runtime, experts=2**20, top_k=2, hidden=2**21, intermediate=2**21, gate=empty, up=empty, down=empty,
+                  max_tokens=1, tiles=False)
+    with pytest.raises(ValueError, match="expected 4611686018427387904"):  # (2^62: int dimensions stay below 2^64)
+        LinearKernel(runtime, in_features=2**30, out_features=2**30,
+                     weight=ExpertWeights(np.zeros(0, dtype=np.uint8), int(GGMLType.F32)), max_tokens=1)
+    from ktransformers.kernels.cpu import rms_norm
+    x, w = torch.randn(2, 8), torch.ones(8)
+    for eps in (float("nan"), float("inf"), -1e-6):
+        with pytest.raises(ValueError, match="eps must be finite"):
+            rms_norm(runtime.ext, x, w, eps)
+    with pytest.raises(ValueError, match="n > 0"):
+        rms_norm(runtime.ext, torch.randn(2, 0), torch.ones(0), 1e-6)
+    from ktransformers.kernels.cpu import attend_gqa_decode
+    cache = torch.randn(4, 0, 8)
+    with pytest.raises(ValueError, match="positive multiple of kv_heads"):
+        attend_gqa_decode(runtime, torch.randn(2, 8), cache, cache, torch.tensor([0, 1]), 0.1)

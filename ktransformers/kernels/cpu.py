@@ -510,9 +510,12 @@ def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """RMSNorm of float32 rows on the calling thread: one call where torch runs five small ops
     (what matters at decode, a handful of tokens). x [..., n], weight [n], both float32 on the CPU."""
     n = weight.numel()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != n or x.device.type != "cpu":
-        raise ValueError(f"rms_norm: need float32 CPU x [..., {n}] and weight [{n}], got {x.dtype} {tuple(x.shape)} "
-                         f"and {weight.dtype} {tuple(weight.shape)}")
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() == 0 or x.shape[-1] != n or n == 0
+            or x.device.type != "cpu" or weight.device.type != "cpu"):
+        raise ValueError(f"rms_norm: need float32 CPU x [..., n] and weight [n] with n > 0, got {x.dtype} "
+                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be finite and >= 0, got {eps}")
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     ext.rms_norm(x.data_ptr(), weight.data_ptr(), float(eps), x.numel() // n, n, out.data_ptr())
@@ -521,13 +524,19 @@ def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def _check_gqa_caches(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     """(total slots, kv heads) of float32 contiguous caches [slots, kv_heads, d] matching q [heads, d]."""
+    if q.dim() != 2 or k_cache.dim() != 3:
+        raise ValueError(f"{op}: need q [heads, d] and caches [slots, kv_heads, d], got {tuple(q.shape)} and "
+                         f"{tuple(k_cache.shape)}")
     heads, d = q.shape
     total, kv_heads, dk = k_cache.shape
     if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or v_cache.shape != k_cache.shape or dk != d:
         raise ValueError(f"{op}: need float32 q [heads, d] and caches [slots, kv_heads, d], got "
                          f"{q.dtype} {tuple(q.shape)}, {k_cache.dtype} {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or heads % kv_heads:
-        raise ValueError(f"{op}: caches must be contiguous and heads a multiple of kv_heads")
+    if heads <= 0 or kv_heads <= 0 or d <= 0 or heads % kv_heads:
+        raise ValueError(f"{op}: need heads a positive multiple of kv_heads and d > 0, got {heads} heads, "
+                         f"{kv_heads} kv heads, d {d}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: caches must be contiguous")
     return total, kv_heads
 
 
