@@ -30,6 +30,14 @@ bool amx_available() {
 }
 
 bool int8_gemm_available() {
+#if defined(KT_INT8_GEMM) || defined(KT_INT8_GEMM_256)
+    return true;
+#else
+    return false;
+#endif
+}
+
+bool int4_gemm_available() {
 #if defined(KT_INT8_GEMM)
     return true;
 #else
@@ -44,7 +52,33 @@ float quantize_row_u8(const float* x, uint8_t* out, int n) {  // n % 64 == 0 (ch
     return s;
 }
 
-#if defined(KT_INT8_GEMM)
+#if defined(KT_INT8_GEMM_256)
+namespace {
+// The 256-bit block: 32 bytes a step, AVX-VNNI's vpdpbusd (VEX-encoded), one horizontal sum a
+// row and token at the end; the same integer sums as the 512-bit block's.
+template <int R, int T>
+inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_t out[R][T]) {
+    __m256i acc[R][T];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_si256();
+    for (int i = 0; i < k; i += 32) {
+        __m256i wv[R];
+        for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_si256((const __m256i*)(w[r] + i));
+        for (int t = 0; t < T; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[t] + i));
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_dpbusd_avx_epi32(acc[r][t], xv, wv[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[r][t]), _mm256_extracti128_si256(acc[r][t], 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+            out[r][t] = _mm_cvtsi128_si32(s);
+        }
+}
+}  // namespace
+#elif defined(KT_INT8_GEMM)
 namespace {
 template <int R, int T>
 inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_t out[R][T]) {
@@ -62,7 +96,11 @@ inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) out[r][t] = _mm512_reduce_add_epi32(acc[r][t]);
 }
+}  // namespace
+#endif
 
+#if defined(KT_INT8_GEMM) || defined(KT_INT8_GEMM_256)
+namespace {
 template <int R, int T>
 inline void store(const Int8Weights& w, int r, const float* sx, const int32_t sums[R][T], float* out, size_t stride,
                   int t0) {
@@ -173,13 +211,15 @@ void int8_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const
         }
     }
 #endif
-#if defined(KT_INT8_GEMM)
+#if defined(KT_INT8_GEMM) || defined(KT_INT8_GEMM_256)
     int r = r0;
+#if defined(KT_INT8_GEMM)  // (4 x 4 accumulators fill the 16 ymm registers of the 256-bit level: 2 x 4 there)
     for (; r + 4 <= r1; r += 4) {
         int t = 0;
         for (; t + 4 <= count; t += 4) step<4, 4>(w, k, r, t, xs, sx, out, out_stride);
         for (; t < count; t++) step<4, 1>(w, k, r, t, xs, sx, out, out_stride);
     }
+#endif
     for (; r + 2 <= r1; r += 2) {
         int t = 0;
         for (; t + 4 <= count; t += 4) step<2, 4>(w, k, r, t, xs, sx, out, out_stride);

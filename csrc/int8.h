@@ -5,10 +5,14 @@
 #include <cstddef>
 #include <cstdint>
 
-// What this build's -m flags allow: the VNNI GEMMs (int8.cpp, int4.cpp), and AMX tiles beside them.
+// What this build's -m flags allow: the VNNI GEMMs (int8.cpp, int4.cpp), and AMX tiles beside them;
+// at the AVX-VNNI level the int8 GEMM alone, on 256-bit registers (KT_INT8_GEMM_256).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KT_INT8_GEMM 1
+#elif defined(__AVXVNNI__)
+#include <immintrin.h>
+#define KT_INT8_GEMM_256 1
 #endif
 #if defined(KT_INT8_GEMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define KT_AMX 1
@@ -26,7 +30,8 @@ struct Int8Weights {
     const int8_t* amx = nullptr;
 };
 
-bool int8_gemm_available();  // built with AVX512-VNNI
+bool int8_gemm_available();  // built with AVX512-VNNI or AVX-VNNI
+bool int4_gemm_available();  // built with AVX512-VNNI (the int4 blocks are 512-bit VNNI tiles)
 bool amx_available();        // built with AMX-INT8 and the OS lets this process use the tiles
 
 // x row (n floats) -> n unsigned bytes q + 128 with q = round(x / s), s = amax / 127; returns s.

@@ -38,7 +38,7 @@ def test_bench_moe_int4_copies():
                           "--tokens", "16", "--iters", "3", "--copies", "1", "--stream-gib", "0.05", "--int4", "--no-peer",
                           "--json"], check=True, capture_output=True, text=True).stdout
     row = json.loads(out)
-    assert row["format"] == ("Q4_K_M+int4g128" if load_extension().int8_gemm else "Q4_K_M") and row["median_us"] > 0
+    assert row["format"] == ("Q4_K_M+int4g128" if load_extension().int4_gemm else "Q4_K_M") and row["median_us"] > 0
     both = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--int8", "--int4"], capture_output=True,
                           text=True)
     assert both.returncode == 2 and "alternatives" in both.stderr

@@ -526,7 +526,7 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     48- to 96-row chunks take two and one 16-row blocks a step, and experts of 45 and 60 tokens
     two 32-token groups, the last of one or two 16-token tiles.)"""
     if not runtime.ext.int8_gemm:
-        pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
+        pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)")
     from ktransformers.kernels.cpu import Int8Rows, round_activations_rows
     E, K = 6, 2
     gen = torch.Generator().manual_seed(11)
@@ -587,8 +587,8 @@ def test_int4_prefill_path(runtime, H, I, group):
     rounded as the kernel rounds them (tight), and on the original weights (int4's own error).
     Token counts cover the 8/4/2/1-token VNNI steps and, on AMX, one and two 16-token tiles;
     320 rows split over tasks leave chunks that start and end inside 16-row blocks."""
-    if not runtime.ext.int8_gemm:
-        pytest.skip(f"{runtime.isa} build has no int8 GEMM (needs AVX512-VNNI)")
+    if not runtime.ext.int4_gemm:
+        pytest.skip(f"{runtime.isa} build has no int4 GEMM (needs AVX512-VNNI)")
     from ktransformers.kernels.cpu import Int4Rows, round_activations_rows
     E, K = 6, 2
     gen = torch.Generator().manual_seed(group + I)

@@ -254,7 +254,7 @@ def test_int8_prefill_option(tmp_path):
     """KExpertsCPU with int8_prefill keeps int8 copies; a long prompt goes through them."""
     from ktransformers.kernels.cpu import load_extension
     if not load_extension().int8_gemm:
-        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI)")
+        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)")
     model = tiny_model("qwen3_moe")
     path = tmp_path / "m.gguf"
     types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q4_K)
@@ -279,8 +279,8 @@ def test_int4_prefill_option(tmp_path, source, option):
     are those of transformers with the experts' weights rounded to int4 the same way. With
     int4_decode the copies are the only weights: short inputs (decode-sized calls) too."""
     from ktransformers.kernels.cpu import Int4Rows, load_extension
-    if not load_extension().int8_gemm:
-        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI)")
+    if not load_extension().int4_gemm:
+        pytest.skip("the CPU kernels here have no int4 GEMM (needs AVX512-VNNI)")
     family = "qwen3_moe" if source.startswith("gguf") else "deepseek_v3"
     model = tiny_model(family)
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()

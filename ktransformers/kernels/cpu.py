@@ -413,9 +413,10 @@ class MoEKernel:
         if self.copies_only:
             if int8 is None and int4 is None:
                 raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
-            if not runtime.ext.int8_gemm:
-                raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no int8 GEMM (it needs AVX512-VNNI) "
-                                 "to compute on int8/int4 copies alone")
+            if not (runtime.ext.int8_gemm if int4 is None else runtime.ext.int4_gemm):
+                kind, needs = ("int8", "AVX512-VNNI or AVX-VNNI") if int4 is None else ("int4", "AVX512-VNNI")
+                raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no {kind} GEMM (it needs {needs}) "
+                                 f"to compute on {kind} copies alone")
             int8_min_tokens = 1
         elif gate is None or up is None or down is None:
             raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
@@ -434,7 +435,7 @@ class MoEKernel:
                 int8 = tuple(rows.pack_amx() for rows in int8)
             addresses = tuple(a for rows, shape in zip(int8, shapes) for a in rows.addresses(shape))
             self._int8, min_tokens = int8, max(1, int8_min_tokens)  # (keeps the int8 and AMX copies alive)
-        if int4 is not None and runtime.ext.int8_gemm:
+        if int4 is not None and runtime.ext.int4_gemm:
             addresses4 = tuple(a for rows, shape in zip(int4, shapes) for a in rows.addresses(shape))
             self._int4, group, min_tokens = int4, int4[0].group, max(1, int8_min_tokens)
         self.int8_min_tokens = min_tokens

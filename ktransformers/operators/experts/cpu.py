@@ -61,10 +61,11 @@ class KExpertsCPU:
         spec = self.spec
         if not (spec.int8_prefill or spec.int4_group):
             return None, None
-        if not runtime.ext.int8_gemm:  # (one warning for all layers: the same message)
-            warnings.warn(f"int8_prefill/int4_prefill{'/int4_decode' if spec.int4_decode else ''} is off: the "
-                          f"{runtime.isa} CPU kernels have no int8 GEMM (it needs AVX512-VNNI); the experts stay "
-                          "as stored", stacklevel=3)
+        if not (runtime.ext.int4_gemm if spec.int4_group else runtime.ext.int8_gemm):  # (one warning for all layers)
+            what = f"int4_prefill{'/int4_decode' if spec.int4_decode else ''}" if spec.int4_group else "int8_prefill"
+            needs = "int4 GEMM (it needs AVX512-VNNI)" if spec.int4_group else "int8 GEMM (it needs AVX512-VNNI or AVX-VNNI)"
+            warnings.warn(f"{what} is off: the {runtime.isa} CPU kernels have no {needs}; the experts stay as stored",
+                          stacklevel=3)
             return None, None
         from ...kernels.cpu import Int4Rows, Int8Rows
         E, H, I = spec.experts, spec.hidden, spec.intermediate
