@@ -59,12 +59,17 @@ inline float hmax_f32(__m256 v) {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
-// amax of n floats (n % 8 == 0)
+// amax of n floats (n % 8 == 0); NaN where one is NaN (maxps drops NaNs: they are looked for
+// apart), so that the block's scale, and every sum it multiplies, is NaN as the reference's is
 inline float absmax(const float* x, int n) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    return hmax_f32(m);
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    return _mm256_movemask_ps(nan) ? NAN : hmax_f32(m);
 }
 // round(x * id) to int8 (round to nearest even, as nearbyint), n % 8 == 0
 inline void round_to_i8(const float* x, float id, int8_t* q, int n) {
@@ -76,9 +81,12 @@ inline void round_to_i8(const float* x, float id, int8_t* q, int n) {
     }
 }
 #else
-inline float absmax(const float* x, int n) {
+inline float absmax(const float* x, int n) {  // NaN where one is NaN (fmax drops NaNs)
     float amax = 0;
-    for (int i = 0; i < n; i++) amax = std::fmax(amax, std::fabs(x[i]));
+    for (int i = 0; i < n; i++) {
+        if (std::isnan(x[i])) return NAN;
+        amax = std::fmax(amax, std::fabs(x[i]));
+    }
     return amax;
 }
 inline void round_to_i8(const float* x, float id, int8_t* q, int n) {

@@ -743,3 +743,29 @@ def test_sizes_that_overflow_are_refused(runtime):
     cache = torch.randn(4, 0, 8)
     with pytest.raises(ValueError, match="positive multiple of kv_heads"):
         attend_gqa_decode(runtime, torch.randn(2, 8), cache, cache, torch.tensor([0, 1]), 0.1)
+
+
+@pytest.mark.parametrize("fmt", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.MXFP4, GGMLType.IQ4_XS,
+                                 GGMLType.BF16], ids=lambda t: t.name)
+def test_nan_activations_propagate(runtime, fmt):
+    """A NaN in a token's activations makes that token's output NaN, as in the reference (the int8
+    rounding of activations once dropped it: its block's scale came from a max that skips NaNs);
+    the other tokens' outputs stay finite, and an infinity gives no finite garbage either."""
+    gen = torch.Generator().manual_seed(31)
+    E, K, H, I = 4, 2, 512, 256
+    (g, _), (u, _), (d, _) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    kernels = [MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8)]
+    if runtime.ext.int8_gemm and fmt != GGMLType.BF16:
+        copies = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((g, u, d), ((E, I, H), (E, I, H), (E, H, I))))
+        kernels.append(MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                                 max_tokens=8, int8=copies, int8_min_tokens=1))
+    lin = LinearKernel(runtime, in_features=H, out_features=I, weight=ExpertWeights(g.data[: g.data.numel() // E], int(fmt)),
+                       max_tokens=8)
+    x = torch.randn(6, H, generator=gen)
+    x[1, 77], x[4, 300] = float("nan"), float("inf")
+    ids, w = routing(6, E, K, gen)
+    for kernel in kernels:
+        y = kernel.forward(x, ids, w)
+        assert y[1].isnan().all() and not y[4].isfinite().any() and y[[0, 2, 3, 5]].isfinite().all()
+    y = lin.forward(x)
+    assert y[1].isnan().all() and not y[4].isfinite().any() and y[[0, 2, 3, 5]].isfinite().all()
