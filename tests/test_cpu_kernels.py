@@ -769,3 +769,25 @@ def test_nan_activations_propagate(runtime, fmt):
         assert y[1].isnan().all() and not y[4].isfinite().any() and y[[0, 2, 3, 5]].isfinite().all()
     y = lin.forward(x)
     assert y[1].isnan().all() and not y[4].isfinite().any() and y[[0, 2, 3, 5]].isfinite().all()
+
+
+def test_tiles_are_told_apart_by_a_tag(runtime):
+    """Tiles and rows of a type have the same size: only a buffer tile_weights made is taken as
+    tiles (bytes claimed tiled are refused), and only for the shape it was tiled for."""
+    from ktransformers.kernels.cpu import tile_weights
+    t = GGMLType.Q4_K
+    if not runtime.ext.has_tiles(int(t)):
+        pytest.skip(f"the {runtime.isa} build has no {t.name} tiles")
+    gen = torch.Generator().manual_seed(37)
+    w, _ = expert_weights(t, 2, 64, 512, gen)
+    with pytest.raises(ValueError, match="not tiles tile_weights made"):
+        ExpertWeights(w.data, int(t), tiled=True)
+    tiled = tile_weights(runtime, w, 128, 512)
+    assert tiled.tiled and ExpertWeights(tiled.data, int(t), tiled=True).tiled  # (its own buffer: accepted)
+    with pytest.raises(ValueError, match="not tiles tile_weights made"):
+        ExpertWeights(tiled.data, int(GGMLType.Q5_K), tiled=True)
+    with pytest.raises(ValueError, match="made for 128 x 512 values, not 256 x 256"):
+        LinearKernel(runtime, in_features=256, out_features=256, weight=tiled)
+    with pytest.raises(ValueError, match="made for 128 x 512 values"):
+        MoEKernel(runtime, experts=4, top_k=2, hidden=512, intermediate=32, gate=tiled, up=tiled, down=tiled)
+    LinearKernel(runtime, in_features=512, out_features=128, weight=tiled)  # the shape it was tiled for

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -180,13 +181,38 @@ def _address(data) -> tuple[int, int]:
     return array.ctypes.data, array.nbytes
 
 
+# The buffers tile_weights made, by id: (a weak reference to the buffer, ggml type, rows, cols).
+# Tiles and rows of a type have the same size, so bytes cannot tell which they are: only a
+# buffer tile_weights wrote is taken as tiles.
+_TILED: dict[int, tuple[weakref.ref, int, int, int]] = {}
+
+
+def _tiling_of(data) -> tuple[int, int, int] | None:
+    """(ggml type, rows, cols) of a buffer tile_weights made, else None."""
+    entry = _TILED.get(id(data))
+    return entry[1:] if entry is not None and entry[0]() is data else None
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """One projection of all experts as stored: raw bytes + ggml type id. `tiled`: the bytes are
-    the kernels' 16-row tiles of that type (tile_weights), not the GGUF's rows."""
+    the kernels' 16-row tiles of that type, as tile_weights made them (only its buffers are
+    accepted as tiles), not the GGUF's rows."""
     data: object  # uint8 numpy array (memmap view) or torch tensor
     ggml_type: int
     tiled: bool = False
+
+    def __post_init__(self):
+        tiling = _tiling_of(self.data) if self.tiled else None
+        if self.tiled and (tiling is None or tiling[0] != self.ggml_type):
+            raise ValueError(f"ExpertWeights(tiled=True): the bytes are not tiles tile_weights made for ggml type "
+                             f"{self.ggml_type}; pass the rows as stored (tiled=False): the kernels tile them")
+
+    def check_tiling(self, name: str, rows: int, cols: int) -> None:
+        """Raise ValueError (naming `name`) unless tiled bytes were tiled as rows x cols."""
+        tiling = _tiling_of(self.data) if self.tiled else None
+        if tiling is not None and tiling[1:] != (rows, cols):
+            raise ValueError(f"{name}: its tiles were made for {tiling[1]} x {tiling[2]} values, not {rows} x {cols}")
 
     def kernel_type(self, ext) -> int:
         """The type id the C++ kernels take: the ggml type, flagged when tiled."""
@@ -206,6 +232,8 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
         return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
     out = torch.empty(nbytes, dtype=torch.uint8)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
+    key = id(out)
+    _TILED[key] = (weakref.ref(out, lambda _, key=key: _TILED.pop(key, None)), weights.ggml_type, rows, cols)
     return ExpertWeights(out, weights.ggml_type, tiled=True)
 
 
@@ -426,6 +454,10 @@ class MoEKernel:
                 up = tile_weights(runtime, up, experts * intermediate, hidden)
             if hidden % 16 == 0:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
+        for w, what, rows, cols in ((gate, "gate", experts * intermediate, hidden), (up, "up", experts * intermediate, hidden),
+                                    (down, "down", experts * hidden, intermediate)):
+            if w is not None:
+                w.check_tiling(f"{name} {what}", rows, cols)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
@@ -494,6 +526,7 @@ class LinearKernel:
         self.in_features, self.out_features = in_features, out_features
         if tiles:
             weight = tile_weights(runtime, weight, out_features, in_features)
+        weight.check_tiling(name, out_features, in_features)
         self._weight = weight
         address, nbytes = _address(weight.data)
         self._linear = runtime.ext.Linear(runtime._rt, in_features, out_features, weight.kernel_type(runtime.ext), address,
