@@ -145,14 +145,83 @@ def test_unknown_ggml_type(qwen_file, tmp_path):
         GGUFSource(bad)
 
 
-def test_offset_past_the_end(qwen_file, tmp_path):
+def _offset_at(d, name: bytes) -> int:
+    """Byte position of a tensor-info entry's data offset."""
+    at = _tensor_info_offset(bytes(d), name)
+    return at + 4 + 8 * struct.unpack_from("<I", d, at)[0] + 4
+
+
+def _tensor_names(path) -> list[bytes]:
+    return [name.encode() for name in GGUFFileSet(path).tensors]
+
+
+@pytest.mark.parametrize("change", ["far", "misaligned", "overlapping", "one more tensor"])
+def test_data_offsets_form_one_chain(qwen_file, tmp_path, change):
+    """Each tensor's data starts where the one before it ends, rounded to the alignment (what
+    llama.cpp's loader requires): an offset past the end, off the alignment or over another
+    tensor's data, or a tensor count one too high (the first data bytes read as a directory
+    entry), is an error naming the file and the tensor, never a model with shifted weights."""
+    names = _tensor_names(qwen_file[0])
+
     def mutate(d):
-        at = _tensor_info_offset(bytes(d), b"blk.0.attn_q.weight")
-        n_dims = struct.unpack_from("<I", d, at)[0]
-        struct.pack_into("<Q", d, at + 4 + 8 * n_dims + 4, 1 << 40)
+        if change == "one more tensor":
+            struct.pack_into("<Q", d, 8, struct.unpack_from("<Q", d, 8)[0] + 1)
+            return
+        at = _offset_at(d, names[3])
+        new = {"far": 1 << 40, "misaligned": struct.unpack_from("<Q", d, at)[0] + 4,
+               "overlapping": struct.unpack_from("<Q", d, _offset_at(d, names[2]))[0]}[change]
+        struct.pack_into("<Q", d, at, new)
     bad = _copy(qwen_file[0], tmp_path / "off.gguf", mutate)
-    with pytest.raises(WeightError, match=r"blk\.0\.attn_q\.weight.*past the end"):
+    match = r"off\.gguf: .*" + ("" if change == "one more tensor" else f"tensor '{names[3].decode()}' has data offset")
+    with pytest.raises(WeightError, match=match):
         GGUFSource(bad)
+
+
+def test_metadata_string_that_is_not_utf8(qwen_file, tmp_path):
+    model = qwen_file[1]
+    path = tmp_path / "named.gguf"
+    write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0, extra_metadata={"general.name": "abcdefgh"})
+
+    def mutate(d):
+        at = bytes(d).index(b"abcdefgh") + 2
+        d[at:at + 2] = b"\xff\xfe"
+    bad = _copy(path, tmp_path / "utf8.gguf", mutate)
+    with pytest.raises(WeightError, match=r"utf8\.gguf: value of 'general\.name' at byte \d+ is not UTF-8"):
+        GGUFSource(bad)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.attention.layer_norm_rms_epsilon", float("nan"), "expected a finite positive number"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", -1e-6, "expected a finite positive number"),
+    ("qwen3moe.rope.freq_base", float("inf"), "expected a finite positive number"),
+    ("qwen3moe.block_count", 2**32 - 1, r"expected an integer in \[1, 4096\]"),
+    ("qwen3moe.block_count", 3, "the file's tensors are of 2 blocks"),
+    ("qwen3moe.embedding_length", 2**31, r"expected an integer in \[1, 1048576\]"),
+    ("qwen3moe.embedding_length", 128, "token_embd.weight is"),
+    ("qwen3moe.block_count", "two", "expected an integer"),
+    ("qwen3moe.expert_used_count", 99, "exceeds qwen3moe.expert_count"),
+])
+def test_metadata_values_are_checked(qwen_file, tmp_path, key, value, message):
+    """Metadata of the wrong type, out of range, or at odds with the tensors is an error naming
+    the file and the key before anything is sized by it (a block_count of 2^32 - 1 once reached a
+    torch allocation; a NaN epsilon gave NaN logits)."""
+    from ktransformers.optimize.skeleton import load_config
+    model = qwen_file[1]
+    path = tmp_path / "meta.gguf"
+    write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0, extra_metadata={key: value})
+    with pytest.raises(WeightError, match=f"meta\\.gguf: .*{message}"):
+        load_config(None, path)
+
+
+def test_expert_groups_must_divide_the_experts(tmp_path):
+    from ktransformers.optimize.skeleton import load_config
+    model = tiny_model("deepseek_v3", layers=2)
+    path = tmp_path / "groups.gguf"
+    experts = model.config.n_routed_experts
+    write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0,
+               extra_metadata={"deepseek2.expert_group_count": experts - 1})
+    with pytest.raises(WeightError, match=f"expert_group_count = {experts - 1} does not divide"):
+        load_config(None, path)
 
 
 def test_paths(tmp_path, qwen_file):
@@ -182,3 +251,22 @@ def test_not_moe_llama_is_refused(tmp_path):
                               "llama.attention.head_count": 4}, 100)
     with pytest.raises(WeightError, match="not supported"):
         config_from_metadata({"general.architecture": "gpt2"}, 100)
+
+
+def test_a_file_changed_on_disk_is_an_error(qwen_file, tmp_path):
+    """A GGUF rewritten or truncated after it was mapped is an error at the next load, not a
+    SIGBUS or weights read from other data."""
+    import os
+    path = tmp_path / "live.gguf"
+    path.write_bytes(qwen_file[0].read_bytes())
+    source = GGUFSource(path)
+    name = source.keys()[0]
+    source.load(name)
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(WeightError, match=r"live\.gguf: changed on disk"):
+        source.load(name)
+    with open(path, "r+b") as f:  # truncated: touching the lost pages would fault
+        f.truncate(4096)
+    with pytest.raises(WeightError, match=r"live\.gguf: changed on disk since it was opened \(size \d+ -> 4096"):
+        source.raw(name)

@@ -10,6 +10,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..weights.gguf import GGUFFileSet
+from ..weights.source import WeightError
 from ..weights.gguf_config import config_from_metadata
 
 RULES_DIR = Path(__file__).parents[1] / "optimize_rules"
@@ -31,8 +32,15 @@ def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLi
     embed = files.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{gguf_path}: no token_embd.weight, cannot tell the vocabulary size")
-    return config_from_metadata(files.metadata, embed.shape[0], has_output="output.weight" in files.tensors,
-                                tensors=set(files.tensors))
+    try:
+        config = config_from_metadata(files.metadata, embed.shape[0], has_output="output.weight" in files.tensors,
+                                      tensors=set(files.tensors))
+    except WeightError as e:
+        raise WeightError(f"{files.path}: {e}") from None
+    if len(embed.shape) != 2 or embed.shape[1] != config.hidden_size:
+        raise WeightError(f"{files.path}: token_embd.weight is {list(embed.shape)}, but the metadata's embedding_length "
+                          f"is {config.hidden_size}")
+    return config
 
 
 def build_skeleton(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

@@ -97,7 +97,11 @@ class _HeaderScan:
         if self.at + n > len(self.data):
             raise WeightError(f"{self.path}: truncated header: {what} of {n} bytes at byte {self.at}")
         self.at += n
-        return bytes(self.data[self.at - n: self.at]).decode("utf-8", "replace")
+        try:
+            return bytes(self.data[self.at - n: self.at]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise WeightError(f"{self.path}: {what} at byte {self.at - n} is not UTF-8 ({e.reason} at its byte "
+                              f"{e.start})") from None
 
     def skip_value(self, vtype: int, key: str) -> None:
         if vtype == _STRING:
@@ -124,16 +128,28 @@ class _HeaderScan:
             self.skip_value(vtype, key)
             if key == "general.alignment" and vtype == 4:
                 alignment = struct.unpack_from("<I", self.data, start)[0] or 32
+        if alignment & (alignment - 1) or alignment > 1 << 20:
+            raise WeightError(f"{self.path}: general.alignment {alignment} is not a power of two up to 1 MiB")
         infos = [self.tensor_info() for _ in range(n_tensors)]
         data_start = -(-self.at // alignment) * alignment
+        # As llama.cpp's loader requires: the tensors' data in directory order, each at the end of
+        # the one before rounded up to the alignment. A wrong tensor count, a misaligned,
+        # overlapping or out-of-order offset all break this chain.
+        expected = 0
         for name, ggml_type, n_elements, offset in infos:
             try:
-                end = data_start + offset + tensor_nbytes(ggml_type, n_elements)
+                nbytes = tensor_nbytes(ggml_type, n_elements)
             except ValueError as e:
                 raise WeightError(f"{self.path}: tensor {name!r}: {e}") from None
+            if offset != expected:
+                raise WeightError(f"{self.path}: tensor {name!r} has data offset {offset}, expected {expected} (the "
+                                  f"end of the tensor before it, aligned to {alignment}): a wrong tensor count, or "
+                                  "misaligned or overlapping data")
+            end = data_start + offset + nbytes
             if end > len(self.data):
                 raise WeightError(f"{self.path}: tensor {name!r} data ends at byte {end}, "
                                   f"past the end of the file ({len(self.data)} bytes)")
+            expected = -(-(offset + nbytes) // alignment) * alignment
 
     def tensor_info(self) -> tuple[str, GGMLType, int, int]:
         name = self.string("a tensor name")
@@ -177,8 +193,23 @@ class GGUFFileSet:
         self.files = gguf_files(path)
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensor] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when it was mapped
         for file in self.files:
+            stat = os.stat(file)
+            self._stamps[str(file)] = (stat.st_size, stat.st_mtime_ns)
             self._add(file, _open_reader(file))
+
+    def check_unchanged(self, file: str) -> None:
+        """Raise WeightError where `file` was changed on disk since it was mapped: its pages would
+        then read as other data, or fault (SIGBUS) past a truncation."""
+        try:
+            stat = os.stat(file)
+            now = (stat.st_size, stat.st_mtime_ns)
+        except OSError as e:
+            raise WeightError(f"{file}: changed on disk since it was opened ({e.strerror}); load the model again") from None
+        if now != self._stamps[file]:
+            raise WeightError(f"{file}: changed on disk since it was opened (size {self._stamps[file][0]} -> {now[0]} "
+                              "bytes, or a new modification time); load the model again")
 
     def _add(self, file: Path, reader: GGUFReader) -> None:
         for key, field in reader.fields.items():
@@ -251,11 +282,13 @@ class GGUFSource(WeightSource):
 
     def raw(self, name: str) -> np.ndarray:
         t, _ = self._tensor(name)
+        self.files.check_unchanged(t.file)
         self.consumed.add(name)
         return t.data
 
     def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t, transform = self._tensor(name)
+        self.files.check_unchanged(t.file)
         try:  # dequantize checks the byte count and the block size against the shape
             tensor = dequantize(t.data, t.ggml_type, t.shape, dtype or torch.float32)
         except (ValueError, NotImplementedError) as e:

@@ -6,6 +6,8 @@ from a GGUF file (when no --model_path is given) and write the metadata of GGUF 
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from transformers import (
@@ -172,13 +174,83 @@ def _yarn_metadata(arch: str, config: PretrainedConfig) -> dict[str, Any]:
     return meta
 
 
+# The range each integer key may take ((least, most), under "{arch}."): what a model can have, so a
+# corrupt or hostile value is an error naming the key before anything is sized by it.
+_INT_RANGES = {
+    "block_count": (1, 4096), "context_length": (1, 1 << 31), "embedding_length": (1, 1 << 20),
+    "feed_forward_length": (0, 1 << 22), "attention.head_count": (1, 4096), "attention.head_count_kv": (1, 4096),
+    "expert_used_count": (1, 1 << 16), "expert_count": (1, 1 << 16), "expert_feed_forward_length": (1, 1 << 22),
+    "expert_shared_feed_forward_length": (0, 1 << 22), "leading_dense_block_count": (0, 4096),
+    "vocab_size": (1, 1 << 24), "attention.q_lora_rank": (0, 1 << 16), "attention.kv_lora_rank": (1, 1 << 16),
+    "attention.value_length_mla": (1, 1 << 16), "attention.key_length_mla": (1, 1 << 16),
+    "attention.key_length": (1, 1 << 16), "attention.value_length": (1, 1 << 16), "rope.dimension_count": (1, 1 << 16),
+    "expert_shared_count": (0, 1 << 10), "expert_group_count": (1, 1 << 16), "expert_group_used_count": (1, 1 << 16),
+    "nextn_predict_layers": (0, 64), "attention.sliding_window": (1, 1 << 31), "expert_gating_func": (0, 3),
+    "rope.scaling.original_context_length": (1, 1 << 31),
+}
+# float keys that must be finite and positive (yarn_log_multiplier: finite and >= 0)
+_POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "expert_weights_scale",
+                    "rope.scaling.factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
+
+
+def check_metadata(meta: dict[str, Any], tensors: frozenset[str] | set[str] = frozenset()) -> None:
+    """Raise WeightError naming the key for a metadata value of the wrong type, out of range, or
+    at odds with the others or with the tensors present (block_count against the blk.N tensors),
+    before any of them sizes anything."""
+    arch = meta.get("general.architecture")
+    for suffix, (least, most) in _INT_RANGES.items():
+        key = f"{arch}.{suffix}"
+        if key in meta:
+            values = meta[key] if isinstance(meta[key], list) else [meta[key]]
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+                    raise WeightError(f"GGUF metadata {key} = {meta[key]!r}: expected an integer in [{least}, {most}]")
+    for suffix in (*_POSITIVE_FLOATS, "rope.scaling.yarn_log_multiplier"):
+        key = f"{arch}.{suffix}"
+        if key in meta:
+            v = meta[key]
+            least_ok = v >= 0 if suffix.endswith("log_multiplier") else v > 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not least_ok:
+                raise WeightError(f"GGUF metadata {key} = {v!r}: expected a finite "
+                                  f"{'non-negative' if suffix.endswith('log_multiplier') else 'positive'} number")
+    key = f"{arch}.expert_weights_norm"
+    if key in meta and not isinstance(meta[key], bool):
+        raise WeightError(f"GGUF metadata {key} = {meta[key]!r}: expected a boolean")
+    get = lambda suffix: meta.get(f"{arch}.{suffix}")  # noqa: E731
+    first = lambda v: v[0] if isinstance(v, list) and v else v  # noqa: E731
+    experts, used = get("expert_count"), get("expert_used_count")
+    if experts is not None and used is not None and used > experts:
+        raise WeightError(f"GGUF metadata {arch}.expert_used_count = {used} exceeds {arch}.expert_count = {experts}")
+    groups, groups_used = get("expert_group_count"), get("expert_group_used_count")
+    if groups is not None and experts is not None and experts % groups:
+        raise WeightError(f"GGUF metadata {arch}.expert_group_count = {groups} does not divide "
+                          f"{arch}.expert_count = {experts}")
+    if groups is not None and groups_used is not None and groups_used > groups:
+        raise WeightError(f"GGUF metadata {arch}.expert_group_used_count = {groups_used} exceeds "
+                          f"{arch}.expert_group_count = {groups}")
+    heads, kv_heads = first(get("attention.head_count")), first(get("attention.head_count_kv"))
+    if heads is not None and kv_heads and heads % kv_heads:
+        raise WeightError(f"GGUF metadata {arch}.attention.head_count = {heads} is not a multiple of "
+                          f"{arch}.attention.head_count_kv = {kv_heads}")
+    blocks = get("block_count")
+    layers = {int(m.group(1)) for m in map(re.compile(r"^blk\.(\d+)\.").match, tensors) if m}
+    if blocks is not None and layers and max(layers) + 1 != blocks:
+        raise WeightError(f"GGUF metadata {arch}.block_count = {blocks}, but the file's tensors are of "
+                          f"{max(layers) + 1} blocks (blk.0 .. blk.{max(layers)})")
+    for suffix in ("leading_dense_block_count", "nextn_predict_layers"):
+        if blocks is not None and (get(suffix) or 0) >= blocks:
+            raise WeightError(f"GGUF metadata {arch}.{suffix} = {get(suffix)} is not below {arch}.block_count = {blocks}")
+
+
 def config_from_metadata(meta: dict[str, Any], vocab_size: int, has_output: bool = True,
                          tensors: frozenset[str] | set[str] = frozenset()) -> PretrainedConfig:
     """An HF config from GGUF metadata (`vocab_size` from the embedding tensor's rows; `tensors`:
-    the file's tensor names, for what llama.cpp too tells from the tensors present, such as biases)."""
+    the file's tensor names, for what llama.cpp too tells from the tensors present, such as biases).
+    The values are checked first (check_metadata)."""
     arch = meta.get("general.architecture")
     if arch not in KEYS:
         raise WeightError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(KEYS)}")
+    check_metadata(meta, tensors)
     kwargs: dict[str, Any] = {}
     for key, attr in KEYS[arch]:
         if f"{arch}.{key}" in meta:
