@@ -180,3 +180,49 @@ def test_dry_run_cli(tmp_path):
     run = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "--gguf_path", str(tmp_path / "m.gguf"),
                           "--optimize_config_path", str(bad), "--dry-run"], capture_output=True, text=True)
     assert run.returncode == 2 and "bad.yaml: rule 0: replace.class: unknown operator 'KNope'" in run.stderr
+
+
+def test_rule_files_are_bounded():
+    """A rule file cannot hang or eat memory: YAML aliases are bounded (a 387-byte "billion laughs"
+    once blew up inside an error message's repr), error messages are short, a regex that
+    backtracks without bound fails its match with the rule named, the file's size is capped, and
+    a class path is checked against the modules a rule may import before anything is imported."""
+    import sys
+    import time
+
+    from ktransformers.optimize import rules as R
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    started = time.monotonic()
+    with pytest.raises(R.RuleError, match="more than 100000 nodes"):
+        R.parse_rules(laughs, "bomb.yaml")
+    with pytest.raises(R.RuleError, match="more than 100000 nodes"):  # (inside a rule's kwargs too)
+        R.parse_rules("- match: {name: a}\n  replace:\n    class: default\n    kwargs:\n      generate_device:\n"
+                      + "".join("        " + line + "\n" for line in laughs.splitlines()), "kwargs.yaml")
+    assert time.monotonic() - started < 10
+    few = "- match: {name: a}\n  replace: &r {class: default}\n- match: {name: b}\n  replace: *r\n"
+    assert len(R.parse_rules(few, "ok.yaml")) == 2  # (a few aliases are fine)
+    started = time.monotonic()
+    with pytest.raises(R.RuleError) as e:
+        R.parse_rules("- match: {name: a}\n  replace: {class: default}\n  recursive: " + "[" * 20 + "1" + "]" * 20, "deep.yaml")
+    assert len(str(e.value)) < 400 and time.monotonic() - started < 10
+    with pytest.raises(R.RuleError, match="at most 1048576"):
+        R.parse_rules("#" * (R.MAX_RULE_BYTES + 1), "big.yaml")
+    (rule,) = R.parse_rules("- match: {name: '^(a|aa)+$'}\n  replace: {class: default}\n", "slow.yaml")
+    with pytest.raises(R.RuleError, match=r"rule 0: match.name '\^\(a\|aa\)\+\$' took more than 1 s"):
+        rule.matches("a" * 40 + "!", torch.nn.Linear(1, 1))
+    sys.modules.pop("torch.utils.cpp_extension", None)
+    with pytest.raises(R.RuleError, match="imports classes from ktransformers.operators"):
+        R.parse_rules("- match: {class: torch.utils.cpp_extension.subprocess.Popen}\n  replace: {class: default}\n",
+                      "import.yaml")
+    assert "torch.utils.cpp_extension" not in sys.modules  # refused before the import
+
+
+def test_expert_counts_file_must_be_a_small_regular_file(tmp_path):
+    from ktransformers.operators.experts import hot_experts
+    with pytest.raises(ValueError, match="must be a regular file"):
+        hot_experts("model.layers.1.mlp.experts", 2, 4, "/dev/zero")
+    bad = tmp_path / "counts.json"
+    bad.write_text('{"model.layers.1.mlp.experts": "many"}')
+    with pytest.raises(ValueError, match="has no list of counts"):
+        hot_experts("model.layers.1.mlp.experts", 2, 4, str(bad))

@@ -237,6 +237,14 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
     return ExpertWeights(out, weights.ggml_type, tiled=True)
 
 
+def _check_tilings(name: str, weights, experts: int, hidden: int, intermediate: int) -> None:
+    """Tiled gate, up and down (None: absent) must have been tiled for all experts' rows."""
+    shapes = ((experts * intermediate, hidden), (experts * intermediate, hidden), (experts * hidden, intermediate))
+    for w, what, (rows, cols) in zip(weights, ("gate", "up", "down"), shapes):
+        if w is not None:
+            w.check_tiling(f"{name} {what}", rows, cols)
+
+
 @dataclass(frozen=True)
 class Int8Rows:
     """A projection of all experts re-quantized for the int8 prefill GEMM: w [E, rows, cols]
@@ -454,10 +462,7 @@ class MoEKernel:
                 up = tile_weights(runtime, up, experts * intermediate, hidden)
             if hidden % 16 == 0:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
-        for w, what, rows, cols in ((gate, "gate", experts * intermediate, hidden), (up, "up", experts * intermediate, hidden),
-                                    (down, "down", experts * hidden, intermediate)):
-            if w is not None:
-                w.check_tiling(f"{name} {what}", rows, cols)
+        _check_tilings(name, (gate, up, down), experts, hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import regex
 import yaml
 from torch import nn
 
@@ -23,6 +25,16 @@ from .. import operators  # noqa: F401  (importing the package registers every o
 from ..operators.registry import OPERATORS
 
 SAFE_PREFIXES = ("ktransformers.", "transformers.", "torch.")
+# The modules a rule file may import from within those prefixes (before anything is imported): the
+# operators, transformers' own model classes and torch.nn; not just any module under a prefix, whose
+# import can have effects (torch.utils.cpp_extension, say, reached as a "class" path through it).
+SAFE_MODULES = re.compile(r"^(ktransformers\.operators(\.\w+)?|transformers|transformers\.models\.\w+"
+                          r"\.modeling_\w+|torch\.nn(\.modules)?(\.\w+)?)$")
+MAX_RULE_BYTES = 1 << 20  # a rule file is a few KiB; more is no rule file
+MAX_NODES = 100_000  # YAML nodes a rule file may stand for, aliases counted expanded
+MATCH_TIMEOUT_S = 1.0  # one match.name regex against one module name
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 3, 6, 6
 RULE_KEYS = {"match", "replace", "recursive"}
 MATCH_KEYS = {"name", "class"}
 REPLACE_KEYS = {"class", "kwargs"}
@@ -49,10 +61,42 @@ class RuleError(ValueError):
     """A rule file that cannot be used; the message says where and why."""
 
 
+def _short(value: Any) -> str:
+    """repr of a value from a rule file, bounded (a YAML alias tree can be vast if expanded)."""
+    return _SHORT.repr(value)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load's loader, bounded to MAX_NODES nodes with every alias counted as the subtree it
+    stands for: a few lines of nested aliases (a "billion laughs") otherwise stand for a tree too
+    big to walk or print."""
+
+    def compose_node(self, parent, index):
+        alias = self.check_event(yaml.AliasEvent)
+        node = super().compose_node(parent, index)
+        sizes = self.__dict__.setdefault("_sizes", {})
+        self._expanded = getattr(self, "_expanded", 0) + (_node_size(node, sizes) if alias else 1)
+        if self._expanded > MAX_NODES:
+            raise yaml.YAMLError(f"the YAML stands for more than {MAX_NODES} nodes with its aliases (*name) expanded")
+        return node
+
+
+def _node_size(node, sizes: dict) -> int:
+    """Nodes in the tree `node` stands for, aliases expanded (memoized by node: linear time)."""
+    if id(node) not in sizes:
+        if isinstance(node, yaml.SequenceNode):
+            sizes[id(node)] = 1 + sum(_node_size(n, sizes) for n in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            sizes[id(node)] = 1 + sum(_node_size(k, sizes) + _node_size(v, sizes) for k, v in node.value)
+        else:
+            sizes[id(node)] = 1
+    return sizes[id(node)]
+
+
 @dataclass(frozen=True)
 class Rule:
     index: int
-    name: re.Pattern | None
+    name: regex.Pattern | None
     match_class: type | None
     operator: type | None  # None: keep the HF module ("default"), only place it
     kwargs: dict = field(default_factory=dict)
@@ -60,8 +104,14 @@ class Rule:
     operator_name: str = DEFAULT  # as the file spells it, without the module path
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        if self.name is not None and not self.name.search(name):
-            return False
+        if self.name is not None:
+            try:
+                found = self.name.search(name, timeout=MATCH_TIMEOUT_S)
+            except TimeoutError:
+                raise RuleError(f"rule {self.index}: match.name {_short(self.name.pattern)} took more than "
+                                f"{MATCH_TIMEOUT_S:g} s on {name!r} (a regular expression that backtracks without bound)") from None
+            if not found:
+                return False
         return self.match_class is None or isinstance(module, self.match_class)
 
 
@@ -77,9 +127,12 @@ def _upstream_model_path(path: str) -> str | None:
 def _import_class(path: str, allow_prefixes: tuple[str, ...]) -> type:
     if not path.startswith(SAFE_PREFIXES + allow_prefixes):
         raise ValueError(
-            f"{path!r} is outside {', '.join(SAFE_PREFIXES)}; a rule file may only import from those "
+            f"{_short(path)} is outside {', '.join(SAFE_PREFIXES)}; a rule file may only import from those "
             "(pass allow_import_prefixes to opt in)")
     module_name, _, attr = path.rpartition(".")
+    if not path.startswith(allow_prefixes) and not SAFE_MODULES.match(module_name):
+        raise ValueError(f"{_short(path)}: a rule file imports classes from ktransformers.operators, transformers' "
+                         "model modules and torch.nn only (pass allow_import_prefixes to opt in)")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -121,7 +174,7 @@ class _RuleParser:
     def check_keys(self, index: int, where: str, got: dict, valid: set[str]) -> None:
         unknown = sorted(set(got) - valid)
         if unknown:
-            raise self.fail(index, f"{where}{unknown[0]}", f"unknown key; valid: {', '.join(sorted(valid))}")
+            raise self.fail(index, f"{where}{str(unknown[0])[:80]}", f"unknown key; valid: {', '.join(sorted(valid))}")
 
     def parse(self, data: Any) -> list[Rule]:
         if data is None:
@@ -132,16 +185,16 @@ class _RuleParser:
 
     def parse_rule(self, i: int, item: Any) -> Rule:
         if not isinstance(item, dict):
-            raise self.fail(i, "rule", f"expected a mapping with keys {sorted(RULE_KEYS)}, got {item!r}")
+            raise self.fail(i, "rule", f"expected a mapping with keys {sorted(RULE_KEYS)}, got {_short(item)}")
         self.check_keys(i, "", item, RULE_KEYS)
         for key in ("match", "replace"):
             if not isinstance(item.get(key), dict):
-                raise self.fail(i, key, f"required, and must be a mapping (got {item.get(key)!r})")
+                raise self.fail(i, key, f"required, and must be a mapping (got {_short(item.get(key))})")
         self.check_keys(i, "match.", item["match"], MATCH_KEYS)
         self.check_keys(i, "replace.", item["replace"], REPLACE_KEYS)
         recursive = item.get("recursive", True)
         if not isinstance(recursive, bool):
-            raise self.fail(i, "recursive", f"expected true or false, got {recursive!r}")
+            raise self.fail(i, "recursive", f"expected true or false, got {_short(recursive)}")
         name, match_class = self.parse_match(i, item["match"])
         operator, kwargs = self.parse_replace(i, item["replace"])
         return Rule(i, name, match_class, operator, kwargs, recursive, item["replace"]["class"].rpartition(".")[2])
@@ -152,15 +205,15 @@ class _RuleParser:
         name = match.get("name")
         if name is not None:
             if not isinstance(name, str):
-                raise self.fail(i, "match.name", f"expected a regular expression string, got {name!r}")
-            try:
-                name = re.compile(name)
-            except re.error as e:
-                raise self.fail(i, "match.name", f"bad regular expression {match['name']!r}: {e}") from None
+                raise self.fail(i, "match.name", f"expected a regular expression string, got {_short(name)}")
+            try:  # (the regex package: its searches take a timeout, Rule.matches)
+                name = regex.compile(name)
+            except regex.error as e:
+                raise self.fail(i, "match.name", f"bad regular expression {_short(match['name'])}: {e}") from None
         cls = match.get("class")
         if cls is not None:
             if not isinstance(cls, str):
-                raise self.fail(i, "match.class", f"expected a dotted class path, got {cls!r}")
+                raise self.fail(i, "match.class", f"expected a dotted class path, got {_short(cls)}")
             try:
                 cls = resolve_match_class(cls, self.allow)
             except ValueError as e:
@@ -169,14 +222,14 @@ class _RuleParser:
 
     def parse_replace(self, i: int, replace: dict) -> tuple[type | None, dict]:
         if "class" not in replace or not isinstance(replace["class"], str):
-            raise self.fail(i, "replace.class", f"required: an operator name or 'default' (got {replace.get('class')!r})")
+            raise self.fail(i, "replace.class", f"required: an operator name or 'default' (got {_short(replace.get('class'))})")
         try:
             operator = resolve_operator(replace["class"], self.allow)
         except (ValueError, KeyError) as e:
             raise self.fail(i, "replace.class", str(e).strip('"')) from None
         kwargs = replace.get("kwargs") or {}
         if not isinstance(kwargs, dict):
-            raise self.fail(i, "replace.kwargs", f"expected a mapping, got {kwargs!r}")
+            raise self.fail(i, "replace.kwargs", f"expected a mapping, got {_short(kwargs)}")
         options = Placement if operator is None else operator.Options
         errors = option_errors(options, kwargs)
         if errors:
@@ -186,18 +239,23 @@ class _RuleParser:
 
 
 def parse_rules(text: str, source: str = "<rules>", allow_import_prefixes: tuple[str, ...] = ()) -> list[Rule]:
-    """Parse rule-file text (YAML, safe_load only) into validated Rules."""
+    """Parse rule-file text (YAML: safe types, at most MAX_NODES nodes) into validated Rules."""
+    if len(text) > MAX_RULE_BYTES:
+        raise RuleError(f"{source}: {len(text)} characters; a rule file is at most {MAX_RULE_BYTES}")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
-        raise RuleError(f"{source}: not valid YAML: {e}") from None
+        raise RuleError(f"{source}: not valid YAML: {str(e)[:500]}") from None
     return _RuleParser(source, allow_import_prefixes).parse(data)
 
 
 def load_rules(path: str | Path, allow_import_prefixes: tuple[str, ...] = ()) -> list[Rule]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"rule file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"rule file {str(path)!r} does not exist (or is not a regular file)")
+    size = path.stat().st_size
+    if size > MAX_RULE_BYTES:
+        raise RuleError(f"{path}: {size} bytes; a rule file is at most {MAX_RULE_BYTES}")
     return parse_rules(path.read_text(), str(path), allow_import_prefixes)
 
 

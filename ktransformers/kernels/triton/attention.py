@@ -213,20 +213,7 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     _check_sinks("decode_attention", sinks, Hq, q1.device)
     max_len = int(max_len if max_len is not None else slots.shape[1])
     span = min(max_len, window) if window else max_len
-    # Decode is latency-bound: each block of the history is a dependent round trip (slots, then
-    # keys and values), so the history is split until a program has about one block, up to
-    # MAX_SPLITS (the merge reads every split) and a few programs an SM: at GQA shapes such as
-    # Qwen3's 32/4 heads of 128, 64-token blocks and 8 heads a program (fewer round trips a
-    # program, more programs to fill the SMs) rather than 32-token blocks, 16 heads a program and
-    # at least 4 blocks a split. Wide rows (MLA's
-    # 512-value latent) keep 32-token blocks, for registers.
-    BLOCK_T = 64 if max(D1, DV) <= 128 else 32
-    BLOCK_H = 8 if group <= 8 else 16
-    programs = B * Hkv * triton.cdiv(group, BLOCK_H)
-    sms = sm_count(q1.device)
-    splits = max(1, min(triton.cdiv(span, BLOCK_T), MAX_SPLITS, triton.cdiv(4 * sms, programs)))
-    tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
-    splits = triton.cdiv(span, tokens_per_split)
+    BLOCK_T, BLOCK_H, splits, tokens_per_split = _decode_split(span, max(D1, DV), group, B * Hkv, q1.device)
     # one split: the kernel's stores round straight to out_dtype (nothing to merge)
     acc = torch.empty(B, Hq, splits, DV, device=q1.device, dtype=torch.float32 if splits > 1 else out_dtype)
     lse = torch.empty(B, Hq, splits, device=q1.device, dtype=torch.float32)
@@ -253,6 +240,22 @@ def decode_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor | None,
     _merge_splits_kernel[(B * Hq,)](acc, lse, out, splits, DV, BLOCK_S=_pow2(splits, 2), CHUNK_S=8,
                                     BLOCK_DV=_pow2(DV), num_warps=4)
     return out
+
+
+def _decode_split(span: int, width: int, group: int, kv_rows: int, device) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, splits, tokens a split) of decode_attention over `span` positions.
+    Decode is latency-bound: each block of the history is a dependent round trip (slots, then keys
+    and values), so the history is split until a program has about one block, up to MAX_SPLITS
+    (the merge reads every split) and a few programs an SM: at GQA shapes such as Qwen3's 32/4
+    heads of 128, 64-token blocks and 8 heads a program (fewer round trips a program, more
+    programs to fill the SMs) rather than 32-token blocks, 16 heads a program and at least 4
+    blocks a split. Wide rows (MLA's 512-value latent) keep 32-token blocks, for registers."""
+    BLOCK_T = 64 if width <= 128 else 32
+    BLOCK_H = 8 if group <= 8 else 16
+    programs = kv_rows * triton.cdiv(group, BLOCK_H)
+    splits = max(1, min(triton.cdiv(span, BLOCK_T), MAX_SPLITS, triton.cdiv(4 * sm_count(device), programs)))
+    tokens_per_split = triton.cdiv(triton.cdiv(span, splits), BLOCK_T) * BLOCK_T
+    return BLOCK_T, BLOCK_H, triton.cdiv(span, tokens_per_split), tokens_per_split
 
 
 def _check_sinks(what: str, sinks: torch.Tensor | None, heads: int, device) -> None:

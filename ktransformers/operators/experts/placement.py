@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -109,6 +110,9 @@ class ExpertPlacement:
         self.pcie = pcie
 
 
+MAX_COUNTS_BYTES = 64 << 20  # an expert_counts_file: a few numbers per expert and layer
+
+
 def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list[int]:
     """The `n` most routed experts of layer `key` by a counts file ({key: [count per expert]}),
     ties (and no file: uniform counts) broken by the lower id."""
@@ -116,12 +120,20 @@ def hot_experts(key: str, n: int, experts: int, counts_file: str | None) -> list
         raise ValueError(f"{key}: num_gpu_experts must lie in [0, {experts}], got {n}")
     counts = [0] * experts
     if counts_file:
+        path = Path(counts_file)
+        if not path.is_file() or path.stat().st_size > MAX_COUNTS_BYTES:
+            raise ValueError(f"{key}: expert_counts_file {counts_file!r} must be a regular file of at most "
+                             f"{MAX_COUNTS_BYTES} bytes")
         try:
-            with open(counts_file) as f:
-                table = json.load(f)
+            with open(path) as f:
+                table = json.loads(f.read(MAX_COUNTS_BYTES + 1))
         except (OSError, ValueError) as e:
             raise ValueError(f"{key}: cannot read expert_counts_file {counts_file!r}: {e}") from None
+        if not isinstance(table, dict):
+            raise ValueError(f"{key}: expert_counts_file {counts_file!r} must hold an object of layer -> counts")
         counts = table.get(key, counts)
-        if len(counts) != experts:
-            raise ValueError(f"{key}: {counts_file} has {len(counts)} counts for {experts} experts")
+        if (not isinstance(counts, list) or len(counts) != experts
+                or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts)):
+            n = len(counts) if isinstance(counts, list) else "no list of"
+            raise ValueError(f"{key}: {counts_file} has {n} counts for {experts} experts")
     return sorted(sorted(range(experts), key=lambda e: (-counts[e], e))[:n])
