@@ -316,3 +316,44 @@ def test_prefix_pool_restore_failures_leak_nothing():
     assert engine.cached_tokens(restored) == prompt[:48] and len(pool) == 0
     engine.release(restored)
     assert len(engine.cache._free) == pages
+
+
+def test_bad_inputs_are_4xx_in_the_api_shape(srv):
+    """Inputs that once gave a 500 or were accepted: an empty stop string, a content part whose
+    text is a number, an infinite temperature (Ollama), a body over --max_request_mb (413, by its
+    Content-Length and when chunked), all in each API's error shape."""
+    msgs = [{"role": "user", "content": "hi"}]
+    stop = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "stop": [""]})
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop"
+    part = httpx.post(srv.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert part.status_code == 400 and "must be a string" in part.json()["error"]["message"]
+    hot = httpx.post(srv.url + "/api/chat", content=b'{"messages": [{"role": "user", "content": "x"}], '
+                     b'"stream": false, "options": {"temperature": Infinity}}', headers={"content-type": "application/json"})
+    assert hot.status_code in (400, 422) and isinstance(hot.json()["error"], str)
+    big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    too_big = httpx.post(srv.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert too_big.status_code == 413 and "larger than" in too_big.json()["error"]["message"]
+
+    def chunks():
+        for _ in range(20):
+            yield b"a" * (1 << 20)
+    chunked = httpx.post(srv.url + "/api/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and "larger than" in chunked.json()["error"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_taken_port_fails_before_the_model_loads():
+    """The port is bound first: a taken one is a one-line error right away, the model never loaded."""
+    import subprocess
+    import sys
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "ktransformers.server", "--port", str(port),
+                              "--gguf_path", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr, out.stderr
+    assert "does not exist" not in out.stderr  # (the model path was never looked at)
+    assert time.monotonic() - started < 60

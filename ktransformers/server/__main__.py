@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_infer", type=int, help="CPU kernel threads")
     p.add_argument("--device", help="device of the non-expert parts (default: cuda if present)")
     p.add_argument("--api_key", help="require Authorization: Bearer KEY")
+    p.add_argument("--max_request_mb", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
     p.add_argument("--no_prefix_cache", action="store_true", help="do not keep finished requests' cache for reuse")
     p.add_argument("--prefix_cache_ram", type=float, default=1.0,
                    help="GiB of CPU RAM for prefix pages evicted from the KV cache (0: none)")
@@ -65,7 +66,8 @@ def make_server(args):
     from pathlib import Path
     name = args.model_name or Path(str(gguf_path)).stem
     defaults = SamplingParams.from_generation_config(getattr(loaded.model, "generation_config", None))
-    app = create_app(scheduler, name, args.api_key, args.max_new_tokens, defaults)
+    app = create_app(scheduler, name, args.api_key, args.max_new_tokens, defaults,
+                     max_body_bytes=int(args.max_request_mb * (1 << 20)))
     return app, scheduler
 
 
@@ -76,17 +78,42 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print('error: the server needs its extra: pip install -e ".[server]"', file=sys.stderr)
         return 2
+    if not args.max_request_mb > 0:
+        print("error: --max_request_mb must be positive", file=sys.stderr)
+        return 2
+    try:  # the port first: a taken one is an error before minutes of loading, not after
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         app, scheduler = make_server(args)
     except (ValueError, FileNotFoundError) as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, chat page /)", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         scheduler.close()
+        sock.close()
     return 0
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to host:port and listening (what uvicorn would open), made before the model loads."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The HTTP API: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), Ollama
-(`/api/chat`, `/api/generate`, `/api/tags`), `/health`, and the web chat page at `/`.
+(`/api/chat`, `/api/generate`, `/api/tags`), `/health`, and the web chat page at `/`. Prompts
+are tokenized off the event loop (a long one does not stall the other clients); bodies over
+--max_request_mb are refused with 413.
 
 Errors come in each API's own shape: OpenAI `{"error": {"message", "type", "param", "code"}}`,
 Ollama `{"error": "message"}`. A client that disconnects mid-stream has its request cancelled
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -48,10 +50,10 @@ class OpenAISampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -69,10 +71,10 @@ class CompletionBody(OpenAISampling):
 
 
 class OllamaOptions(_Body):
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
-    repeat_penalty: float | None = Field(default=None, gt=0)
+    repeat_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     num_predict: int | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: list[str] | None = None
@@ -99,17 +101,24 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+    texts = [part.get("text", "") for part in content if part.get("type", "text") == "text"]
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "a content part's text must be a string", "messages")
+    return "".join(texts)
 
 
 # -- the app ----------------------------------------------------------------------------------
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413): --max_request_mb
+
+
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
-               gen_defaults: SamplingParams | None = None) -> FastAPI:
+               gen_defaults: SamplingParams | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="ktransformers", version="0.1.0")
     from ..engine.harmony import harmony_chat
     served = _Served(scheduler, scheduler.tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
                      int(time.time()), harmony_chat(scheduler.tokenizer))
     _add_error_handlers(app)
+    _limit_body(app, max_body_bytes)
     if api_key:
         _require_api_key(app, api_key)
     _add_openai_routes(app, served)
@@ -164,6 +173,8 @@ class _Served:
         chat of a harmony model has its answer split into channels (the final one is the text)."""
         max_tokens = self._max_tokens(ids, max_tokens)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not s for s in stops):
+            raise APIError(400, "a stop string must not be empty", "stop")
         r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue())
         if chat and self.harmony is not None:
             r.harmony, r.stop_ids = self.harmony, frozenset(self.harmony.stop_ids)
@@ -243,6 +254,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: HTTPRequest, exc: APIError):
         return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
 
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(request: HTTPRequest, exc: _BodyTooLarge):
+        return _error_response(request.url.path, exc.status_code, exc.detail)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: HTTPRequest, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -252,6 +267,45 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
         return _error_response(request.url.path, 400 if first.get("type") == "json_invalid" else 422, message,
                                where or None)
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised by the counting receive; FastAPI lets HTTPExceptions through its body parsing."""
+
+    def __init__(self, message: str):
+        super().__init__(413, message)
+
+
+def _limit_body(app: FastAPI, limit: int) -> None:
+    """Bodies over `limit` bytes get 413 in the API's shape: by their Content-Length before any
+    byte is read, else (chunked) as soon as the bytes read pass it; never read whole into memory."""
+    inner = app.build_middleware_stack
+    message = f"the request body is larger than {limit} bytes (--max_request_mb)"
+
+    def limited():
+        stack = inner()
+
+        async def asgi(scope, receive, send):
+            if scope["type"] != "http":
+                return await stack(scope, receive, send)
+            length = dict(scope.get("headers", [])).get(b"content-length", b"")
+            if length.isdigit() and int(length) > limit:
+                return await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
+            seen = 0
+
+            async def counted():
+                nonlocal seen
+                event = await receive()
+                seen += len(event.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(message)
+                return event
+            try:
+                await stack(scope, counted, send)
+            except _BodyTooLarge:  # (before a response started: the handler was still reading the body)
+                await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
+        return asgi
+    app.build_middleware_stack = limited
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
@@ -280,12 +334,12 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 def _add_openai_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody):
-        return await _openai_run(s, body, s.chat_ids(body.messages), chat=True)
+        return await _openai_run(s, body, await asyncio.to_thread(s.chat_ids, body.messages), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         prompt = body.prompt if isinstance(body.prompt, str) else "".join(body.prompt)
-        return await _openai_run(s, body, s.tokenizer.encode(prompt), chat=False)
+        return await _openai_run(s, body, await asyncio.to_thread(s.tokenizer.encode, prompt), chat=False)
 
     @app.get("/v1/models")
     async def models():
@@ -368,16 +422,16 @@ def _add_ollama_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/api/generate")
     async def ollama_generate(body: OllamaGenerateBody):
         if body.raw or not getattr(s.tokenizer, "chat_template", None):
-            ids = s.tokenizer.encode((body.system + "\n" if body.system else "") + body.prompt)
+            ids = await asyncio.to_thread(s.tokenizer.encode, (body.system + "\n" if body.system else "") + body.prompt)
         else:
             messages = ([ChatMessage(role="system", content=body.system)] if body.system else []) + \
                 [ChatMessage(role="user", content=body.prompt)]
-            ids = s.chat_ids(messages)
+            ids = await asyncio.to_thread(s.chat_ids, messages)
         return await _ollama_run(s, body, ids, chat=False)
 
     @app.post("/api/chat")
     async def ollama_chat(body: OllamaChatBody):
-        return await _ollama_run(s, body, s.chat_ids(body.messages), chat=True)
+        return await _ollama_run(s, body, await asyncio.to_thread(s.chat_ids, body.messages), chat=True)
 
     @app.get("/api/tags")
     async def ollama_tags():
