@@ -357,3 +357,20 @@ def test_a_taken_port_fails_before_the_model_loads():
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr, out.stderr
     assert "does not exist" not in out.stderr  # (the model path was never looked at)
     assert time.monotonic() - started < 60
+
+
+def test_host_header_is_checked_on_loopback(srv):
+    """On a loopback bind only the loopback names are answered (DNS rebinding: a page of another
+    site whose name now resolves to 127.0.0.1); --allowed_hosts names others."""
+    from ktransformers.server.__main__ import allowed_hosts
+    from ktransformers.server.app import _host_name
+    assert httpx.get(srv.url + "/health").status_code == 200
+    for host in ("localhost:8080", "[::1]:10002", "127.0.0.1"):
+        assert httpx.get(srv.url + "/health", headers={"host": host}).status_code == 200, host
+    rebound = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, headers={"host": "evil.example:10002"})
+    assert rebound.status_code == 421 and "evil.example" in rebound.json()["error"]["message"]
+    assert httpx.get(srv.url + "/api/tags", headers={"host": "evil.example"}).json()["error"].startswith("Host")
+    assert _host_name(b"[::1]:80") == "::1" and _host_name(b"Example.COM:1") == "example.com"
+    parse = build_parser().parse_args
+    assert allowed_hosts(parse(["--host", "0.0.0.0"])) is None
+    assert allowed_hosts(parse(["--allowed_hosts", "chat.lan"])) == ("chat.lan",)

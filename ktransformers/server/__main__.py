@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="device of the non-expert parts (default: cuda if present)")
     p.add_argument("--api_key", help="require Authorization: Bearer KEY")
     p.add_argument("--max_request_mb", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
+    p.add_argument("--allowed_hosts", nargs="+", metavar="NAME",
+                   help="Host header names to answer (default on a loopback --host: localhost, 127.0.0.1, ::1, "
+                        "against DNS rebinding; elsewhere: any)")
     p.add_argument("--no_prefix_cache", action="store_true", help="do not keep finished requests' cache for reuse")
     p.add_argument("--prefix_cache_ram", type=float, default=1.0,
                    help="GiB of CPU RAM for prefix pages evicted from the KV cache (0: none)")
@@ -67,7 +70,7 @@ def make_server(args):
     name = args.model_name or Path(str(gguf_path)).stem
     defaults = SamplingParams.from_generation_config(getattr(loaded.model, "generation_config", None))
     app = create_app(scheduler, name, args.api_key, args.max_new_tokens, defaults,
-                     max_body_bytes=int(args.max_request_mb * (1 << 20)))
+                     max_body_bytes=int(args.max_request_mb * (1 << 20)), allowed_hosts=allowed_hosts(args))
     return app, scheduler
 
 
@@ -99,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.close()
         sock.close()
     return 0
+
+
+def allowed_hosts(args) -> tuple[str, ...] | None:
+    """The Host names to answer: --allowed_hosts, else the loopback names on a loopback --host
+    (where DNS rebinding could reach it from a browser), else any (None)."""
+    from .app import LOOPBACK_NAMES
+    if args.allowed_hosts:
+        return tuple(args.allowed_hosts)
+    return LOOPBACK_NAMES if args.host in LOOPBACK_NAMES or args.host.startswith("127.") else None
 
 
 def listening_socket(host: str, port: int):

@@ -111,14 +111,22 @@ def _text(content) -> str:
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413): --max_request_mb
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
-               gen_defaults: SamplingParams | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               gen_defaults: SamplingParams | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+    """`allowed_hosts`: the Host header names requests may carry (None: any), so that a page
+    on another site cannot reach a server on loopback through DNS rebinding."""
     app = FastAPI(title="ktransformers", version="0.1.0")
     from ..engine.harmony import harmony_chat
     served = _Served(scheduler, scheduler.tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
                      int(time.time()), harmony_chat(scheduler.tokenizer))
     _add_error_handlers(app)
     _limit_body(app, max_body_bytes)
+    if allowed_hosts is not None:
+        _check_host(app, allowed_hosts)
     if api_key:
         _require_api_key(app, api_key)
     _add_openai_routes(app, served)
@@ -306,6 +314,34 @@ def _limit_body(app: FastAPI, limit: int) -> None:
                 await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
         return asgi
     app.build_middleware_stack = limited
+
+
+def _host_name(header: bytes) -> str:
+    """The name of a Host header, without its port ('[::1]:8080' -> '::1')."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def _check_host(app: FastAPI, allowed: tuple[str, ...]) -> None:
+    """Requests whose Host is not an allowed name get 421 in the API's shape."""
+    inner = app.build_middleware_stack
+    names = {name.lower() for name in allowed}
+
+    def checked():
+        stack = inner()
+
+        async def asgi(scope, receive, send):
+            if scope["type"] == "http":
+                host = _host_name(dict(scope.get("headers", [])).get(b"host", b""))
+                if host not in names:
+                    response = _error_response(scope.get("path", ""), 421, f"Host {host!r} is not served here "
+                                               "(--allowed_hosts)", kind="invalid_request_error")
+                    return await response(scope, receive, send)
+            await stack(scope, receive, send)
+        return asgi
+    app.build_middleware_stack = checked
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
