@@ -374,3 +374,28 @@ def test_host_header_is_checked_on_loopback(srv):
     parse = build_parser().parse_args
     assert allowed_hosts(parse(["--host", "0.0.0.0"])) is None
     assert allowed_hosts(parse(["--allowed_hosts", "chat.lan"])) == ("chat.lan",)
+
+
+def test_a_slow_partial_body_times_out(srv, monkeypatch):
+    """A request whose body stops coming is answered 408 once BODY_TIMEOUT_S passes (set short
+    here), in the API's shape; the server goes on serving."""
+    from ktransformers.server import app as A
+    monkeypatch.setattr(A, "BODY_TIMEOUT_S", 0.5)
+    fast = A.create_app(srv.scheduler, "demo", max_body_bytes=1 << 20)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fast, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            c.settimeout(20)
+            reply = c.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply, reply[:300]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

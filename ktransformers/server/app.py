@@ -109,6 +109,7 @@ def _text(content) -> str:
 
 # -- the app ----------------------------------------------------------------------------------
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413): --max_request_mb
+BODY_TIMEOUT_S = 30.0  # the longest wait for the next part of a request body that has not all come (408)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -280,15 +281,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 class _BodyTooLarge(HTTPException):
     """Raised by the counting receive; FastAPI lets HTTPExceptions through its body parsing."""
 
-    def __init__(self, message: str):
-        super().__init__(413, message)
+    def __init__(self, message: str, status: int = 413):
+        super().__init__(status, message)
 
 
-def _limit_body(app: FastAPI, limit: int) -> None:
+def _limit_body(app: FastAPI, limit: int, timeout: float | None = None) -> None:
     """Bodies over `limit` bytes get 413 in the API's shape: by their Content-Length before any
-    byte is read, else (chunked) as soon as the bytes read pass it; never read whole into memory."""
+    byte is read, else (chunked) as soon as the bytes read pass it; never read whole into memory.
+    A body whose next part does not come within `timeout` seconds gets 408 (a slow partial
+    request holds no handler forever); once it has all come, receive waits unbounded again (a
+    streaming response listens on it for the client's disconnect)."""
     inner = app.build_middleware_stack
     message = f"the request body is larger than {limit} bytes (--max_request_mb)"
+    timeout = BODY_TIMEOUT_S if timeout is None else timeout
 
     def limited():
         stack = inner()
@@ -299,12 +304,18 @@ def _limit_body(app: FastAPI, limit: int) -> None:
             length = dict(scope.get("headers", [])).get(b"content-length", b"")
             if length.isdigit() and int(length) > limit:
                 return await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
-            seen = 0
+            seen, complete = 0, False
 
             async def counted():
-                nonlocal seen
-                event = await receive()
+                nonlocal seen, complete
+                if complete:
+                    return await receive()
+                try:
+                    event = await asyncio.wait_for(receive(), timeout)
+                except asyncio.TimeoutError:
+                    raise _BodyTooLarge(f"the request body did not arrive within {timeout:g} s", 408) from None
                 seen += len(event.get("body", b""))
+                complete = event.get("type") != "http.request" or not event.get("more_body", False)
                 if seen > limit:
                     raise _BodyTooLarge(message)
                 return event
