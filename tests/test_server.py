@@ -340,6 +340,13 @@ def test_bad_inputs_are_4xx_in_the_api_shape(srv):
             yield b"a" * (1 << 20)
     chunked = httpx.post(srv.url + "/api/generate", content=chunks(), headers={"content-type": "application/json"})
     assert chunked.status_code == 413 and "larger than" in chunked.json()["error"]
+    for body in (b'{"prompt": "\xff\xfe"}', b"[" * 5000 + b"]" * 5000):  # not UTF-8; nested too deep
+        bad = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        bad = httpx.post(srv.url + "/api/generate", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
+    missing = httpx.get(srv.url + "/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert httpx.get(srv.url + "/health").status_code == 200
 
 

@@ -23,6 +23,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
@@ -263,9 +264,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: HTTPRequest, exc: APIError):
         return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
 
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(request: HTTPRequest, exc: _BodyTooLarge):
-        return _error_response(request.url.path, exc.status_code, exc.detail)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        """Starlette's and FastAPI's own errors (an unknown route, a body it cannot parse: not UTF-8,
+        or JSON nested too deep for the parser) in the API's shape."""
+        message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "the body is not valid JSON (not UTF-8, or nested too deep)"
+        return _error_response(request.url.path, exc.status_code, message)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: HTTPRequest, exc: RequestValidationError):
