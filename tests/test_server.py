@@ -204,6 +204,7 @@ def test_full_queue_answers_429_and_api_key():
                     hang_up.wait(120)  # keep the request alive (running or waiting) until the 429 is seen
                 else:
                     statuses.append(json.loads(r.read())["error"]["type"])
+                    statuses.append(r.headers.get("retry-after"))
         threads = [threading.Thread(target=client) for _ in range(3)]
         for t in threads:
             t.start()
@@ -214,6 +215,23 @@ def test_full_queue_answers_429_and_api_key():
         for t in threads:
             t.join(timeout=60)
         assert statuses.count(429) == 1 and statuses.count(200) == 2 and "rate_limit_error" in statuses
+        assert "1" in statuses  # Retry-After
+    finally:
+        s.stop()
+
+
+def test_a_full_cache_queues_requests_instead_of_cutting_them():
+    """Eight requests that each need half of a small cache (two of its four 256-token pages) at
+    once: each starts only when the pages it may take are sure, so every one generates all its
+    max_tokens (none cut short with finish_reason "length" early, none failing for want of pages)."""
+    s = Running("--max_batch_size", "8", "--cache_lens", "1024", "--no_prefix_cache")
+    try:
+        body = {"prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=300), range(8)))
+        assert [r.status_code for r in replies] == [200] * 8, [r.text[:200] for r in replies]
+        assert [r.json()["usage"]["completion_tokens"] for r in replies] == [300] * 8
+        assert s.scheduler.free_pages() == 4  # all given back
     finally:
         s.stop()
 

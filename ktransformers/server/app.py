@@ -32,9 +32,10 @@ STATIC = Path(__file__).parent / "static"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
 # -- request bodies ---------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class _Served:
         try:
             self.scheduler.submit(r)
         except QueueFull as e:
-            raise APIError(429, str(e), kind="rate_limit_error") from None
+            raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
         return r
 
     def _max_tokens(self, ids: list[int], max_tokens: int | None) -> int:
@@ -252,17 +253,17 @@ def _finish(r: Request) -> str:
 
 # -- errors and the API key -------------------------------------------------------------------
 def _error_response(path: str, status: int, message: str, param: str | None = None,
-                    kind: str = "invalid_request_error") -> JSONResponse:
+                    kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
     if path.startswith("/api/"):  # Ollama's shape
-        return JSONResponse({"error": message}, status_code=status)
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, exc: APIError):
-        return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
+        return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):

@@ -250,7 +250,10 @@ class Scheduler:
         for r in [r for r in self.running if r.cancelled]:
             self._finish(r, "cancelled")
         while self._waiting and len(self.running) < self.max_batch:
-            r = self._waiting.popleft()
+            r = self._waiting[0]
+            if not r.cancelled and not self._fits(r):
+                break  # it waits, first in line, until running requests give pages back
+            self._waiting.popleft()
             with self._lock:
                 self._pending -= 1
             if r.cancelled:
@@ -288,6 +291,17 @@ class Scheduler:
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
                 self._accept_one(r, row, best if plain else None)
+
+    def _pages_to_finish(self, r: Request) -> int:
+        """Pages `r` may still take: to hold its prompt and max_tokens, less those it holds."""
+        total = -(-(len(r.prompt_ids) + r.max_tokens) // self.engine.cache.page_size)
+        return max(0, total - (len(r.seq.pages) if r.seq is not None else 0))
+
+    def _fits(self, r: Request) -> bool:
+        """Whether `r` can start with every running request still sure of the pages it may take: a
+        request is admitted only then, so none is cut short or fails for want of pages later."""
+        owed = sum(self._pages_to_finish(q) for q in self.running)
+        return self._pages_to_finish(r) + owed <= self.free_pages()
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         cache = self.engine.cache
