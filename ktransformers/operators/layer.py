@@ -236,7 +236,6 @@ class KDecoderLayer(BaseInjectedModule):
         (a gate or router module, and shared experts, called as they are)."""
         from .attention import KGQAAttention
         from .experts import KExpertsCPU, KTransformersExperts
-        from .gate import KMoEGateSoftmax
         from .moe import KMoEBlock
         attn, mlp = self.self_attn, self.mlp
         route = _cpu_route(mlp)
@@ -256,7 +255,7 @@ class KDecoderLayer(BaseInjectedModule):
             # (the cache itself is checked each step: _decode_one)
             return None
         shared = mlp._shared if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
-        gate = mlp.gate if isinstance(getattr(mlp, "gate", None), KMoEGateSoftmax) else None
+        gate = mlp.gate if route[0] is not None else None  # (a KMoEGateSoftmax, routed inline)
         H, d = self.input_layernorm.weight.shape[0], attn.head_dim
         heads, kv = attn.num_heads, attn.num_kv_heads
         sizes = {"h": H, "q": heads * d, "k": kv * d, "v": kv * d, "qn": heads * d, "kn": kv * d,

@@ -292,25 +292,45 @@ class _BodyTooLarge(HTTPException):
         super().__init__(status, message)
 
 
+def _wrap(app: FastAPI, around) -> None:
+    """Put `around(stack)`, an ASGI app around the app's own stack, outermost. A plain ASGI wrapper,
+    not a middleware class: streamed bodies pass through untouched (no hop per chunk)."""
+    inner = app.build_middleware_stack
+    app.build_middleware_stack = lambda: around(inner())
+
+
+def _guard(app: FastAPI, refuse) -> None:
+    """Turn HTTP requests away where `refuse(scope)` gives their error response (None: let through)."""
+    def around(stack):
+        async def asgi(scope, receive, send):
+            response = refuse(scope) if scope["type"] == "http" else None
+            await (response or stack)(scope, receive, send)
+        return asgi
+    _wrap(app, around)
+
+
+def _header(scope, name: bytes) -> bytes:
+    return dict(scope.get("headers", [])).get(name, b"")
+
+
 def _limit_body(app: FastAPI, limit: int, timeout: float | None = None) -> None:
     """Bodies over `limit` bytes get 413 in the API's shape: by their Content-Length before any
     byte is read, else (chunked) as soon as the bytes read pass it; never read whole into memory.
     A body whose next part does not come within `timeout` seconds gets 408 (a slow partial
     request holds no handler forever); once it has all come, receive waits unbounded again (a
     streaming response listens on it for the client's disconnect)."""
-    inner = app.build_middleware_stack
     message = f"the request body is larger than {limit} bytes (--max_request_mb)"
     timeout = BODY_TIMEOUT_S if timeout is None else timeout
 
-    def limited():
-        stack = inner()
+    def too_long(scope):
+        length = _header(scope, b"content-length")
+        return _error_response(scope.get("path", ""), 413, message) if length.isdigit() and int(length) > limit else None
+    _guard(app, too_long)
 
+    def around(stack):
         async def asgi(scope, receive, send):
             if scope["type"] != "http":
                 return await stack(scope, receive, send)
-            length = dict(scope.get("headers", [])).get(b"content-length", b"")
-            if length.isdigit() and int(length) > limit:
-                return await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
             seen, complete = 0, False
 
             async def counted():
@@ -328,10 +348,10 @@ def _limit_body(app: FastAPI, limit: int, timeout: float | None = None) -> None:
                 return event
             try:
                 await stack(scope, counted, send)
-            except _BodyTooLarge:  # (before a response started: the handler was still reading the body)
-                await _error_response(scope.get("path", ""), 413, message)(scope, receive, send)
+            except _BodyTooLarge as e:  # (raised where FastAPI's handlers do not see it: outside a route)
+                await _error_response(scope.get("path", ""), e.status_code, e.detail)(scope, receive, send)
         return asgi
-    app.build_middleware_stack = limited
+    _wrap(app, around)
 
 
 def _host_name(header: bytes) -> str:
@@ -344,44 +364,26 @@ def _host_name(header: bytes) -> str:
 
 def _check_host(app: FastAPI, allowed: tuple[str, ...]) -> None:
     """Requests whose Host is not an allowed name get 421 in the API's shape."""
-    inner = app.build_middleware_stack
     names = {name.lower() for name in allowed}
 
-    def checked():
-        stack = inner()
-
-        async def asgi(scope, receive, send):
-            if scope["type"] == "http":
-                host = _host_name(dict(scope.get("headers", [])).get(b"host", b""))
-                if host not in names:
-                    response = _error_response(scope.get("path", ""), 421, f"Host {host!r} is not served here "
-                                               "(--allowed_hosts)", kind="invalid_request_error")
-                    return await response(scope, receive, send)
-            await stack(scope, receive, send)
-        return asgi
-    app.build_middleware_stack = checked
+    def foreign(scope):
+        host = _host_name(_header(scope, b"host"))
+        return None if host in names else _error_response(scope.get("path", ""), 421,
+                                                          f"Host {host!r} is not served here (--allowed_hosts)")
+    _guard(app, foreign)
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """/v1 and /api answer 401 without `Authorization: Bearer api_key`. A plain ASGI wrapper, not a
-    middleware class: streamed bodies pass through untouched (no hop per chunk)."""
-    inner = app.build_middleware_stack
+    """/v1 and /api answer 401 without `Authorization: Bearer api_key`."""
     expected = f"Bearer {api_key}".encode()
 
-    def guarded():
-        stack = inner()
-
-        async def asgi(scope, receive, send):
-            path = scope.get("path", "")
-            if scope["type"] == "http" and (path.startswith("/v1/") or path.startswith("/api/")):
-                if dict(scope.get("headers", [])).get(b"authorization", b"") != expected:
-                    response = _error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
-                                               kind="authentication_error")
-                    await response(scope, receive, send)
-                    return
-            await stack(scope, receive, send)
-        return asgi
-    app.build_middleware_stack = guarded
+    def unauthorized(scope):
+        path = scope.get("path", "")
+        if (path.startswith("/v1/") or path.startswith("/api/")) and _header(scope, b"authorization") != expected:
+            return _error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
+                                   kind="authentication_error")
+        return None
+    _guard(app, unauthorized)
 
 
 # -- OpenAI -----------------------------------------------------------------------------------

@@ -119,8 +119,7 @@ class LayerwisePrefill:
         self.groups = expert_groups(E, 3 * I * H * 2, self.group_bytes)
         self.tiles = self._tiles(cpu_op)
         if self.spec.bias:
-            self.bias = tuple(b.to(self.device) for b in load_biases(weights, self.spec, torch.device("cpu"),
-                                                                     torch.float32))
+            self.bias = load_biases(weights, self.spec, self.device, torch.float32)
 
     def _tiles(self, cpu_op):
         """(tile buffers, types) of the CPU experts where the GPU can read them in place (what
