@@ -460,6 +460,20 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
         next(engine.decode_tokens(engine.new_sequence(), first, 3, Sampler(SamplingParams(repetition_penalty=1.2))))
 
 
+def _prefill_on_cpu_and_gpu(engine, ids) -> list[torch.Tensor]:
+    """The prompt's logits with the experts on the CPU (threshold 0: layer-wise prefill off) and
+    layer by layer on the GPU (threshold 8), asserted to agree; both returned."""
+    results = []
+    for threshold in (0, 8):
+        engine.context.prefill_gpu_threshold = threshold
+        seq = engine.new_sequence()
+        results.append(engine.prefill(seq, ids).float().cpu())
+        engine.release(seq)
+    err = ((results[0] - results[1]).norm() / results[0].norm()).item()
+    assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
+    return results
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_layerwise_prefill_of_gpt_oss_mxfp4_experts(tmp_path):
@@ -473,14 +487,7 @@ def test_layerwise_prefill_of_gpt_oss_mxfp4_experts(tmp_path):
     assert len(layers) == 2 and all(m.layerwise.bias is not None for m in layers)
     engine = Engine(model, cache_lens=128, page_size=16, chunk_size=64)
     ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(13)).tolist()
-    results = []
-    for threshold in (0, 8):
-        engine.context.prefill_gpu_threshold = threshold
-        seq = engine.new_sequence()
-        results.append(engine.prefill(seq, ids).float().cpu())
-        engine.release(seq)
-    err = ((results[0] - results[1]).norm() / results[0].norm()).item()
-    assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
+    _prefill_on_cpu_and_gpu(engine, ids)
 
 
 @pytest.mark.gpu
@@ -501,14 +508,7 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch, path):
     assert len(layers) == 3 and layers[0].layerwise.next is layers[1].layerwise
     assert all((m.layerwise.tiles is not None) == (path == "tiles") for m in layers)
     ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
-    results = []
-    for threshold in (0, 8):
-        engine.context.prefill_gpu_threshold = threshold
-        seq = engine.new_sequence()
-        results.append(engine.prefill(seq, ids).float().cpu())
-        engine.release(seq)
-    err = ((results[0] - results[1]).norm() / results[0].norm()).item()
-    assert err < 3e-2, f"layer-wise prefill vs CPU experts {err:.2e}"
+    results = _prefill_on_cpu_and_gpu(engine, ids)
     # A layer too large for prefill_gpu_group_mb goes in groups of experts (three here, of 3, 3 and 2),
     # each staged while the one before computes: the same logits to the bit
     spec = layers[0].layerwise.spec
