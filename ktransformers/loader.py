@@ -18,7 +18,7 @@ from .optimize.rules import load_rules
 from .optimize.skeleton import DEFAULT_RULES, RULES_DIR, build_skeleton, default_rule_file, load_config  # noqa: F401
 from .weights.gguf import GGUFFileSet, GGUFSource
 from .weights.gguf_config import arch_of
-from .weights.gguf_tokenizer import set_pre_tokenizer
+from .weights.gguf_tokenizer import byte_level_bpe, set_pre_tokenizer
 
 
 @dataclass
@@ -31,19 +31,28 @@ class LoadedModel:
 
 def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,
                    files: GGUFFileSet | None = None):
-    """The tokenizer from --model_path, else from tokenizer files beside the GGUF, else rebuilt by
-    transformers from the GGUF metadata (None if it can't); `files`: the GGUF already open."""
+    """The tokenizer from --model_path, else from tokenizer files beside the GGUF, else rebuilt
+    from the GGUF metadata: by transformers, or, for a byte-level BPE vocabulary whose architecture
+    the installed transformers cannot rebuild, from its tokens and merges directly. `files`: the
+    GGUF already open. A ValueError says why none could be built."""
     if model_path is not None:
         return AutoTokenizer.from_pretrained(model_path)
     path = Path(gguf_path)
+    if not is_gguf(path):  # a safetensors checkpoint holds its tokenizer files
+        return AutoTokenizer.from_pretrained(path)
     file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
     if (file.parent / "tokenizer.json").is_file():  # tokenizer files shipped beside the GGUF win
         return PreTrainedTokenizerFast.from_pretrained(file.parent)
+    metadata = (files or GGUFFileSet(file)).metadata
     try:  # the fast-tokenizer class directly: AutoTokenizer would first want an HF config for the architecture
         tokenizer = PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
-    except Exception:  # transformers cannot build every GGUF tokenizer; callers say so
-        return None
-    return set_pre_tokenizer(tokenizer, (files or GGUFFileSet(file)).metadata.get("tokenizer.ggml.pre"))
+    except Exception as e:  # transformers rebuilds the GGUF tokenizers of the architectures it knows
+        try:
+            return byte_level_bpe(metadata, str(file))
+        except ValueError as ours:
+            raise ValueError(f"cannot build the tokenizer of {file}: transformers says {type(e).__name__}: {e}; "
+                             f"{ours}. Pass --model_path with the model's tokenizer files") from e
+    return set_pre_tokenizer(tokenizer, metadata.get("tokenizer.ggml.pre"))
 
 
 def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
@@ -53,7 +62,8 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
                memory_budget: dict[str, int] | None = None) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
     the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels;
-    `tokenizer=False` skips building the tokenizer (benchmarks feed token ids). Before loading,
+    `tokenizer=False` skips building the tokenizer (benchmarks feed token ids); otherwise it is built
+    before the weights load, and a ValueError says why where it cannot be. Before loading,
     the bytes each device will hold (with a KV cache of `cache_lens` tokens when given) are checked
     against `memory_budget` ({'cuda:0': bytes, 'cpu': bytes}; default: what is free now)."""
     if not Path(gguf_path).exists():
@@ -63,6 +73,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     config = load_config(model_path, gguf_path, files)
     if weights is not None:
         check_architecture(config, files)
+    loaded_tokenizer = load_tokenizer(model_path, gguf_path, files) if tokenizer else None  # before the weights
     if dtype is None:  # float32 on the CPU: torch's bf16 GEMV/norms there are slow; bf16 on GPUs
         dtype = torch.bfloat16 if torch.device(default_device).type == "cuda" else torch.float32
     model = build_skeleton(config, dtype)
@@ -90,7 +101,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
                           "tiles (decode and prefill on the CPU run slower)", stacklevel=2)
     plan = optimize_and_load_gguf(model, rules, weights or gguf_path, config, default_device=default_device,
                                   progress=progress, cpu_infer=cpu_infer, cpu_tiles=tiles)
-    return LoadedModel(model, config, load_tokenizer(model_path, gguf_path, files) if tokenizer else None, plan)
+    return LoadedModel(model, config, loaded_tokenizer, plan)
 
 
 def freeze_heap() -> None:

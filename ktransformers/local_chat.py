@@ -185,9 +185,6 @@ def load_engine(args: argparse.Namespace):
     if args.prefill_gpu_threshold is not None:
         from .operators.experts import set_prefill_gpu_threshold
         set_prefill_gpu_threshold(loaded.model, args.prefill_gpu_threshold)
-    if loaded.tokenizer is None:
-        raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path with the "
-                         f"model's tokenizer files")
     if args.mode == "long_context":
         _absorb_prefill(loaded.model)
     return Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 KEYS = {"shape", "format", "tokens", "threads", "isa", "median_us", "weight_bytes", "gbps", "stream_gbps", "tflops",
         "peer", "kernel_us", "kernel_gbps"}  # the issue's keys, and the in-kernel time of the same calls
 
@@ -115,3 +117,81 @@ def test_bench_moe_copies_cover_the_last_level_cache(monkeypatch):
     assert moe.default_copies(shape, "Q4_K_M") == 3  # (RAM: the floor of 3, expert_budget trims experts)
     monkeypatch.undo()
     assert moe.l3_bytes() >= 0  # (read from sysfs here: a number, never an error)
+
+
+TEXTS = ["hello world, this is a test 12345", "The  quick\n\nbrown fox! ünïcode 日本語 <|im_start|>user", "  x\ty "]
+
+
+def _random_text(rng) -> str:
+    alphabet = "abcdefghij XYZ 0123456789 ,.!?\n\t'\"é日"
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+
+
+def _tiny_synthetic(tmp_path, vocab: int):
+    from ktransformers.bench.synth import config_from_fields, write_synthetic
+    config = config_from_fields({"model_type": "qwen3_moe", "vocab_size": vocab, "hidden_size": 64,
+                                 "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_experts": 4,
+                                 "num_experts_per_tok": 2})
+    path = tmp_path / "m.gguf"
+    write_synthetic(config, path, "Q8_0")
+    return path
+
+
+@pytest.mark.parametrize("size", [300, 2000, 40000])
+def test_synthetic_vocab_is_a_byte_level_bpe_both_builders_read(tmp_path, size):
+    """bench.synth's vocabulary: exactly `size` unique tokens; transformers' GGUF builder and ours
+    (the fallback for architectures transformers has none for) tokenize alike, text comes back,
+    and the chat template is ChatML's."""
+    import random
+
+    from ktransformers.bench.synth import SPECIAL_TOKENS
+    from ktransformers.loader import load_tokenizer
+    from ktransformers.weights.gguf import GGUFFileSet
+    from ktransformers.weights.gguf_tokenizer import byte_level_bpe
+    path = _tiny_synthetic(tmp_path, size)
+    meta = GGUFFileSet(path).metadata
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(set(tokens)) == len(meta["tokenizer.ggml.token_type"]) == size
+    assert tokens[-len(SPECIAL_TOKENS):] == list(SPECIAL_TOKENS)
+    theirs, ours = load_tokenizer(None, path), byte_level_bpe(meta)
+    rng = random.Random(size)
+    for text in TEXTS + [_random_text(rng) for _ in range(20)]:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == text and all(0 <= i < size for i in ids)
+    assert ours("<|im_end|>")["input_ids"] == theirs("<|im_end|>")["input_ids"] == [size - 1]
+    msgs = [{"role": "user", "content": "hi there"}]
+    for tok in (ours, theirs):
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.eos_token == "<|im_end|>"
+
+
+def test_tokenizer_fallback_and_its_errors(tmp_path, monkeypatch):
+    """Where transformers cannot rebuild a GGUF's tokenizer, a byte-level BPE one is built from the
+    tokens and merges; anything else is a ValueError naming the file and both reasons, raised by
+    load_model before any weight is read."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ktransformers import loader
+    from ktransformers.weights.gguf_tokenizer import byte_level_bpe
+    path = _tiny_synthetic(tmp_path, 1000)
+    real = loader.load_tokenizer(None, path)
+
+    def refuse(*a, **k):
+        raise KeyError("no converter for this architecture")
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", refuse)
+    rebuilt = loader.load_tokenizer(None, path)
+    assert rebuilt("hello there 42")["input_ids"] == real("hello there 42")["input_ids"]
+    with pytest.raises(ValueError, match=r"merges\[1\] is 'a b c'"):
+        byte_level_bpe({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
+                        "tokenizer.ggml.merges": ["a b", "a b c"]})
+    with pytest.raises(ValueError, match="repeated"):
+        byte_level_bpe({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "a"], "tokenizer.ggml.merges": []})
+    monkeypatch.setattr(loader, "byte_level_bpe", lambda meta, where: byte_level_bpe({"tokenizer.ggml.model": "t5"},
+                                                                                      where))
+    monkeypatch.setattr(loader, "optimize_and_load_gguf", lambda *a, **k: pytest.fail("weights loaded first"))
+    with pytest.raises(ValueError, match=r"cannot build the tokenizer of .*m\.gguf: transformers says KeyError.*"
+                                         r"'t5'; only byte-level BPE.*--model_path"):
+        loader.load_model(path, progress=False)

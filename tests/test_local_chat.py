@@ -231,6 +231,22 @@ def test_rule_file_without_experts(gguf, tmp_path):
     assert out.stderr.count("\n") == 1
 
 
+def test_a_synthetic_file_chats(tmp_path):
+    """bench.synth's file as it is (random weights, its own byte-level BPE and ChatML template):
+    local_chat builds its tokenizer from the file and answers, with no --model_path."""
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "glm4_moe", "vocab_size": 1200, "hidden_size": 128, "intermediate_size": 256, '
+        '"moe_intermediate_size": 64, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, '
+        '"num_key_value_heads": 2, "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, '
+        '"n_shared_experts": 1, "partial_rotary_factor": 0.5}')
+    path = tmp_path / "synth.gguf"
+    subprocess.run([sys.executable, "-m", "ktransformers.bench.synth", "--config", str(tmp_path / "config.json"),
+                    "--type", "Q8_0", "--out", str(path)], check=True, capture_output=True)
+    out = run(["--gguf_path", str(path), "--max_new_tokens", "5", "--greedy", "--cpu_infer", "1", "--prompt", "hi"])
+    assert out.returncode == 0, out.stderr
+    assert "eval count:           5 token(s)" in out.stdout.splitlines()
+
+
 def test_demo_model_answers_with_no_model_flags():
     """The README's first command: no flags at all, the bundled demo model continues English."""
     out = run(["--prompt", "The function returns", "--max_new_tokens", "24", "--greedy"])

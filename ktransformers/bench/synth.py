@@ -83,6 +83,7 @@ def config_from_fields(fields: dict, layers: int | None = None, experts: int | N
         fields[key] = experts
     if vocab:
         fields["vocab_size"] = vocab
+    fields["num_nextn_predict_layers"] = 0  # the file holds no next-n (MTP) layer; GGUF's block_count then counts none
     return AutoConfig.for_model(model_type, **fields)
 
 
@@ -124,18 +125,55 @@ def random_encoder(seed: int = 0):
     return encode
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _byte_chars() -> list[str]:
+    """The byte-level alphabet: the character GPT-2's byte-level BPE writes for each byte 0..255."""
+    direct = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+              *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in direct:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def synthetic_vocab(size: int) -> dict:
-    """`tokenizer.ggml.*` keys of a SentencePiece-style vocabulary of `size` made-up pieces
-    (control tokens, the 256 byte tokens, then "▁w<i>"), so llama.cpp accepts the file."""
-    if size < 300:
-        raise ValueError(f"a synthetic vocabulary needs at least 300 tokens, got {size}")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256
-    tokens += [f"\u2581w{i}" for i in range(size - len(tokens))]
-    types += [1] * (size - len(types))
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.scores": [-float(i) for i in range(size)], "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    """`tokenizer.ggml.*` keys of a byte-level BPE vocabulary of exactly `size` tokens (the kind the
+    MoE families ship: llama.cpp's "gpt2" model, "qwen2" pre-tokenizer): the 256 byte tokens, then
+    the merges of every pair of printable ASCII characters, then of pair + character, as many as
+    fit, and ChatML's three special tokens last, with ChatML as the chat template. transformers and
+    llama.cpp both build it, so chat and serving benchmarks run on a synthetic file as it is."""
+    first = 256 + len(SPECIAL_TOKENS)
+    if size < first:
+        raise ValueError(f"a synthetic vocabulary needs at least {first} tokens, got {size}")
+    byte = _byte_chars()
+    printable = [byte[b] for b in range(32, 127)]  # space is 'Ġ'
+    want = size - first
+    merges: list[str] = []
+    pairs = [(a, b) for a in printable for b in printable]
+    for a, b in pairs[:want]:
+        merges.append(f"{a} {b}")
+    for a, b in pairs:
+        if len(merges) >= want:
+            break
+        merges.extend(f"{a + b} {c}" for c in printable[:want - len(merges)])
+    if len(merges) < want:
+        raise ValueError(f"a synthetic vocabulary holds at most {first + len(pairs) * (1 + len(printable))} tokens, "
+                         f"got {size}")
+    tokens = byte + [m.replace(" ", "") for m in merges] + list(SPECIAL_TOKENS)
+    eot, _, im_end = range(size - len(SPECIAL_TOKENS), size)
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * (size - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS),
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": eot, "tokenizer.ggml.eos_token_id": im_end,
+            "tokenizer.ggml.padding_token_id": eot, "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": CHATML}
 
 
 def write_synthetic(config: PretrainedConfig, out: str | Path, type_name: str = "Q4_K_M", seed: int = 0) -> dict:

@@ -57,8 +57,6 @@ def make_server(args):
     loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                         cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
     freeze_heap()
-    if loaded.tokenizer is None:
-        raise ValueError(f"transformers cannot build the tokenizer of {gguf_path}; pass --model_path")
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
                     use_cuda_graph=device.startswith("cuda"), max_batch=args.max_batch_size)
     from ..cache.prefix import PrefixStore
