@@ -187,8 +187,10 @@ def load_engine(args: argparse.Namespace):
         set_prefill_gpu_threshold(loaded.model, args.prefill_gpu_threshold)
     if args.mode == "long_context":
         _absorb_prefill(loaded.model)
-    return Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
-                  use_cuda_graph=args.use_cuda_graph)
+    engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
+                    use_cuda_graph=args.use_cuda_graph)
+    engine.warm_up(batch_sizes=(1,))
+    return engine
 
 
 def sampling_params(model: torch.nn.Module, args: argparse.Namespace):

@@ -274,6 +274,27 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_captures_every_batch_size_and_changes_no_answer(tmp_path):
+    """Engine.warm_up captures the decode graph of each batch size asked for and gives every
+    cache page back; the greedy answers after it are those of an engine that did not warm up."""
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    answers = []
+    for warm in (False, True):
+        engine = Engine(model, cache_lens=256, page_size=16, chunk_size=32, use_cuda_graph=True, max_batch=4)
+        if warm:
+            assert engine.warm_up(batch_sizes=range(1, 5), progress=False) > 0
+            assert engine.graphs.batch_sizes == [1, 2, 3, 4]
+            assert len(engine.cache._free) == engine.cache.num_pages
+        answers.append([list(engine.generate(ids[:n], max_new_tokens=6).token_ids()) for n in (5, 20)])
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_doorbell_equals_host_functions(tmp_path, monkeypatch, family):
     """The two hand-offs of CPU experts fed from a GPU stream (kernels/cuda_host.py), with their

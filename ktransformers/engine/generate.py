@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from ..cache import CacheFullError, PagedCache, Sequence, make_cache
 from ..operators.base import set_phase
@@ -236,6 +237,11 @@ class _Ahead:
     calls: list  # its CPU experts' (host call, name) pairs
     fed: int | None
     issue_s: float
+
+
+# Triton specializes an int argument on whether it is 1 or a multiple of 16: prompts of these two
+# lengths compile both variants that later prompts meet.
+WARM_UP_PROMPTS = (16, 21)
 
 
 class Engine:
@@ -572,6 +578,42 @@ class Engine:
         except (ValueError, RuntimeError):
             if report:
                 raise
+
+    # -- before the first request ------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, batch_sizes: Seq[int] = (1,), prompt_tokens: Seq[int] = WARM_UP_PROMPTS,
+                progress: bool = True) -> float:
+        """On a GPU: compile the kernels and capture the decode graphs now, not in front of the
+        first user: a prefill of each of `prompt_tokens` lengths, then one decode step of each of
+        `batch_sizes` sequences at once (each graph is captured at its batch size). Triton keeps
+        what it compiles in its on-disk cache, so a later process only loads it. The warm-up's
+        cache entries are freed. Seconds taken (0 on the CPU: nothing there compiles)."""
+        if not self.on_cuda:
+            return 0.0
+        began = time.perf_counter()
+        sizes = sorted({b for b in batch_sizes if 0 < b <= max(1, self.cache.num_pages)})
+        steps = len(prompt_tokens) + len(sizes)
+        with tqdm(total=steps, desc="compiling GPU kernels", unit="step", disable=not progress) as bar:
+            for n in prompt_tokens:
+                seq = self.new_sequence()
+                try:
+                    self.prefill(seq, [0] * min(n, self.cache.capacity - 1))
+                finally:
+                    self.release(seq)
+                bar.update()
+            for B in sizes:
+                seqs = [self.new_sequence() for _ in range(B)]
+                try:
+                    for seq in seqs:  # one token of context each: a page a sequence
+                        self.prefill(seq, [0])
+                    self._set_phase("generate")
+                    self.step(seqs, [[0]] * B)
+                finally:
+                    for seq in seqs:
+                        self.release(seq)
+                bar.set_postfix(batch=B)
+                bar.update()
+        return time.perf_counter() - began
 
     def new_sequence(self) -> Sequence:
         return self.cache.new_sequence()

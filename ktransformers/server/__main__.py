@@ -59,6 +59,7 @@ def make_server(args):
     freeze_heap()
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
                     use_cuda_graph=device.startswith("cuda"), max_batch=args.max_batch_size)
+    engine.warm_up(batch_sizes=range(1, args.max_batch_size + 1))
     from ..cache.prefix import PrefixStore
     store = PrefixStore(int(args.prefix_cache_ram * (1 << 30)), args.prefix_cache_dir,
                         int(args.prefix_cache_disk * (1 << 30)))
