@@ -195,3 +195,27 @@ def test_tokenizer_fallback_and_its_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"cannot build the tokenizer of .*m\.gguf: transformers says KeyError.*"
                                          r"'t5'; only byte-level BPE.*--model_path"):
         loader.load_model(path, progress=False)
+
+
+SERVE_KEYS = {"concurrency", "requests", "output_tokens", "wall_s", "tok_s", "stream_tok_s", "ttft_ms", "itl_ms",
+              "itl_p99_ms", "engine_tok_s", "engine_batch", "speedup"}
+
+
+def test_bench_serve_json_rows():
+    """bench.serve against the demo model: each level's row, with the engine's own decode rate
+    read from the server (it decoded every output token but the first of each request)."""
+    pytest.importorskip("uvicorn")
+    out = subprocess.run([sys.executable, "-m", "ktransformers.bench.serve", "--concurrency", "1", "2", "--requests", "1",
+                          "--max_tokens", "6", "--cache_lens", "512", "--cpu_infer", "2", "--json"],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(set(r) == SERVE_KEYS for r in rows)
+    assert all(r["engine_tok_s"] > 0 and 1 <= r["engine_batch"] <= r["concurrency"] for r in rows)
+    assert rows[0]["itl_p99_ms"] >= rows[0]["itl_ms"] > 0 and rows[0]["speedup"] == 1
+
+
+def test_percentile_nearest_rank():
+    from ktransformers.bench.serve import percentile
+    values = [float(v) for v in range(100, 0, -1)]
+    assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100
+    assert percentile([3.0], 99) == 3 and percentile([], 50) != percentile([], 50)  # NaN

@@ -7,7 +7,10 @@ Starts the server as its own process (`python -m ktransformers.server`, as deplo
 JSON parsing does not share its interpreter) on a free loopback port (the bundled demo model unless
 --gguf_path), then for each concurrency C runs C clients, each sending --requests requests one
 after another (`ignore_eos`, so every answer has --max_tokens tokens). Prints per C: total output
-tok/s (all tokens / wall time), median TTFT, median inter-token latency, and the speed-up over C=1.
+tok/s (all tokens / wall time) and its speed-up over the first C, the median stream's tok/s (its
+tokens after the first / the time they took), median TTFT, inter-token latency p50 and p99, and
+the engine's own decode rate over the same level (decoded tokens / seconds in decode steps, from
+the server's /health), which bounds what the clients can see: the gap is the server's overhead.
 """
 from __future__ import annotations
 
@@ -48,18 +51,40 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, list[flo
     return times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)
 
 
+def engine_stats(url: str) -> dict:
+    import httpx
+    return httpx.get(url + "/health", timeout=10).json()["engine"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of `values`; NaN for none."""
+    if not values:
+        return float("nan")
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, round(q / 100 * len(ranked)) - 1))]
+
+
 def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     def client(i: int):
         return [one_request(url, f"Request {i}.{k}: write about Python modules.", max_tokens) for k in range(requests)]
+    before = engine_stats(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = [r for rs in pool.map(client, range(concurrency)) for r in rs]
     wall = time.perf_counter() - t0
+    after = engine_stats(url)
     tokens = concurrency * requests * max_tokens
     gaps = [g for _, gs, _ in results for g in gs]
+    streams = [len(gs) / sum(gs) for _, gs, _ in results if gs and sum(gs) > 0]
+    decoded = after["decode_tokens"] - before["decode_tokens"]
+    decode_s = after["decode_s"] - before["decode_s"]
+    steps = after["decode_steps"] - before["decode_steps"]
     return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
-            "itl_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
+            "tok_s": tokens / wall, "stream_tok_s": statistics.median(streams) if streams else float("nan"),
+            "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
+            "itl_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"), "itl_p99_ms": percentile(gaps, 99) * 1e3,
+            "engine_tok_s": decoded / decode_s if decode_s > 0 else float("nan"),
+            "engine_batch": decoded / steps if steps else float("nan")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,14 +148,16 @@ def print_rows(rows: list[dict], as_json: bool) -> None:
     base = rows[0]["tok_s"]
     if not as_json:
         print(f"{'concurrency':>11} {'requests':>8} {'tok/s':>9} {'x C=' + str(rows[0]['concurrency']):>7} "
-              f"{'TTFT ms':>9} {'ITL ms':>8}")
+              f"{'stream tok/s':>12} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p99':>8} {'engine tok/s':>12} "
+              f"{'batch':>6}")
     for r in rows:
         r["speedup"] = r["tok_s"] / base
         if as_json:
             print(json.dumps(r))
         else:
             print(f"{r['concurrency']:>11} {r['requests']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
-                  f"{r['ttft_ms']:>9.1f} {r['itl_ms']:>8.2f}")
+                  f"{r['stream_tok_s']:>12.1f} {r['ttft_ms']:>9.1f} {r['itl_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
+                  f"{r['engine_tok_s']:>12.1f} {r['engine_batch']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Ollama `{"error": "message"}`. A client that disconnects mid-stream has its requ
 """
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import json
 import time
@@ -535,7 +537,8 @@ async def _ollama_lines(r: Request, model: str, chat: bool):
 def _add_status_routes(app: FastAPI, s: _Served) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": s.model_name, "running": len(s.scheduler.running)}
+        return {"status": "ok", "model": s.model_name, "running": len(s.scheduler.running),
+                "engine": dataclasses.asdict(s.scheduler.stats)}
 
     @app.get("/")
     async def page():

@@ -40,6 +40,19 @@ def _emit_channels(r: "Request", pieces) -> None:
         r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
 
 
+@dataclass
+class EngineStats:
+    """What the scheduler's engine computed, summed since start: decode steps, the tokens they
+    decoded (one a running request each) and the seconds spent in them; prefill chunks alike.
+    `decode_tokens / decode_s` is the engine's own decode rate, to compare with what clients see."""
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+
+
 class QueueFull(RuntimeError):
     """More requests are waiting than the scheduler accepts (HTTP 429)."""
 
@@ -177,7 +190,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self.steps = 0
+        self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="kt-scheduler", daemon=True)
         self._thread.start()
 
@@ -272,7 +285,11 @@ class Scheduler:
         if reading is not None:  # one chunk of one prompt per iteration
             n = min(engine.chunk_size, len(reading.prompt_ids) - reading.begin)
             if self._make_room(reading.seq, n):
+                t0 = time.perf_counter()
                 logits, reading.begin = engine.prefill_chunk(reading.seq, reading.prompt_ids, reading.begin)
+                self.stats.prefill_chunks += 1
+                self.stats.prefill_tokens += n
+                self.stats.prefill_s += time.perf_counter() - t0
                 if reading.begin >= len(reading.prompt_ids):
                     reading.begin = None
                     reading.t_first = time.perf_counter()
@@ -285,8 +302,11 @@ class Scheduler:
             self._finish(r, "length")
         if decoding:
             engine._set_phase("generate")
+            t0 = time.perf_counter()
             logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding]).float().cpu()
-            self.steps += 1
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(decoding)
+            self.stats.decode_s += time.perf_counter() - t0
             argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
