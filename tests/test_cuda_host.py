@@ -408,12 +408,12 @@ def test_greedy_decode_ahead_equals_step_by_step(tmp_path, monkeypatch, handoff,
     hf, model = _gpu_qwen3(tmp_path)
     _use_staging(model, handoff, pack == "1")
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(12)).tolist()
-    runs, decodes_ahead = {}, Engine._decodes_ahead
+    runs, decodes_ahead = {}, Engine.decodes_ahead
     for ahead in ("0", "1"):
         # (step by step: as where the decode graph is split in segments)
-        monkeypatch.setattr(Engine, "_decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
+        monkeypatch.setattr(Engine, "decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
         engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
-        assert engine.graphs is not None and engine._decodes_ahead() == (ahead == "1")
+        assert engine.graphs is not None and engine.decodes_ahead() == (ahead == "1")
         seq = engine.new_sequence()
         first = int(engine.prefill(seq, prompt)[0].argmax())
         it = engine.greedy_tokens(seq, first, 40)
@@ -445,12 +445,12 @@ def test_sampled_decode_ahead_equals_step_by_step(tmp_path, monkeypatch):
     hf, model = _gpu_qwen3(tmp_path)
     prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(13)).tolist()
     params = SamplingParams(temperature=1.5, top_p=0.95, seed=7)  # (hot: a tiny random model's draws vary)
-    runs, decodes_ahead = {}, Engine._decodes_ahead
+    runs, decodes_ahead = {}, Engine.decodes_ahead
     for ahead in ("0", "1"):
         # (step by step: as where the decode graph is split in segments)
-        monkeypatch.setattr(Engine, "_decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
+        monkeypatch.setattr(Engine, "decodes_ahead", decodes_ahead if ahead == "1" else lambda self: False)
         engine = Engine(model, cache_lens=128, page_size=16, chunk_size=8, use_cuda_graph=True)
-        assert engine._decodes_ahead() == (ahead == "1")
+        assert engine.decodes_ahead() == (ahead == "1")
         seq = engine.new_sequence()
         sampler = Sampler(params)
         first = int(sampler(engine.prefill(seq, prompt))[0])

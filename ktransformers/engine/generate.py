@@ -226,17 +226,39 @@ def _run_layer(layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tenso
 
 @dataclass
 class _Ahead:
-    """A decode step issued ahead (Engine.decode_tokens): where its token went in the cache, its
-    pick on the GPU (the next step's input) and in pinned memory once `event` is reached, its CPU
-    experts' host calls, its input token where known on the host, and the host's time issuing it."""
-    seq: Sequence
-    start: int
+    """A decode step issued (Engine.issue): its sequences and where each one's token went in the
+    cache, its picks on the logits' device (the next step's input) and on the host once `event`
+    is reached (-1: a row with nothing to draw from), its CPU experts' host calls, its input
+    tokens where known on the host, and the host's time issuing it. Without an event the step ran
+    when it was issued (no graph replayed ahead: the CPU, several GPUs) and `host` holds the picks."""
+    seqs: list[Sequence]
+    starts: list[int]
     out: torch.Tensor
-    host: torch.Tensor
-    event: torch.cuda.Event
+    host: torch.Tensor | list[int]
+    event: torch.cuda.Event | None
     calls: list  # its CPU experts' (host call, name) pairs
-    fed: int | None
+    fed: list[int] | None
     issue_s: float
+
+
+def _picks(logits: torch.Tensor, samplers: list[Sampler | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, feed) of a step's logits [B, V], on their device, nothing read back: each row's
+    argmax (sampler None) or its sampler's draw; `out` flags a row with nothing to draw from as
+    -1, `feed` keeps an in-range token there (the next step's embedding reads it)."""
+    if all(s is None for s in samplers):
+        picked = logits.argmax(dim=-1)
+        return picked, picked
+    greedy = logits.argmax(dim=-1)
+    out, feed = [], []
+    for i, sampler in enumerate(samplers):
+        if sampler is None:
+            out.append(greedy[i:i + 1])
+            feed.append(greedy[i:i + 1])
+            continue
+        picked, valid = sampler.pick(logits[i:i + 1])
+        out.append(picked if valid is None else torch.where(valid, picked, -1))
+        feed.append(picked)
+    return torch.cat(out), torch.cat(feed)
 
 
 # Triton specializes an int argument on whether it is 1 or a multiple of 16: prompts of these two
@@ -278,7 +300,7 @@ class Engine:
         self.last_prefill_tokens = 0
         self.on_cuda = self.cache.device.type == "cuda"
         self._done_events: dict[torch.device, torch.cuda.Event] = {}  # see _wait_gpu
-        self._ahead_slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # see _issue_ahead
+        self._ahead_slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # see issue()
         self._ahead_next = 0
         self._ahead_active = False  # a decode_tokens iterator has steps in flight
         self.step_times = StepTimes()
@@ -473,7 +495,7 @@ class Engine:
         if sampler is not None and sampler.params.repetition_penalty != 1:
             raise ValueError("decode_tokens: a repetition penalty needs each step's history (use decode())")
         self._set_phase("generate")
-        if not self._decodes_ahead() or self._ahead_active:  # (one iterator ahead at a time on an engine)
+        if not self.decodes_ahead() or self._ahead_active:  # (one iterator ahead at a time on an engine)
             for _ in range(limit):
                 if not self.cache.can_grow(seq, 1):
                     return
@@ -493,15 +515,17 @@ class Engine:
         try:
             while True:
                 while issued < limit and len(pending) < 2 and self.cache.can_grow(seq, 1):
-                    pending.append(self._issue_ahead(seq, pending[-1].out if pending else token,
-                                                     None if pending else token, sampler))
+                    pending.append(self.issue([seq], pending[-1].out if pending else [token], [sampler],
+                                              fed=None if pending else [token]))
                     issued += 1
                 if not pending:
                     return
-                token = self._finish_ahead(pending[0], last=len(pending) == 1)  # (an error: the finally drops it too)
+                token = self.finish(pending[0], last=len(pending) == 1)[0]  # (an error: the finally drops it too)
+                if token < 0:  # the sampler's flag (this step and the next are dropped by the finally)
+                    raise ValueError(NOTHING_TO_DRAW)
                 pending.pop(0)
                 if pending:
-                    pending[0].fed = token  # the next step's input, now known on the host
+                    pending[0].fed = [token]  # the next step's input, now known on the host
                 yield token
         except BaseException as e:
             failing = e
@@ -509,45 +533,57 @@ class Engine:
         finally:
             self._ahead_active = False
             if pending:  # issued ahead and not wanted (or failed): wait for them, drop their entries
-                self._drop_ahead(seq, pending, report=failing is None or isinstance(failing, GeneratorExit))
+                self.drop(pending, report=failing is None or isinstance(failing, GeneratorExit))
 
-    def _decodes_ahead(self) -> bool:
+    def decodes_ahead(self) -> bool:
+        """Whether issue() enqueues a step without waiting for it (CUDA graphs on one GPU)."""
         return self.graphs is not None and len(self.graphs.segments) == 1
 
     @torch.inference_mode()
-    def _issue_ahead(self, seq: Sequence, token, fed: int | None, sampler: Sampler | None) -> _Ahead:
-        """Enqueue one graph decode step of `seq` on `token` (an int, or the previous step's GPU
-        pick), its pick (argmax, or the sampler's draw: -1 where the logits held nothing to
-        draw from) and the pick's copy to the host; `fed`: the input's value where known."""
+    def issue(self, seqs: list[Sequence], tokens, samplers: list[Sampler | None],
+              fed: list[int] | None = None) -> _Ahead:
+        """One decode step of `seqs` on `tokens` (host ints, or the `out` of the step issued before
+        with the same sequences: its picks, not yet read back), each row's pick (the argmax where
+        its sampler is None, else its draw; no repetition penalty: that needs the history on the
+        host) and the picks' copy to the host; `fed`: the inputs where known on the host. With
+        decodes_ahead() the step is only enqueued (a graph replay): finish() waits for it. Otherwise
+        it runs now. The cache room is taken here; a failure gives it back."""
+        self._set_phase("generate")
         began = time.perf_counter()
-        if not self._ahead_slots:  # pinned words and events for the picks of steps in flight (at most 2, 4 kept)
-            self._ahead_slots = [(torch.zeros(1, dtype=torch.long, pin_memory=True),
+        if not self.decodes_ahead():
+            ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+            starts = [s.length for s in seqs]
+            logits = self.step(seqs, [[t] for t in ids])
+            out, feed = _picks(logits, samplers)
+            return _Ahead(seqs, starts, feed, out.tolist(), None, [], ids, time.perf_counter() - began)
+        B = len(seqs)
+        if len(self._ahead_slots) == 0 or self._ahead_slots[0][0].numel() < B:
+            # pinned words and events for the picks of steps in flight (at most 2, 4 kept)
+            self._ahead_slots = [(torch.zeros(max(B, self.graphs.max_batch), dtype=torch.long, pin_memory=True),
                                   torch.cuda.Event(blocking=self._crowded())) for _ in range(4)]
         host, event = self._ahead_slots[self._ahead_next % len(self._ahead_slots)]
         event.synchronize()  # (the slot's last step was read back already; at once for a fresh event)
-        batch = self.cache.prepare([seq], [1])
+        batch = self.cache.prepare(seqs, [1] * B)
         try:
-            logits, calls = self.graphs.run_ahead(batch, token)
+            logits, calls = self.graphs.run_ahead(batch, tokens)
             self._ahead_next += 1
             with torch.cuda.device(logits.device):  # (the model's GPU, which need not be the current one)
-                if sampler is None:
-                    out = feed = logits.argmax(dim=-1)
-                else:  # (read before the next replay rewrites the graph's logits: the same stream)
-                    picked, valid = sampler.pick(logits)
-                    out = picked if valid is None else torch.where(valid, picked, -1)
-                    feed = picked  # (in range even when flagged: the next step's embedding reads it)
-                host.copy_(out, non_blocking=True)
+                out, feed = _picks(logits, samplers)  # (read before the next replay rewrites the graph's logits)
+                host[:B].copy_(out, non_blocking=True)
                 event.record()
         except BaseException:
-            self.cache.truncate(seq, batch.starts[0])
+            for s, start in zip(seqs, batch.starts):
+                self.cache.truncate(s, start)
             raise
-        return _Ahead(seq, batch.starts[0], feed, host, event, calls, fed, time.perf_counter() - began)
+        return _Ahead(seqs, list(batch.starts), feed, host, event, calls, fed, time.perf_counter() - began)
 
     @torch.inference_mode()
-    def _finish_ahead(self, step: _Ahead, last: bool) -> int:
-        """Wait for a step issued ahead; its picked token. `last`: no other step is in flight. A
-        CPU-experts error seen now fails this step (the one in flight too runs the same calls), as
-        do logits with nothing to draw from."""
+    def finish(self, step: _Ahead, last: bool = True) -> list[int]:
+        """Wait for an issued step: each row's pick (-1: its logits held nothing to draw from).
+        `last`: no other step is in flight. A CPU-experts error seen now fails the step (the
+        one in flight too runs the same calls). Set `step.fed` first where it was not known."""
+        if step.event is None:  # (it ran when issued)
+            return list(step.host)
         t0 = time.perf_counter()
         step.event.synchronize()
         if last:
@@ -555,26 +591,36 @@ class Engine:
         staging = self.context.staging
         if staging is not None:
             staging.check_calls(step.calls)
-        token = int(step.host[0])
-        if token < 0:  # the sampler's flag (this step and the next are dropped by the caller's finally)
-            raise ValueError(NOTHING_TO_DRAW)
+        if step.fed is None or len(step.fed) != len(step.seqs):
+            raise ValueError("finish: the step's inputs (fed) are not known on the host")
+        picks = step.host[:len(step.seqs)].tolist()
         self.step_times.add(step.issue_s, time.perf_counter() - t0)
-        self._tokens.setdefault(step.seq.seq_id, []).append(step.fed)
-        return token
+        for s, token in zip(step.seqs, step.fed):
+            self._tokens.setdefault(s.seq_id, []).append(token)
+        return picks
 
-    def _drop_ahead(self, seq: Sequence, pending: list[_Ahead], report: bool) -> None:
-        """Steps issued ahead that will not be read: wait for them and forget their cache entries.
-        Their CPU experts' errors are taken (never left for a later step to report) and, with
-        `report` (no other error on its way out), raised."""
-        for step in pending:
-            step.event.synchronize()
-        self.cache.truncate(seq, pending[0].start)
+    def drop(self, steps: list[_Ahead], report: bool = True) -> None:
+        """Issued steps that will not be read (or were read and are given up): wait for them and
+        forget their cache entries. Their CPU experts' errors are taken (never left for a later
+        step to report) and, with `report` (no other error on its way out), raised."""
+        earliest: dict[int, tuple[Sequence, int]] = {}
+        for step in steps:
+            if step.event is not None:
+                step.event.synchronize()
+            for s, start in zip(step.seqs, step.starts):
+                if s.seq_id not in earliest or start < earliest[s.seq_id][1]:
+                    earliest[s.seq_id] = (s, start)
+        for s, start in earliest.values():
+            self.cache.truncate(s, start)
+            del self._tokens.setdefault(s.seq_id, [])[start:]
+        if not any(step.event is not None for step in steps):
+            return
         self.context.rest_host_calls()
         staging = self.context.staging
         if staging is None:
             return
         try:
-            staging.check_calls([c for step in pending for c in step.calls])
+            staging.check_calls([c for step in steps for c in step.calls])
         except (ValueError, RuntimeError):
             if report:
                 raise

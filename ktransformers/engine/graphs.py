@@ -198,16 +198,20 @@ class DecodeGraphs:
         finally:
             engine.context.batch = None
 
-    def run_ahead(self, batch: ForwardBatch, token) -> tuple[torch.Tensor, list]:
-        """A one-sequence decode step whose input is `token`, an int or a GPU tensor [1] (the
-        previous step's pick, which the host has not read): replayed without waiting. Returns the
-        graph's logits [1, V] (valid until its next replay: read them on the same stream before
-        that) and the step's CPU-expert host calls (for HostStaging.check_calls once the step is
-        done; not added to `used`, which another step in flight would empty)."""
+    def run_ahead(self, batch: ForwardBatch, tokens) -> tuple[torch.Tensor, list]:
+        """A decode step whose inputs are `tokens`, host ints or a GPU tensor [B] (the previous
+        step's picks, which the host has not read): replayed without waiting. Returns the graph's
+        logits [B, V] (valid until its next replay: read them on the same stream before that) and
+        the step's CPU-expert host calls (for HostStaging.check_calls once the step is done; not
+        added to `used`, which another step in flight would empty)."""
         if len(self.segments) != 1:
             raise ValueError("decoding ahead needs the whole step on one GPU")
-        on_gpu = isinstance(token, torch.Tensor)
-        return self._replay(batch, [0 if on_gpu else int(token)], token if on_gpu else None)
+        B = len(batch.seqs)
+        if isinstance(tokens, torch.Tensor):
+            if tokens.numel() != B:
+                raise ValueError(f"run_ahead: {tokens.numel()} token(s) on the GPU for a batch of {B}")
+            return self._replay(batch, [0] * B, tokens)
+        return self._replay(batch, [int(t) for t in tokens])
 
     def run(self, batch: ForwardBatch, tokens: list[int]) -> torch.Tensor:
         """Logits [B, V] of a decode step whose cache room `batch` has reserved."""

@@ -7,8 +7,12 @@ One thread owns the engine. Each iteration it
   2. computes one prefill chunk of one request still reading its prompt (so a long prompt
      does not stall the others: decode steps go on between its chunks),
   3. runs one decode step for every other running request at once (one forward: the CPU experts
-     see every token of the step together) and samples each one's next token.
-Text reaches each request's asyncio queue through its event loop (thread-safe).
+     see every token of the step together), each one's next token picked on the logits' device.
+On one GPU with CUDA graphs the decode steps run ahead, as Engine.decode_tokens does: while the
+batch stays the same, step n+1 is enqueued on the GPU's picks of step n before the host reads
+them, so neither the GPU nor the CPU experts wait for Python (streaming the text, HTTP) between
+steps. Anything that changes the batch (a newcomer's prompt, a cancellation) first waits for the
+step in flight. Text reaches each request's asyncio queue through its event loop (thread-safe).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 
 from ..cache.paged import CacheFullError, Sequence
 from ..engine.generate import common_prefix, eos_token_ids
-from ..engine.sampling import Sampler, SamplingParams
+from ..engine.sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from ..engine.streaming import StopMatcher, StreamDecoder
 
 
@@ -175,7 +179,9 @@ class PrefixPool:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, max_batch: int = 8, max_queue: int = 64, prefix_cache: bool = True,
-                 prefix_cache_seqs: int = 32, prefix_store=None):
+                 prefix_cache_seqs: int = 32, prefix_store=None, run_ahead: bool | None = None):
+        """`run_ahead`: keep a decode step in flight while the batch stays the same (default: where
+        the engine enqueues steps without waiting for them, Engine.decodes_ahead)."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
         self.engine, self.tokenizer = engine, tokenizer
@@ -191,6 +197,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.stats = EngineStats()
+        self.run_ahead = engine.decodes_ahead() if run_ahead is None else run_ahead
+        self._ahead = None  # (the decode step in flight, its requests in row order)
         self._thread = threading.Thread(target=self._loop, name="kt-scheduler", daemon=True)
         self._thread.start()
 
@@ -230,6 +238,9 @@ class Scheduler:
                     self._iteration()
             except Exception as e:  # a failed step ends the requests it touched, not the server
                 traceback.print_exc()
+                if self._ahead is not None:  # (a step still in flight: waited for, its entries dropped)
+                    step, self._ahead = self._ahead[0], None
+                    self.engine.drop([step], report=False)
                 for r in list(self.running):
                     self._finish(r, None, error=f"{type(e).__name__}: {e}")
             finally:
@@ -260,7 +271,10 @@ class Scheduler:
 
     def _iteration(self) -> None:
         engine = self.engine
-        for r in [r for r in self.running if r.cancelled]:
+        cancelled = [r for r in self.running if r.cancelled]
+        if cancelled:
+            self._drain()
+        for r in cancelled:
             self._finish(r, "cancelled")
         while self._waiting and len(self.running) < self.max_batch:
             r = self._waiting[0]
@@ -283,6 +297,7 @@ class Scheduler:
             self.running.append(r)
         reading = next((r for r in self.running if r.begin is not None), None)
         if reading is not None:  # one chunk of one prompt per iteration
+            self._drain()
             n = min(engine.chunk_size, len(reading.prompt_ids) - reading.begin)
             if self._make_room(reading.seq, n):
                 t0 = time.perf_counter()
@@ -293,24 +308,111 @@ class Scheduler:
                 if reading.begin >= len(reading.prompt_ids):
                     reading.begin = None
                     reading.t_first = time.perf_counter()
-                    self._accept_one(reading, logits[-1])
+                    self._end(reading, self._accept_one(reading, logits[-1]))
             else:
                 self._finish(reading, None, error="the KV cache is full (--cache_lens): the prompt does not fit now")
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            self._continue(reading is None)
+        else:
+            self._decode()
+        self.stats.decode_s += time.perf_counter() - t0
+
+    # -- decode steps -----------------------------------------------------------------------
+    def _decode(self) -> None:
+        """One decode step of every request ready for one (its next token known on the host)."""
         decoding = [r for r in self.running if r.begin is None and r.next_token is not None]
         for r in [r for r in decoding if not self._make_room(r.seq, 1)]:
             decoding.remove(r)
             self._finish(r, "length")
-        if decoding:
+        if not decoding:
+            return
+        engine = self.engine
+        if any(r.params.repetition_penalty != 1 for r in decoding):  # (the penalty reads the history on the host)
             engine._set_phase("generate")
-            t0 = time.perf_counter()
             logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding]).float().cpu()
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(decoding)
-            self.stats.decode_s += time.perf_counter() - t0
+            self._count(len(decoding))
             argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
-                self._accept_one(r, row, best if plain else None)
+                self._end(r, self._accept_one(r, row, best if plain else None))
+            return
+        step = engine.issue([r.seq for r in decoding], [r.next_token for r in decoding], self._samplers(decoding),
+                            fed=[r.next_token for r in decoding])
+        self._count(len(decoding))
+        for r in decoding:
+            r.next_token = None  # (on the device, in the step's picks)
+        if self._may_run_ahead(decoding):
+            self._ahead = (step, decoding)
+        else:
+            self._take(decoding, engine.finish(step), None)
+
+    def _continue(self, steady: bool) -> None:
+        """The step in flight: enqueue the next one on its picks first where the batch stays the
+        same (`steady`: no prompt is being read), then read it."""
+        step, reqs = self._ahead
+        self._ahead = None
+        nxt = None
+        if steady and self._may_run_ahead(reqs) and all(self._make_room(r.seq, 1) for r in reqs):
+            try:
+                nxt = self.engine.issue([r.seq for r in reqs], step.out, self._samplers(reqs))
+                self._count(len(reqs))
+            except Exception:
+                self.engine.drop([step], report=False)
+                raise
+        try:
+            tokens = self.engine.finish(step, last=nxt is None)
+        except Exception:
+            if nxt is not None:
+                self.engine.drop([nxt], report=False)
+            raise
+        self._take(reqs, tokens, nxt)
+
+    def _take(self, reqs: list[Request], tokens: list[int], nxt) -> None:
+        """A step's picks to its requests; `nxt`: the step issued on them, in flight. Where one of
+        them ends, that step (which holds an entry for it) is read now as well."""
+        ends = [self._accept_one(r, None, t) if t >= 0 else (None, NOTHING_TO_DRAW, True)
+                for r, t in zip(reqs, tokens)]
+        if nxt is not None:
+            nxt.fed = tokens
+            if not any(ends):
+                for r in reqs:
+                    r.next_token = None
+                self._ahead = (nxt, reqs)
+                return
+            more = self.engine.finish(nxt)  # (its rows of the requests ending are never read)
+            for r, end in zip(reqs, ends):
+                self._end(r, end)
+            for r, t, end in zip(reqs, more, ends):
+                if end is None:
+                    self._end(r, self._accept_one(r, None, t) if t >= 0 else (None, NOTHING_TO_DRAW, True))
+            return
+        for r, end in zip(reqs, ends):
+            self._end(r, end)
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any, before the batch changes."""
+        if self._ahead is not None:
+            step, reqs = self._ahead
+            self._ahead = None
+            self._take(reqs, self.engine.finish(step), None)
+
+    def _may_run_ahead(self, reqs: list[Request]) -> bool:
+        """Whether the next step may be enqueued before this one's picks are read: each request
+        can take two more tokens (the pick in flight and the next) and none is cancelled."""
+        return self.run_ahead and all(not r.cancelled and len(r.tokens) + 2 <= r.max_tokens for r in reqs)
+
+    @staticmethod
+    def _samplers(reqs: list[Request]) -> list[Sampler | None]:
+        return [None if r.params.greedy else r._sampler for r in reqs]
+
+    def _count(self, rows: int) -> None:
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += rows
+
+    def _end(self, r: Request, end: tuple | None) -> None:
+        if end is not None:
+            self._finish(r, *end)
 
     def _pages_to_finish(self, r: Request) -> int:
         """Pages `r` may still take: to hold its prompt and max_tokens, less those it holds."""
@@ -330,16 +432,17 @@ class Scheduler:
                 return False
         return True
 
-    def _accept_one(self, r: Request, logits: torch.Tensor, token: int | None = None) -> None:
+    def _accept_one(self, r: Request, logits: torch.Tensor | None, token: int | None = None) -> tuple | None:
         """_accept, a failure ending only this request."""
         try:
-            self._accept(r, logits, token)
+            return self._accept(r, logits, token)
         except Exception as e:
-            self._finish(r, None, error=f"{type(e).__name__}: {e}")
+            return None, f"{type(e).__name__}: {e}", True
 
-    def _accept(self, r: Request, logits: torch.Tensor, token: int | None = None) -> None:
+    def _accept(self, r: Request, logits: torch.Tensor | None, token: int | None = None) -> tuple | None:
         """Sample r's next token from its logits [V] (or take `token`, already chosen), stream its
-        text, finish when due."""
+        text; how r ends now, as _finish's (reason, error, flush), or None while it goes on (its
+        next_token then set)."""
         if not hasattr(r, "_sampler"):
             r._sampler = Sampler(r.params)
             r._decoder = StreamDecoder(self.tokenizer)
@@ -351,8 +454,7 @@ class Scheduler:
         r.tokens.append(token)
         r._history.append(token)
         if (token in self.eos_ids or token in r.stop_ids) and not r.ignore_eos:
-            self._finish(r, "stop")
-            return
+            return "stop", None, True
         if r._channels is not None:  # harmony: the final channel is the text, the others reasoning
             _emit_channels(r, r._channels.push(token))
         else:
@@ -362,14 +464,13 @@ class Scheduler:
                 if text:
                     r.emit("text", text)
                 if stopped:
-                    self._finish(r, "stop", flush=False)
-                    return
+                    return "stop", None, False
             elif text:
                 r.emit("text", text)
         if len(r.tokens) >= r.max_tokens:
-            self._finish(r, "length")
-            return
+            return "length", None, True
         r.next_token = token
+        return None
 
     def _finish(self, r: Request, reason: str | None, error: str | None = None, flush: bool = True) -> None:
         r.finish_reason, r.t_done = reason, time.perf_counter()
