@@ -274,6 +274,50 @@ def test_cuda_graph_decode_equals_eager(tmp_path, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scheduler_runs_batches_ahead_with_the_answers_of_generate(tmp_path):
+    """The server's scheduler on one GPU keeps a batched graph step in flight (decodes_ahead):
+    greedy and seeded answers of requests of different lengths, one ending on a stop token mid-way,
+    equal Engine.generate's one by one."""
+    from ktransformers.engine.sampling import SamplingParams
+    from ktransformers.server.scheduler import Request, Scheduler
+    from tiny import train_tokenizer
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    hf.config.eos_token_id = None  # (answers of the full length: no EOS to stop either side early)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda"), tmp_path / "m.gguf", hf.config)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = None
+    tokenizer = train_tokenizer(hf.config.vocab_size)
+    tokenizer.eos_token = None
+    engine = Engine(model, tokenizer, cache_lens=512, page_size=16, chunk_size=32, use_cuda_graph=True, max_batch=4)
+    assert engine.decodes_ahead()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    params = [SamplingParams(do_sample=False) if i % 2 == 0 else SamplingParams(temperature=0.8, seed=i)
+              for i in range(4)]
+    expected = [list(engine.generate(p, q, 20).token_ids()) for p, q in zip(prompts, params)]
+    stop = next(t for k, t in enumerate(expected[0]) if k >= 4 and t not in expected[0][:k])
+    sched = Scheduler(engine, tokenizer, max_batch=4, prefix_cache=False)
+    assert sched.run_ahead and not sched.eos_ids
+    try:
+        reqs = [Request(p, q, 20) for p, q in zip(prompts, params)]
+        reqs[0].stop_ids = frozenset({stop})
+        for r in reqs:
+            sched.submit(r)
+        deadline = time.monotonic() + 120
+        while any(r.t_done is None for r in reqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.close()
+    assert reqs[0].tokens == expected[0][:expected[0].index(stop) + 1]
+    assert [r.tokens for r in reqs[1:]] == expected[1:]
+    assert sched.stats.decode_steps > 0 and len(engine.cache._free) == engine.cache.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warm_up_captures_every_batch_size_and_changes_no_answer(tmp_path):
     """Engine.warm_up captures the decode graph of each batch size asked for and gives every
     cache page back; the greedy answers after it are those of an engine that did not warm up."""
