@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from ktransformers.server.__main__ import build_parser, make_server  # noqa: E402
+from ktransformers.server.__main__ import build_parser, make_server, uvicorn_config  # noqa: E402
 
 
 def free_port() -> int:
@@ -28,7 +28,7 @@ class Running:
         args = build_parser().parse_args(["--port", str(port), "--cache_lens", "4096", "--cpu_infer", "2",
                                           "--model_name", "demo", *flags])
         self.app, self.scheduler = make_server(args)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 120  # (a hang guard)
@@ -408,7 +408,7 @@ def test_a_slow_partial_body_times_out(srv, monkeypatch):
     monkeypatch.setattr(A, "BODY_TIMEOUT_S", 0.5)
     fast = A.create_app(srv.scheduler, "demo", max_body_bytes=1 << 20)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fast, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(fast, host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -420,6 +420,44 @@ def test_a_slow_partial_body_times_out(srv, monkeypatch):
             c.settimeout(20)
             reply = c.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply, reply[:300]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_slow_headers_are_cut_off(srv, monkeypatch):
+    """A connection that sends its request line and headers a little at a time is closed once
+    HEADER_TIMEOUT_S (short here) passes, on a fresh connection and on a kept-alive one after a
+    reply; a prompt client is answered meanwhile."""
+    from ktransformers.server import __main__ as M
+    monkeypatch.setattr(M, "HEADER_TIMEOUT_S", 0.5)
+    port = free_port()
+    server = uvicorn.Server(M.uvicorn_config(srv.app, host="127.0.0.1", port=port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    def trickle(c) -> bytes:
+        """Headers a byte every 0.1 s (each resets no timer) until the server hangs up."""
+        c.settimeout(10)
+        try:
+            for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
+                c.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            return b""
+        return c.recv(100)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            began = time.monotonic()
+            assert trickle(c) == b"" and time.monotonic() - began < 5
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            c.settimeout(10)
+            assert c.recv(4096).startswith(b"HTTP/1.1 200")
+            assert trickle(c) == b""
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
         server.should_exit = True

@@ -96,11 +96,58 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, chat page /)", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
     finally:
         scheduler.close()
         sock.close()
     return 0
+
+
+HEADER_TIMEOUT_S = 30.0  # the longest a connection may take to send a request's line and headers
+
+
+def uvicorn_config(app, **kwargs):
+    """uvicorn's Config for the app: its h11 protocol with a time limit on each request's headers."""
+    import uvicorn
+    return uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(), **kwargs)
+
+
+def header_timeout_protocol():
+    """uvicorn's h11 protocol, closing a connection whose request line and headers are not all in
+    HEADER_TIMEOUT_S after it opened or after its last response: uvicorn itself waits forever for
+    them (its keep-alive timer stops at the first byte), so a client sending them a byte at a time
+    holds a connection open for good. (The body has its own limit: app.BODY_TIMEOUT_S.)"""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_timer = None
+
+        def _arm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete  # (no request being answered)
+            if waiting and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
 
 
 def allowed_hosts(args) -> tuple[str, ...] | None:
