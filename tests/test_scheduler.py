@@ -130,3 +130,32 @@ def test_a_long_prompt_is_read_in_bounded_chunks_between_decode_steps(engine, mo
         between = forwards[a + 1:b]
         assert any(len(f) == 3 and max(f) == 1 for f in between), (a, b, between)  # the three decoding
     assert all(len(r.tokens) == 60 for r in running) and len(newcomer.tokens) == 4
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_full_cache_preempts_and_resumes_instead_of_cutting_short(prefix_cache):
+    """Six requests whose answers together need twice the cache's pages: each is admitted when its
+    prompt fits, and when decode runs out of pages the newest ones are preempted (their full pages
+    kept in the prefix tiers) and resume later where they were. Every answer is whole and equals
+    its answer alone; no page is lost."""
+    from ktransformers.cache.prefix import PrefixStore
+    lm = load_model(DEMO_GGUF, DEMO_HF_DIR, cpu_infer=2, progress=False)
+    engine = Engine(lm.model, lm.tokenizer, cache_lens=160, page_size=16, chunk_size=24)
+    prompts = prompts_of(engine, 6)
+    expected = [list(engine.generate(p, GREEDY, 40).token_ids()) for p in prompts]
+    assert sum(len(p) + len(e) for p, e in zip(prompts, expected)) > 2 * engine.cache.capacity
+    sched = Scheduler(engine, engine.tokenizer, max_batch=6, prefix_cache=prefix_cache,
+                      prefix_store=PrefixStore(ram_bytes=1 << 28) if prefix_cache else None)
+    try:
+        reqs = [Request(p, GREEDY, 40) for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        wait_all(reqs)
+    finally:
+        sched.close()
+    assert sched.stats.preemptions > 0 and any(r.preempted for r in reqs)
+    assert [r.finish_reason for r in reqs] == ["length" if len(e) == 40 else "stop" for e in expected]
+    assert [r.tokens for r in reqs] == expected
+    if sched.pool is not None:
+        sched.pool.clear()
+    assert len(engine.cache._free) == engine.cache.num_pages

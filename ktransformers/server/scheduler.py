@@ -55,6 +55,7 @@ class EngineStats:
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    preemptions: int = 0
 
 
 class QueueFull(RuntimeError):
@@ -88,6 +89,9 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     finish_reason: str | None = None
+    preempted: int = 0  # times its cache was given up for others' (it resumes from its tokens so far)
+    ids: list[int] = field(default_factory=list)  # the tokens its prefill computes: the prompt, and
+    # after a preemption the answer so far too (its last token is then the next input)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_done: float | None = None
@@ -164,13 +168,18 @@ class PrefixPool:
         if not self._seqs:
             return False
         _, seq = self._seqs.popitem(last=False)
+        self.store_and_release(seq)
+        return True
+
+    def store_and_release(self, seq: Sequence) -> None:
+        """Give `seq`'s pages back to the cache, its full pages kept a tier down (with a store)."""
+        self._seqs.pop(seq.seq_id, None)
         if self.store is not None:  # its full pages go down a tier
             tokens = self.engine.cached_tokens(seq)
             pages = min(len(tokens) // self.engine.cache.page_size, len(seq.pages))
             if pages:
                 self.store.put(tokens[:pages * self.engine.cache.page_size], self.engine.cache.export_pages(seq, pages))
         self.engine.release(seq)
-        return True
 
     def clear(self) -> None:
         while self.evict_one():
@@ -284,33 +293,39 @@ class Scheduler:
             with self._lock:
                 self._pending -= 1
             if r.cancelled:
+                self._finish(r, "cancelled")
                 continue
+            r.ids = r.prompt_ids + r.tokens  # (a preempted request resumes after its last token)
             try:  # a failure here ends this request, not the others
-                r.seq = (self.pool.take(r.prompt_ids) if self.pool is not None else None) or engine.new_sequence()
-                r.begin = engine.prefill_start(r.seq, r.prompt_ids)
+                r.seq = (self.pool.take(r.ids) if self.pool is not None else None) or engine.new_sequence()
+                r.begin = engine.prefill_start(r.seq, r.ids)
             except Exception as e:
                 if r.seq is not None:
                     engine.release(r.seq)
-                r.emit("error", str(e) if isinstance(e, (CacheFullError, ValueError)) else f"{type(e).__name__}: {e}")
+                    r.seq = None
+                self._finish(r, None, error=str(e) if isinstance(e, (CacheFullError, ValueError))
+                             else f"{type(e).__name__}: {e}")
                 continue
-            r.cached_tokens = r.begin
+            if not r.preempted:
+                r.cached_tokens = r.begin
             self.running.append(r)
         reading = next((r for r in self.running if r.begin is not None), None)
         if reading is not None:  # one chunk of one prompt per iteration
             self._drain()
-            n = min(engine.chunk_size, len(reading.prompt_ids) - reading.begin)
-            if self._make_room(reading.seq, n):
+            n = min(engine.chunk_size, len(reading.ids) - reading.begin)
+            if self._room_for(reading, n):
                 t0 = time.perf_counter()
-                logits, reading.begin = engine.prefill_chunk(reading.seq, reading.prompt_ids, reading.begin)
+                logits, reading.begin = engine.prefill_chunk(reading.seq, reading.ids, reading.begin)
                 self.stats.prefill_chunks += 1
                 self.stats.prefill_tokens += n
                 self.stats.prefill_s += time.perf_counter() - t0
-                if reading.begin >= len(reading.prompt_ids):
+                if reading.begin >= len(reading.ids):
                     reading.begin = None
-                    reading.t_first = time.perf_counter()
+                    reading.t_first = reading.t_first or time.perf_counter()
                     self._end(reading, self._accept_one(reading, logits[-1]))
-            else:
-                self._finish(reading, None, error="the KV cache is full (--cache_lens): the prompt does not fit now")
+            elif reading in self.running:  # (alone, and still no room)
+                self._finish(reading, None, error=f"the prompt ({len(reading.ids)} tokens) does not fit in the KV "
+                                                  f"cache (--cache_lens {engine.cache.capacity})")
         t0 = time.perf_counter()
         if self._ahead is not None:
             self._continue(reading is None)
@@ -322,9 +337,10 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step of every request ready for one (its next token known on the host)."""
         decoding = [r for r in self.running if r.begin is None and r.next_token is not None]
-        for r in [r for r in decoding if not self._make_room(r.seq, 1)]:
-            decoding.remove(r)
-            self._finish(r, "length")
+        for r in list(decoding):
+            if r in self.running and not self._room_for(r, 1) and r in self.running:
+                self._finish(r, "length")  # (alone, it outgrows the whole cache)
+        decoding = [r for r in decoding if r in self.running]  # (less those ended or preempted)
         if not decoding:
             return
         engine = self.engine
@@ -414,16 +430,11 @@ class Scheduler:
         if end is not None:
             self._finish(r, *end)
 
-    def _pages_to_finish(self, r: Request) -> int:
-        """Pages `r` may still take: to hold its prompt and max_tokens, less those it holds."""
-        total = -(-(len(r.prompt_ids) + r.max_tokens) // self.engine.cache.page_size)
-        return max(0, total - (len(r.seq.pages) if r.seq is not None else 0))
-
     def _fits(self, r: Request) -> bool:
-        """Whether `r` can start with every running request still sure of the pages it may take: a
-        request is admitted only then, so none is cut short or fails for want of pages later."""
-        owed = sum(self._pages_to_finish(q) for q in self.running)
-        return self._pages_to_finish(r) + owed <= self.free_pages()
+        """Whether `r`'s prompt (and its answer so far, when it resumes) and one more token fit in
+        the cache pages free now (those the prefix cache holds count: it gives them back)."""
+        pages = -(-(len(r.prompt_ids) + len(r.tokens) + 1) // self.engine.cache.page_size)
+        return pages <= self.free_pages()
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         cache = self.engine.cache
@@ -431,6 +442,40 @@ class Scheduler:
             if self.pool is None or not self.pool.evict_one():
                 return False
         return True
+
+    def _room_for(self, r: Request, n: int) -> bool:
+        """Room for `n` more tokens of `r`: from the prefix cache, else by preempting the running
+        requests admitted after it, newest first (their pages saved a tier down; they wait first
+        in line and resume where they were). Where that is not enough, `r` is preempted itself
+        (False, `r` no longer running), unless it runs alone (False, `r` running: it outgrows the
+        whole cache)."""
+        while not self._make_room(r.seq, n):
+            later = self.running[self.running.index(r) + 1:]
+            if later:
+                self._preempt(later[-1])
+            elif len(self.running) > 1:
+                self._preempt(r)
+                return False
+            else:
+                return False
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Give up `r`'s cache pages (its full ones kept in the prefix tiers) and put it first in
+        line: it resumes by a prefill of its prompt and answer so far, most of it found again in
+        the prefix cache."""
+        self.running.remove(r)
+        seq, r.seq = r.seq, None
+        if self.pool is not None:
+            self.pool.store_and_release(seq)
+        else:
+            self.engine.release(seq)
+        r.begin, r.next_token = None, None
+        r.preempted += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(r)
+        with self._lock:
+            self._pending += 1
 
     def _accept_one(self, r: Request, logits: torch.Tensor | None, token: int | None = None) -> tuple | None:
         """_accept, a failure ending only this request."""
