@@ -220,17 +220,30 @@ def test_full_queue_answers_429_and_api_key():
         s.stop()
 
 
-def test_a_full_cache_queues_requests_instead_of_cutting_them():
-    """Eight requests that each need half of a small cache (two of its four 256-token pages) at
-    once: each starts only when the pages it may take are sure, so every one generates all its
-    max_tokens (none cut short with finish_reason "length" early, none failing for want of pages)."""
-    s = Running("--max_batch_size", "8", "--cache_lens", "1024", "--no_prefix_cache")
+def test_a_full_cache_queues_and_preempts_instead_of_cutting_short():
+    """32 streams at --cache_lens 1024 (four 256-token pages), each wanting 300 tokens (two pages):
+    requests wait for pages, running ones are preempted and resumed when decode runs short, and
+    every one of them generates all its max_tokens (none cut short with finish_reason "length"
+    early, none failing for want of pages)."""
+    s = Running("--max_batch_size", "8", "--cache_lens", "1024")
     try:
-        body = {"prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-        with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=300), range(8)))
-        assert [r.status_code for r in replies] == [200] * 8, [r.text[:200] for r in replies]
-        assert [r.json()["usage"]["completion_tokens"] for r in replies] == [300] * 8
+        body = {"prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+        def stream(_):
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=600) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                return r.status_code, events
+        with ThreadPoolExecutor(32) as pool:
+            replies = list(pool.map(stream, range(32)))
+        assert [status for status, _ in replies] == [200] * 32
+        for _, events in replies:
+            assert not any("error" in e for e in events), events[-1]
+            assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
+            assert events[-1]["usage"]["completion_tokens"] == 300
+        assert httpx.get(s.url + "/health").json()["engine"]["preemptions"] > 0
+        s.scheduler.pool.clear()
         assert s.scheduler.free_pages() == 4  # all given back
     finally:
         s.stop()
