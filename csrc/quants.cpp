@@ -1231,6 +1231,126 @@ void dot_iq4_xs_rows256(int n, const block_iq4_xs* w, const act_q8_k* const* a, 
 void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
     dot_iq4_xs_rows256<4>(n, (const block_iq4_xs*)vw, (const act_q8_k* const*)va, out);
 }
+
+// Q8_0 tiles against T activation rows (Q8_0, signed): each step's two halves (rows 0..7, 8..15)
+// against the token's four bytes broadcast (dot_s8: maddubs, or VEX dpbusd at the avxvnni level),
+// int32 a 32-value block, scaled per block and row.
+template <int T>
+void tile_q8_0x16_rows256(int n, const tile_q8_0x16* w, const act_q8_0* const* a, float* out) {
+    __m256 acc[T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < n / 64; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        for (int h = 0; h < 2; h++) {
+            const int blk = 2 * b + h;
+            __m256i dot[T][2];
+            for (int t = 0; t < T; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+            for (int q = 0; q < 8; q++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i*)w->qs[h][q]);
+                const __m256i v1 = _mm256_loadu_si256((const __m256i*)(w->qs[h][q] + 32));
+                for (int t = 0; t < T; t++) {
+                    const __m256i x = bcast4(a[t][blk].qs + 4 * q);
+                    dot[t][0] = _mm256_add_epi32(dot[t][0], dot_s8(v0, x));
+                    dot[t][1] = _mm256_add_epi32(dot[t][1], dot_s8(v1, x));
+                }
+            }
+            for (int r = 0; r < 2; r++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d[h] + 8 * r)));
+                for (int t = 0; t < T; t++)
+                    acc[t][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t][blk].d)), _mm256_cvtepi32_ps(dot[t][r]), acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
+}
+
+// MXFP4 tiles against T activation rows (Q8_0, signed): the nibbles through the doubled e2m1
+// table, low nibbles against the block's values 4q.., high ones against 16 + 4q..; scaled per
+// block and row by 2^(e - 128).
+template <int T>
+void tile_mxfp4x16_rows256(int n, const tile_mxfp4x16* w, const act_q8_0* const* a, float* out) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)kMxfp4Values);
+    const __m256i lut = _mm256_set_m128i(table, table), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    alignas(32) float d[16];
+    for (int b = 0; b < n / QK; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        for (int r = 0; r < 16; r++) d[r] = e8m0_half(w->e[r]);
+        __m256i dot[T][2];
+        for (int t = 0; t < T; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            __m256i lo[2], hi[2];
+            for (int r = 0; r < 2; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(w->qs[q] + 32 * r));
+                lo[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+                hi[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            }
+            for (int t = 0; t < T; t++) {
+                const __m256i xl = bcast4(a[t][b].qs + 4 * q), xh = bcast4(a[t][b].qs + 16 + 4 * q);
+                for (int r = 0; r < 2; r++)
+                    dot[t][r] = _mm256_add_epi32(dot[t][r], _mm256_add_epi32(dot_s8(lo[r], xl), dot_s8(hi[r], xh)));
+            }
+        }
+        for (int r = 0; r < 2; r++) {
+            const __m256 dr = _mm256_load_ps(d + 8 * r);
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm256_fmadd_ps(_mm256_mul_ps(dr, _mm256_set1_ps(a[t][b].d)), _mm256_cvtepi32_ps(dot[t][r]), acc[t][r]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
+}
+
+// IQ4_XS tiles against T activation rows (Q8_K, signed): the nibbles through the IQ4_NL table;
+// a sub-block's four steps (low nibbles against its values 4q.., high ones against 16 + 4q..) in
+// int32, times each row's 6-bit scale - 32; the block's sum scaled by d per row.
+template <int T>
+void tile_iq4_xs16_rows256(int n, const tile_iq4_xs16* w, const act_q8_k* const* a, float* out) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
+    const __m256i lut = _mm256_set_m128i(table, table), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, w++) {
+        prefetch_ahead(w, 0, 1);
+        for (int r = 0; r < 2; r++) {  // rows 8r .. 8r + 7
+            const __m256i L = _mm256_loadu_si256((const __m256i*)(w->sl + 8 * r));
+            const __m256i H = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w->sh + 8 * r)));
+            __m256i sumi[T];
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+            for (int ib = 0; ib < 8; ib++) {
+                const __m256i sc = _mm256_sub_epi32(
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(L, 4 * ib), _mm256_set1_epi32(0x0F)),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(H, 2 * ib), _mm256_set1_epi32(3)), 4)),
+                    _mm256_set1_epi32(32));
+                __m256i dot[T];
+                for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
+                for (int q = 0; q < 4; q++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w->qs[4 * ib + q] + 32 * r));
+                    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+                    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+                    for (int t = 0; t < T; t++)
+                        dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(dot_s8(lo, bcast4(a[t][b].qs + 32 * ib + 4 * q)),
+                                                                           dot_s8(hi, bcast4(a[t][b].qs + 32 * ib + 16 + 4 * q))));
+                }
+                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(dot[t], sc));
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d + 8 * r)));
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t][b].d)), _mm256_cvtepi32_ps(sumi[t]), acc[t][r]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
+}
+
+void tiles_q8_0(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_q8_0x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q8_0x16_rows256<T>(n, tw, x, o); });
+}
+void tiles_mxfp4(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_mxfp4x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows256<T>(n, tw, x, o); });
+}
+void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
+    tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows256<T>(n, tw, x, o); });
+}
 #endif
 
 #if defined(__AVX512VNNI__) || (defined(__AVX2__) && !defined(__AVX512BW__))
@@ -1687,10 +1807,13 @@ const Format kFormats[] = {
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
     {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0U, nullptr, nullptr, tiles_mxfp4},
-#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 level: the K-quants Q4_K, Q5_K, Q6_K)
+#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 and AVX-VNNI levels: signed activations)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
+    {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
+    {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_K, nullptr, nullptr, tiles_iq4_xs},
+    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0, nullptr, nullptr, tiles_mxfp4},
 #endif
 };
 
