@@ -1,6 +1,7 @@
 // Python bindings (module_local: each ISA build registers its own types in one process). Tensors cross as addresses + byte counts: the Python side (kernels/cpu.py)
 // checks dtype, shape and contiguity; the C++ side checks sizes and ids before touching memory.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -61,7 +62,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 
     py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime", py::module_local())
-        .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 300)
+        .def(py::init<int, std::vector<int>, int>(), py::arg("threads"), py::arg("cpus") = std::vector<int>(),
+             py::arg("spin_us") = 300)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
         .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,

@@ -22,31 +22,23 @@ void block_terminal_signals() {
 }
 
 namespace {
-void pin_to(int core) {
+// Bind the calling thread to `cpu` where this process may run there (else leave it be).
+void pin_to(int cpu) {
 #if defined(__linux__)
     cpu_set_t allowed;
-    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-    const int n = CPU_COUNT(&allowed);
-    if (n <= 0) return;
-    int seen = 0;
-    for (int c = 0; c < CPU_SETSIZE; c++) {
-        if (!CPU_ISSET(c, &allowed)) continue;
-        if (seen++ == core % n) {
-            cpu_set_t one;
-            CPU_ZERO(&one);
-            CPU_SET(c, &one);
-            pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
-            return;
-        }
-    }
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed)) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
 #else
-    (void)core;
+    (void)cpu;
 #endif
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
-    : n_threads_(n_threads < 1 ? 1 : n_threads), pin_(pin), spin_us_(spin_us) {
+ThreadPool::ThreadPool(int n_threads, std::vector<int> cpus, int spin_us)
+    : n_threads_(n_threads < 1 ? 1 : n_threads), cpus_(std::move(cpus)), spin_us_(spin_us) {
     for (int i = 1; i < n_threads_; i++) threads_.emplace_back(&ThreadPool::worker, this, i);
 }
 
@@ -61,7 +53,7 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::pin_caller() const {
-    if (pin_) pin_to(0);
+    if (!cpus_.empty()) pin_to(cpus_[0]);
 }
 
 void ThreadPool::run_tasks(int id) {
@@ -104,7 +96,7 @@ void ThreadPool::rouse() {
 
 void ThreadPool::worker(int id) {
     block_terminal_signals();
-    if (pin_) pin_to(id);
+    if (!cpus_.empty()) pin_to(cpus_[id % cpus_.size()]);
     uint64_t seen = 0;
     for (;;) {
         // spin a little for the next job (unless told to rest), then sleep until one comes or a
@@ -126,7 +118,7 @@ void ThreadPool::worker(int id) {
     }
 }
 
-Runtime::Runtime(int n_threads, bool pin, int spin_us) : pool_(n_threads, pin, spin_us) {
+Runtime::Runtime(int n_threads, std::vector<int> cpus, int spin_us) : pool_(n_threads, std::move(cpus), spin_us) {
     dispatcher_ = std::thread(&Runtime::dispatch, this);
 }
 

@@ -22,8 +22,10 @@ namespace kt {
 
 class ThreadPool {
   public:
-    // n_threads counts the thread that calls parallel_for (it works too); pin: bind thread i to core i.
-    ThreadPool(int n_threads, bool pin, int spin_us);
+    // n_threads counts the thread that calls parallel_for (it works too); thread i is bound to
+    // cpus[i % cpus.size()] (Python orders them: each physical core's first thread, fastest cores
+    // first, then the second threads); none: not bound.
+    ThreadPool(int n_threads, std::vector<int> cpus, int spin_us);
     ~ThreadPool();
     ThreadPool(const ThreadPool&) = delete;
     ThreadPool& operator=(const ThreadPool&) = delete;
@@ -31,7 +33,7 @@ class ThreadPool {
     // fn(task, thread) for task in [0, n_tasks), scheduled dynamically; returns when all are done.
     void parallel_for(int n_tasks, const std::function<void(int, int)>& fn);
     int size() const { return n_threads_; }
-    void pin_caller() const;  // pin the calling thread to core 0 (when pinning is on)
+    void pin_caller() const;  // bind the calling thread to thread 0's CPU (when binding is on)
     // rest(): workers spinning for a next job go to sleep now (no job is coming soon: the cores
     // are the caller's, e.g. Python between two decode steps); rouse(): sleeping workers spin
     // again (a job is coming: its first parallel_for then finds them awake). Neither touches a job.
@@ -43,7 +45,7 @@ class ThreadPool {
     void run_tasks(int id);
 
     const int n_threads_;
-    const bool pin_;
+    const std::vector<int> cpus_;
     const int spin_us_;
     std::vector<std::thread> threads_;
     const std::function<void(int, int)>* job_ = nullptr;
@@ -59,7 +61,7 @@ class ThreadPool {
 // Owns the pool; jobs submitted from Python run on its dispatcher thread, in order.
 class Runtime {
   public:
-    Runtime(int n_threads, bool pin, int spin_us);
+    Runtime(int n_threads, std::vector<int> cpus, int spin_us);
     ~Runtime();
     void submit(std::function<void()> job);
     // Run `job` on the calling thread (as the pool's thread 0) once queued jobs are done: a

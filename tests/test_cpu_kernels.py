@@ -788,3 +788,35 @@ def test_tiles_are_told_apart_by_a_tag(runtime):
     with pytest.raises(ValueError, match="made for 128 x 512 values"):
         MoEKernel(runtime, experts=4, top_k=2, hidden=512, intermediate=32, gate=tiled, up=tiled, down=tiled)
     LinearKernel(runtime, in_features=512, out_features=128, weight=tiled)  # the shape it was tiled for
+
+
+def _fake_sysfs(root, cores):
+    """cores: (siblings, capacity or None, max kHz or None) per physical core."""
+    for siblings, capacity, khz in cores:
+        for cpu in siblings:
+            d = root / f"cpu{cpu}"
+            (d / "topology").mkdir(parents=True)
+            (d / "topology" / "thread_siblings_list").write_text(",".join(map(str, siblings)) + "\n")
+            if capacity is not None:
+                (d / "cpu_capacity").write_text(f"{capacity}\n")
+            if khz is not None:
+                (d / "cpufreq").mkdir()
+                (d / "cpufreq" / "cpuinfo_max_freq").write_text(f"{khz}\n")
+
+
+def test_pin_order_puts_a_thread_on_each_fast_core_first(tmp_path):
+    """A hybrid CPU (two P-cores with two threads each, four E-cores): the pool's threads go to the
+    P-cores' first threads, then the E-cores, then the P-cores' second threads; capacity, where
+    Linux gives it, outranks the clock; with no sysfs, the allowed CPUs as they are."""
+    from ktransformers.kernels.cpu import pin_order
+    hybrid = tmp_path / "hybrid"
+    _fake_sysfs(hybrid, [((0, 1), None, 5_000_000), ((2, 3), None, 5_000_000)]
+                + [((c,), None, 3_800_000) for c in (4, 5, 6, 7)])
+    assert pin_order(list(range(8)), hybrid) == [0, 2, 4, 5, 6, 7, 1, 3]
+    assert pin_order([1, 3, 5, 6], hybrid) == [1, 3, 5, 6]  # (an affinity mask: only what is allowed)
+    by_capacity = tmp_path / "capacity"
+    _fake_sysfs(by_capacity, [((0, 4), 600, 5_000_000), ((1, 5), 1024, 4_000_000), ((2,), 600, 6_000_000)])
+    assert pin_order([0, 1, 2, 4, 5], by_capacity) == [1, 2, 0, 5, 4]
+    assert pin_order([3, 1, 2], tmp_path / "absent") == [1, 2, 3]
+    runtime = CPURuntime(2)
+    assert runtime.cpus and set(runtime.cpus) <= os.sched_getaffinity(0) and not CPURuntime(2, pin=False).cpus

@@ -19,6 +19,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -108,6 +109,50 @@ def load_extension(isa: str | None = None):
 BF16_KERNELS = ("widen", "dot", "amx")  # the extension's order: each runs where the one before does
 
 
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_list(text: str) -> list[int]:
+    """Linux's CPU list syntax ("0-3,8,10-11") as numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            cpus.append(int(part))
+    return cpus
+
+
+def pin_order(allowed: list[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[int]:
+    """The CPUs to bind the pool's threads to, in the order threads take them: the first hardware
+    thread of each physical core, the fastest cores first (a hybrid CPU's P-cores before its
+    E-cores, by the capacity Linux gives each core, else its highest clock), then the cores' second threads. Two busy threads on one
+    core's siblings share its load ports, and a thread on an E-core is a slower share of the same
+    work: the kernels stream weights, so each thread should have a core of its own, the best ones
+    first. Where sysfs says nothing (not Linux, a container hiding it), `allowed` in its order."""
+    cores: dict[tuple, list[int]] = {}
+    for cpu in sorted(allowed):
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            siblings = tuple(_cpu_list((topology / "thread_siblings_list").read_text()))
+        except (OSError, ValueError):
+            siblings = (cpu,)
+        cores.setdefault(siblings, []).append(cpu)
+    def speed(siblings: tuple) -> tuple[int, int]:  # (the scheduler's capacity, the highest clock)
+        return (max((_read_int(sysfs / f"cpu{c}" / "cpu_capacity") or 0) for c in siblings),
+                max((_read_int(sysfs / f"cpu{c}" / "cpufreq" / "cpuinfo_max_freq") or 0) for c in siblings))
+    ranked = sorted(cores.items(), key=lambda item: (tuple(-v for v in speed(item[0])), item[1][0]))
+    order: list[int] = []
+    for depth in range(max((len(cpus) for cpus in cores.values()), default=0)):
+        order.extend(cpus[depth] for _, cpus in ranked if depth < len(cpus))
+    return order
+
+
 class CPURuntime:
     """The thread pool and the queue of CPU jobs. submit() returns at once; sync() waits."""
 
@@ -125,8 +170,10 @@ class CPURuntime:
         self.ext = load_extension(isa)
         self.isa = self.ext.isa
         self.bf16_kernel = BF16_KERNELS[min(BF16_KERNELS.index(bf16_kernel), self.ext.bf16_best())]
-        self.threads = threads or len(os.sched_getaffinity(0))
-        self._rt = self.ext.Runtime(self.threads, pin, spin_us)
+        allowed = sorted(os.sched_getaffinity(0))
+        self.threads = threads or len(allowed)
+        self.cpus = pin_order(allowed) if pin else []  # thread i runs on cpus[i % len(cpus)]
+        self._rt = self.ext.Runtime(self.threads, self.cpus, spin_us)
         self._keep: list = []  # tensors a submitted job reads or writes, alive until sync()
 
     def hold(self, *tensors) -> None:
