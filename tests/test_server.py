@@ -475,3 +475,26 @@ def test_slow_headers_are_cut_off(srv, monkeypatch):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(srv):
+    """An 8 MB prompt (under --max_request_mb) is tokenized off the event loop and then refused as
+    longer than the context (400); /health answers meanwhile, before that refusal comes."""
+    text = "the standard library " * ((8 << 20) // 21)
+    done = {}
+
+    def big():
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=300)
+        done["at"], done["reply"] = time.monotonic(), r
+    thread = threading.Thread(target=big)
+    thread.start()
+    answered = []
+    while thread.is_alive():
+        if httpx.get(srv.url + "/health", timeout=60).status_code == 200 and thread.is_alive():
+            answered.append(time.monotonic())
+        time.sleep(0.02)
+    thread.join()
+    assert done["reply"].status_code == 400 and "context" in done["reply"].json()["error"]["message"]
+    # /health answered again and again while the prompt was in the works (with the event loop
+    # blocked by it, one answer at most could slip in before the refusal)
+    assert sum(t < done["at"] for t in answered) >= 3
