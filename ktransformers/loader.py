@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,25 @@ class LoadedModel:
     config: PretrainedConfig
     tokenizer: object | None
     plan: list[PlanRow]
+
+
+def resolve_model_path(model_path: str | os.PathLike | None) -> Path | None:
+    """--model_path as given where it exists; else a Hugging Face repo id ("org/name") found in the
+    local Hugging Face cache (never downloaded: this project loads what is on disk)."""
+    if model_path is None:
+        return None
+    if Path(model_path).exists():
+        return Path(model_path)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_path)):
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        try:
+            return Path(snapshot_download(str(model_path), local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(f"--model_path {str(model_path)!r} is neither a directory nor a model in the local "
+                                    f"Hugging Face cache ({constants.HF_HUB_CACHE}): download it there first "
+                                    f"(hf download {model_path}), or pass its directory") from None
+    raise FileNotFoundError(f"--model_path {str(model_path)!r} does not exist")
 
 
 def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,
@@ -68,6 +88,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     against `memory_budget` ({'cuda:0': bytes, 'cpu': bytes}; default: what is free now)."""
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
+    model_path = resolve_model_path(model_path)
     weights = GGUFSource(gguf_path) if is_gguf(gguf_path) else None  # the GGUF's header, read once
     files = weights.files if weights else None
     config = load_config(model_path, gguf_path, files)

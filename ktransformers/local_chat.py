@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked: a bad value exits with a one-line error naming the flag."""
     p = _Parser(prog="python -m ktransformers.local_chat", description=__doc__.split("\n")[0],
                 formatter_class=_Formatter, epilog="chat commands (on a terminal):\n" + HELP)
-    p.add_argument("--model_path", help="HF model directory (config + tokenizer); optional when the GGUF has both")
+    p.add_argument("--model_path", help="HF model directory (config + tokenizer), or a repo id in the local Hugging Face "
+                                        "cache; optional when the GGUF has both")
     p.add_argument("--gguf_path", help="GGUF file or directory (split files found beside it); default: the demo model")
     p.add_argument("--optimize_config_path", help="rule file (YAML); default: the shipped one for the architecture")
     p.add_argument("--max_new_tokens", type=int, default=300)
@@ -63,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", help="answer this text once, then exit")
     p.add_argument("--mode", choices=("normal", "long_context"), default="normal",
                    help="long_context: MLA attends in latent space during prefill too (less memory)")
-    p.add_argument("--force_think", action="store_true", help="start the answer with <think> (reasoning models)")
+    p.add_argument("--force_think", type=_bool, nargs="?", const=True, default=False,
+                   help="start the answer with <think> (reasoning models); also --force_think true/false")
     p.add_argument("--reasoning_effort", choices=("low", "medium", "high"), default="medium",
                    help="gpt-oss (the harmony format): how much it reasons before answering")
     p.add_argument("--chunk_size", type=int, default=8192, help="prompt tokens per prefill forward")
@@ -77,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    args = p.parse_args(argv)
+    from .upstream import CHAT_FLAGS, drop_upstream_flags
+    args = p.parse_args(drop_upstream_flags(list(sys.argv[1:] if argv is None else argv), CHAT_FLAGS))
     problem = check_args(args)
     if problem is not None:
         p.error(problem)
@@ -117,8 +120,14 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def _check_paths(args: argparse.Namespace) -> str | None:
-    if args.model_path is not None and not Path(args.model_path).is_dir():
-        return f"--model_path {args.model_path!r} is not a directory"
+    if args.model_path is not None:
+        from .loader import resolve_model_path
+        try:
+            args.model_path = str(resolve_model_path(args.model_path))
+        except FileNotFoundError as e:
+            return str(e)
+        if not Path(args.model_path).is_dir():
+            return f"--model_path {args.model_path!r} is not a directory"
     if args.model_path is not None and args.gguf_path is None:
         return "--gguf_path is required with --model_path (the weights live in GGUF or safetensors files)"
     if args.gguf_path is not None and not Path(args.gguf_path).exists():

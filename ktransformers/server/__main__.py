@@ -14,7 +14,8 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktransformers.server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_path", help="HF directory (config, tokenizer); optional when the GGUF carries them")
+    p.add_argument("--model_path", help="HF directory (config, tokenizer), or a repo id in the local Hugging Face cache; "
+                                        "optional when the GGUF carries them")
     p.add_argument("--gguf_path", help="GGUF file or directory (default: the bundled demo model)")
     p.add_argument("--optimize_config_path", help="rule file (default: the shipped one for the architecture)")
     p.add_argument("--model_name", help="the name clients use (default: the GGUF's file name)")
@@ -74,6 +75,8 @@ def make_server(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..upstream import SERVER_FLAGS, SERVER_RENAMES, drop_upstream_flags
+    argv = drop_upstream_flags(list(sys.argv[1:] if argv is None else argv), SERVER_FLAGS, SERVER_RENAMES)
     args = build_parser().parse_args(argv)
     try:
         import uvicorn

@@ -1,0 +1,68 @@
+"""What upstream KTransformers' users type keeps working: its flags (renamed ones passed on,
+dropped ones noted), its console script form, `--force_think true`, its import path of the
+loader, and --model_path as a Hugging Face repo id found in the local cache."""
+import subprocess
+import sys
+
+import pytest
+
+from ktransformers.upstream import CHAT_FLAGS, SERVER_FLAGS, SERVER_RENAMES, drop_upstream_flags
+
+
+def test_upstream_flags_renamed_or_dropped_with_a_note(capsys):
+    argv = ["--model_dir", "/m", "--web", "true", "--port", "10002", "--total_context=4096", "--backend_type",
+            "balance_serve", "--use_cuda_graph", "--cpu_infer", "8", "--log_level", "-1"]
+    kept = drop_upstream_flags(argv, SERVER_FLAGS, SERVER_RENAMES)
+    assert kept == ["--model_path", "/m", "--port", "10002", "--cache_lens=4096", "--cpu_infer", "8"]
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 6 and all(n.startswith("note: --") for n in notes)
+    assert "--model_dir (an upstream KTransformers flag) is --model_path here" in notes[0]
+    assert "--web" in notes[1] and "no effect" in notes[1]
+    assert drop_upstream_flags(["--prompt", "hi"], CHAT_FLAGS) == ["--prompt", "hi"]
+
+
+def test_console_script_with_flags_first_serves():
+    out = subprocess.run([sys.executable, "-m", "ktransformers.cli", "--model_dir", "/m", "--web", "true", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "python -m ktransformers.server" in out.stdout
+    assert "--model_dir (an upstream KTransformers flag) is --model_path here" in out.stderr
+    usage = subprocess.run([sys.executable, "-m", "ktransformers.cli", "nonsense"], capture_output=True, text=True,
+                           timeout=120)
+    assert usage.returncode == 2 and "usage: ktransformers {chat,serve}" in usage.stderr
+
+
+@pytest.mark.parametrize("flags, value", [([], False), (["--force_think"], True), (["--force_think", "true"], True),
+                                          (["--force_think", "False"], False), (["--force_think=1"], True)])
+def test_force_think_takes_upstream_booleans(flags, value):
+    from ktransformers.local_chat import parse_args
+    assert parse_args(flags + ["--prompt", "hi"]).force_think is value
+
+
+def test_upstream_import_path_of_the_loader():
+    import ktransformers
+    from ktransformers.optimize.optimize import optimize_and_load_gguf
+    assert optimize_and_load_gguf is ktransformers.optimize_and_load_gguf
+
+
+def test_model_path_as_a_repo_id_in_the_local_cache(tmp_path, monkeypatch):
+    """A repo id resolves to its snapshot in the Hugging Face cache, without the network; one
+    not there is a FileNotFoundError saying where it looked and what to do."""
+    from huggingface_hub import constants
+
+    from ktransformers.loader import resolve_model_path
+    repo = tmp_path / "models--someorg--tiny-moe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("someorg/tiny-moe") == snapshot
+    assert resolve_model_path(str(snapshot)) == snapshot  # a directory as it is
+    assert resolve_model_path(None) is None
+    with pytest.raises(FileNotFoundError, match=r"'someorg/absent' is neither a directory nor a model in the local "
+                                                r"Hugging Face cache .*hf download someorg/absent"):
+        resolve_model_path("someorg/absent")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
