@@ -100,7 +100,7 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
     model = build_skeleton(config, dtype)
     rule_file = optimize_config_path or default_rule_file(config, gpu=default_device.startswith("cuda"))
     rules = load_rules(rule_file)
-    rows = plan_rows(model, rules, default_device)
+    rows = plan_rows(model, rules, default_device, f"rule file {rule_file}")
     check_experts_placed(rows, rule_file)
     if weights is not None and model_path is not None and uses_fp8_linears(rows):
         # FP8 rule files: the dense part from the HF checkpoint (FP8 as stored), the experts from the GGUF

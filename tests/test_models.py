@@ -142,7 +142,7 @@ def test_config_from_gguf_metadata(tmp_path, family):
     for attr in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok",
                  "intermediate_size", "rms_norm_eps", "num_key_value_heads"):
         assert getattr(config, attr) == pytest.approx(getattr(model.config, attr)), attr
-    loaded = load_model(path, dtype=torch.float32, progress=False)  # config from GGUF, shipped CPU rules
+    loaded = load_model(path, dtype=torch.float32, progress=False, tokenizer=False)  # config from GGUF, shipped CPU rules
     reference = tiny_model(family, seed=99)
     reference.load_state_dict(reference_state_dict(model, types))
     ids = torch.randint(0, 320, (1, 9))
@@ -229,7 +229,7 @@ def test_glm4moe_next_n_layer_is_recognised_and_left_unread(tmp_path):
     assert "blk.3.nextn.eh_proj.weight" in types and "blk.3.ffn_gate_exps.weight" in types
     config = load_config(None, path)
     assert (config.num_hidden_layers, config.num_nextn_predict_layers) == (n, 1)
-    loaded = load_model(path, dtype=torch.float32, progress=False)
+    loaded = load_model(path, dtype=torch.float32, progress=False, tokenizer=False)
     reference = tiny_model("glm4_moe", seed=99)
     reference.load_state_dict(reference_state_dict(model, types))
     round_like_cpu_kernels(reference, types)

@@ -66,3 +66,26 @@ def test_model_path_as_a_repo_id_in_the_local_cache(tmp_path, monkeypatch):
         resolve_model_path("someorg/absent")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_a_rule_file_for_another_architecture_is_one_line(tmp_path):
+    """A DeepSeek-V3 rule file given a Qwen3-MoE model: one line naming the file, the rule, the
+    class and both architectures, from the loader's plan and from --dry-run alike."""
+    import torch
+    from tiny import tiny_model
+
+    from ktransformers.loader import RULES_DIR, build_skeleton
+    from ktransformers.optimize.inject import plan
+    from ktransformers.optimize.rules import RuleError, load_rules
+    hf = tiny_model("qwen3_moe", layers=1)
+    model = build_skeleton(hf.config, torch.float32)
+    rules_file = RULES_DIR / "DeepSeek-V3-Chat-cpu.yaml"
+    with pytest.raises(RuleError, match=r"DeepSeek-V3-Chat-cpu.yaml is for deepseek_v3 models \(rule \d+ matches class "
+                                        r"DeepseekV3\w+\), not this qwen3_moe model"):
+        plan(model, load_rules(rules_file), "cpu", f"rule file {rules_file}")
+    assert plan(model, load_rules(RULES_DIR / "Qwen3Moe-cpu.yaml"), "cpu")  # its own file plans
+    hf.config.save_pretrained(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "ktransformers.optimize", "--model_path", str(tmp_path),
+                          "--optimize_config_path", str(rules_file), "--dry-run"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not this qwen3_moe model" in out.stderr

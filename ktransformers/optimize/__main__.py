@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(a.model_path, a.gguf_path)
         rules_path = a.optimize_config_path or default_rule_file(config, gpu=a.default_device.startswith("cuda"))
         model = build_skeleton(config, torch.bfloat16)
-        rows = plan(model, load_rules(rules_path), a.default_device)
+        rows = plan(model, load_rules(rules_path), a.default_device, f"rule file {rules_path}")
     except (RuleError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from ..operators.base import BaseInjectedModule, RunContext
 from ..weights.gguf import GGUFSource
 from ..weights.safetensors import SafetensorsSource
 from ..weights.source import WeightError, WeightSource
-from .rules import DEFAULT, Rule, first_match, load_rules, parse_rules
+from .rules import DEFAULT, Rule, check_rules_fit, first_match, load_rules, parse_rules
 
 _ROTARY = re.compile(r"\.rotary_emb\.inv_freq$")
 
@@ -37,8 +37,10 @@ class PlanRow:
         return self.kwargs.get("generate_device") or self.kwargs.get("prefill_device") or "cpu"
 
 
-def plan(model: nn.Module, rules: list[Rule], default_device: str = "cpu") -> list[PlanRow]:
-    """Walk named_modules top-down; the first matching rule decides each module."""
+def plan(model: nn.Module, rules: list[Rule], default_device: str = "cpu", source: str = "the rule file") -> list[PlanRow]:
+    """Walk named_modules top-down; the first matching rule decides each module. A file for another
+    architecture (`source` names it) is a RuleError first."""
+    check_rules_fit(model, rules, source)
     rows: list[PlanRow] = []
 
     def visit(name: str, module: nn.Module, inherited: dict) -> None:
@@ -184,7 +186,7 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     weights = open_weights(gguf_path, config.model_type)
     if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
         weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
-    rows = plan(model, rules, default_device)
+    rows = plan(model, rules, default_device, "the given rules" if isinstance(rule_file, list) else f"rule file {rule_file}")
     check_devices(rows)
     model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)

@@ -259,5 +259,19 @@ def load_rules(path: str | Path, allow_import_prefixes: tuple[str, ...] = ()) ->
     return parse_rules(path.read_text(), str(path), allow_import_prefixes)
 
 
+def check_rules_fit(model: nn.Module, rules: list[Rule], source: str = "the rule file") -> None:
+    """A rule whose match.class is a transformers model class of another architecture than the
+    model's makes the file one for that architecture: refused in one line, before anything is
+    placed (its operators would meet modules they were not written for)."""
+    own = type(model).__module__
+    for rule in rules:
+        cls = rule.match_class
+        if cls is None or not cls.__module__.startswith("transformers.models.") or cls.__module__ == own:
+            continue
+        theirs, ours = cls.__module__.split(".")[2], own.split(".")[2] if own.startswith("transformers.models.") else own
+        raise RuleError(f"{source} is for {theirs} models (rule {rule.index} matches class {cls.__name__}), not this "
+                        f"{ours} model: pass a rule file for {ours} (the shipped ones are in ktransformers/optimize_rules)")
+
+
 def first_match(rules: list[Rule], name: str, module: nn.Module) -> Rule | None:
     return next((r for r in rules if r.matches(name, module)), None)
