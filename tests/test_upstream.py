@@ -89,3 +89,39 @@ def test_a_rule_file_for_another_architecture_is_one_line(tmp_path):
                           "--optimize_config_path", str(rules_file), "--dry-run"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not this qwen3_moe model" in out.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "glm4_moe"])
+def test_a_skeleton_built_on_the_meta_device_loads(tmp_path, family):
+    """Upstream's scripts build the model under `with torch.device("meta")`, buffers included:
+    optimize_and_load_gguf computes the rotary tables again, and the logits are transformers'."""
+    import torch
+    from tiny import RULES, tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import RULES_DIR
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.F32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)
+    assert any(b.is_meta for b in model.buffers())
+    optimize_and_load_gguf(model, RULES_DIR / RULES[family], tmp_path / "m.gguf", hf.config)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
+def test_a_parameter_left_without_data_is_named(tmp_path):
+    import torch
+    from tiny import tiny_model
+
+    from ktransformers.optimize.inject import check_loaded
+    model = tiny_model("qwen3_moe", layers=1)
+    check_loaded(model)
+    model.model.norm.weight = torch.nn.Parameter(torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has no data after loading"):
+        check_loaded(model)

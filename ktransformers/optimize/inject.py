@@ -171,6 +171,34 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
     return is_mtp or bool(_ROTARY.search(name))
 
 
+def recompute_meta_buffers(model: nn.Module, config) -> None:
+    """The rotary embeddings' tables of a skeleton built under `torch.device("meta")` (as upstream's
+    scripts build it), which no checkpoint holds: computed again from the config by their own
+    class. (Other buffers come from the weights; check_loaded finds any left without data.)"""
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        meta = [b for b, t in module.named_buffers(recurse=False) if t is not None and t.is_meta]
+        meta += [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and v.is_meta and k not in meta]
+        if not meta:
+            continue
+        with torch.device("cpu"):
+            fresh = type(module)(config=getattr(module, "config", config))
+        for key in meta:
+            if key in module._buffers:
+                module._buffers[key] = getattr(fresh, key)
+            else:
+                setattr(module, key, getattr(fresh, key))
+
+
+def check_loaded(model: nn.Module) -> None:
+    """No parameter or buffer left on the meta device once the weights are in: name the first."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is not None and t.is_meta:
+            raise ValueError(f"{name} has no data after loading (it is on the meta device): neither the weights nor "
+                             f"an operator provide it")
+
+
 def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule],
                            gguf_path: str | os.PathLike | WeightSource,
                            config, default_device: str = "cpu", progress: bool = False,
@@ -183,6 +211,7 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     into 16-row tiles (a RAM copy; False: compute on the mapped file). Returns the plan rows (what
     replaced what)."""
     rules = rule_file if isinstance(rule_file, list) else load_rules(rule_file)
+    recompute_meta_buffers(model, config)
     weights = open_weights(gguf_path, config.model_type)
     if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight"):
         weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
@@ -191,6 +220,7 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
+    check_loaded(model)
     model.eval()
     return rows
 
