@@ -125,3 +125,25 @@ def test_a_parameter_left_without_data_is_named(tmp_path):
     model.model.norm.weight = torch.nn.Parameter(torch.empty(4, device="meta"))
     with pytest.raises(ValueError, match=r"model\.norm\.weight has no data after loading"):
         check_loaded(model)
+
+
+def test_a_rule_file_error_lists_every_wrong_rule(tmp_path):
+    """Three wrong rules (an unknown operator, a bad kwarg, a bad regex) and one good one: the
+    error names each wrong rule, with the valid operators for the unknown one."""
+    from ktransformers.optimize.rules import RuleError, load_rules
+    path = tmp_path / "bad.yaml"
+    path.write_text('- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}\n'
+                    '  replace: {class: KTransformersExpertsV9}\n'
+                    '- match: {name: "^lm_head$"}\n'
+                    '  replace: {class: default, kwargs: {generate_device: 7, prefill_device: 8}}\n'
+                    '- match: {name: "(unclosed"}\n'
+                    '  replace: {class: default}\n'
+                    '- match: {name: "^model\\\\.norm$"}\n'
+                    '  replace: {class: default}\n')
+    with pytest.raises(RuleError) as e:
+        load_rules(path)
+    text = str(e.value)
+    assert text.startswith(f"{path}: 3 rules are wrong:")
+    assert "rule 0: replace.class: unknown operator 'KTransformersExpertsV9'; valid: default, " in text
+    assert "rule 1: replace.kwargs.generate_device" in text and "rule 1: replace.kwargs.prefill_device" in text
+    assert "rule 2: match.name: bad regular expression" in text and "rule 3" not in text

@@ -181,7 +181,17 @@ class _RuleParser:
             return []
         if not isinstance(data, list):
             raise self.fail(None, "top level", f"expected a list of rules, got {type(data).__name__}")
-        return [self.parse_rule(i, item) for i, item in enumerate(data)]
+        rules, problems = [], []
+        for i, item in enumerate(data):  # every rule is checked: the error lists all that are wrong
+            try:
+                rules.append(self.parse_rule(i, item))
+            except RuleError as e:
+                problems.append(str(e))
+        if len(problems) == 1:
+            raise RuleError(problems[0])
+        if problems:
+            raise RuleError(f"{self.source}: {len(problems)} rules are wrong:\n  " + "\n  ".join(problems))
+        return rules
 
     def parse_rule(self, i: int, item: Any) -> Rule:
         if not isinstance(item, dict):
@@ -233,8 +243,7 @@ class _RuleParser:
         options = Placement if operator is None else operator.Options
         errors = option_errors(options, kwargs)
         if errors:
-            key, message = errors[0]
-            raise self.fail(i, f"replace.kwargs.{key}", message)
+            raise RuleError("; ".join(str(self.fail(i, f"replace.kwargs.{key}", message)) for key, message in errors))
         return operator, dict(kwargs)
 
 
