@@ -174,7 +174,7 @@ def _ignorable(name: str, config, weights: WeightSource) -> bool:
 def recompute_meta_buffers(model: nn.Module, config) -> None:
     """The rotary embeddings' tables of a skeleton built under `torch.device("meta")` (as upstream's
     scripts build it), which no checkpoint holds: computed again from the config by their own
-    class. (Other buffers come from the weights; check_loaded finds any left without data.)"""
+    class. (Other buffers come from the weights; load_weights names any left without data.)"""
     for module in model.modules():
         if not type(module).__name__.endswith("RotaryEmbedding"):
             continue
@@ -189,14 +189,6 @@ def recompute_meta_buffers(model: nn.Module, config) -> None:
                 module._buffers[key] = getattr(fresh, key)
             else:
                 setattr(module, key, getattr(fresh, key))
-
-
-def check_loaded(model: nn.Module) -> None:
-    """No parameter or buffer left on the meta device once the weights are in: name the first."""
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t is not None and t.is_meta:
-            raise ValueError(f"{name} has no data after loading (it is on the meta device): neither the weights nor "
-                             f"an operator provide it")
 
 
 def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list[Rule],
@@ -220,7 +212,6 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
-    check_loaded(model)
     model.eval()
     return rows
 
