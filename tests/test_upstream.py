@@ -135,3 +135,38 @@ def test_a_rule_file_error_lists_every_wrong_rule(tmp_path):
     assert "rule 0: replace.class: unknown operator 'KTransformersExpertsV9'; valid: default, " in text
     assert "rule 1: replace.kwargs.generate_device" in text and "rule 1: replace.kwargs.prefill_device" in text
     assert "rule 2: match.name: bad regular expression" in text and "rule 3" not in text
+
+
+@pytest.mark.parametrize("spelling", ["ktransformers.operators.models.KDeepseekV2Model", "KQwen2MoeModel"])
+def test_upstream_model_operator_keeps_the_model_and_sets_the_threshold(tmp_path, spelling):
+    """`^model$` -> upstream's model-level operator loads: the model stays transformers' own, and
+    per_layer_prefill_intput_threshold becomes every experts operator's prefill_gpu_threshold;
+    transfer_map is refused with what to use instead."""
+    import torch
+    from tiny import RULES, tiny_model
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import RULES_DIR, build_skeleton
+    from ktransformers.operators.experts import KTransformersExperts
+    from ktransformers.optimize.rules import RuleError
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.F32)
+    shipped = (RULES_DIR / RULES["qwen3_moe"]).read_text()
+    rules = tmp_path / "upstream.yaml"
+    rules.write_text(f'- match:\n    name: "^model$"\n  replace:\n    class: "{spelling}"\n    kwargs:\n'
+                     f'      per_layer_prefill_intput_threshold: 4096\n' + shipped)
+    model = build_skeleton(hf.config, torch.float32)
+    rows = optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
+    assert type(model.model).__name__ == "Qwen3MoeModel" and rows[0].name == "model"
+    experts = [m for m in model.modules() if isinstance(m, KTransformersExperts)]
+    assert experts and all(m.prefill_gpu_threshold == 4096 for m in experts)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+    rules.write_text(f'- match:\n    name: "^model$"\n  replace:\n    class: "{spelling}"\n    kwargs:\n'
+                     f'      transfer_map: {{30: "cuda:1"}}\n' + shipped)
+    with pytest.raises(RuleError, match=r"rule 0: replace.kwargs.transfer_map: layers are put on GPUs by per-layer rules"):
+        optimize_and_load_gguf(build_skeleton(hf.config, torch.float32), rules, tmp_path / "m.gguf", hf.config)

@@ -46,6 +46,21 @@ class Placement:
     generate_device: str = device_field()
 
 
+@dataclass(frozen=True)
+class ModelPlacement(Placement):
+    """Upstream's model-level operators (`KDeepseekV2Model`, `KQwen2MoeModel`, ... on `^model$`):
+    the model stays transformers' own; their setting, the prompt length from which prefill
+    streams each layer's experts to the GPU (0: never), is every experts operator's
+    prefill_gpu_threshold."""
+
+    per_layer_prefill_intput_threshold: int = dataclasses.field(default=0, metadata={"min": 0})
+
+
+# upstream's names of the model-level operators (ktransformers.operators.models.<name>)
+UPSTREAM_MODEL_OPERATORS = ("KDeepseekV2Model", "KDeepseekV3Model", "KQwen2MoeModel", "KQwen3MoeModel",
+                            "KMixtralModel", "KLlamaModel", "KGlm4MoeModel")
+
+
 def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):

@@ -20,7 +20,7 @@ import regex
 import yaml
 from torch import nn
 
-from ..operators.base import BaseInjectedModule, Placement, option_errors
+from ..operators.base import UPSTREAM_MODEL_OPERATORS, BaseInjectedModule, ModelPlacement, Placement, option_errors
 from .. import operators  # noqa: F401  (importing the package registers every operator)
 from ..operators.registry import OPERATORS
 
@@ -152,6 +152,8 @@ def resolve_operator(name: str, allow_prefixes: tuple[str, ...] = ()) -> type | 
     if name == DEFAULT:
         return None
     short = name.rpartition(".")[2]
+    if short in UPSTREAM_MODEL_OPERATORS and (name == short or name == f"ktransformers.operators.models.{short}"):
+        return ModelPlacement
     if name in OPERATORS or (name.startswith("ktransformers.operators.") and short in OPERATORS):
         return OPERATORS.get(short)
     if "." not in name:
@@ -240,7 +242,13 @@ class _RuleParser:
         kwargs = replace.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise self.fail(i, "replace.kwargs", f"expected a mapping, got {_short(kwargs)}")
-        options = Placement if operator is None else operator.Options
+        if operator is ModelPlacement:  # upstream's model-level operator: the module stays as it is
+            operator, options = None, ModelPlacement
+            if "transfer_map" in kwargs:
+                raise self.fail(i, "replace.kwargs.transfer_map", "layers are put on GPUs by per-layer rules here "
+                                "(generate_device / prefill_device of each layer's rule: docs/multi_gpu.md)")
+        else:
+            options = Placement if operator is None else operator.Options
         errors = option_errors(options, kwargs)
         if errors:
             raise RuleError("; ".join(str(self.fail(i, f"replace.kwargs.{key}", message)) for key, message in errors))
