@@ -170,3 +170,47 @@ def test_upstream_model_operator_keeps_the_model_and_sets_the_threshold(tmp_path
                      f'      transfer_map: {{30: "cuda:1"}}\n' + shipped)
     with pytest.raises(RuleError, match=r"rule 0: replace.kwargs.transfer_map: layers are put on GPUs by per-layer rules"):
         optimize_and_load_gguf(build_skeleton(hf.config, torch.float32), rules, tmp_path / "m.gguf", hf.config)
+
+
+def test_upstream_v2_names_and_the_experts_backend(tmp_path):
+    """Upstream's balance_serve names (KTransformersExpertsV2, VLinearMarlin, KDeepseekV3MoEV2,
+    KMoEGateGreedy) are the operators and ops here; experts' `backend: AMXInt8` is int8_prefill,
+    `llamafile` the GGML blocks, and AMXBF16 is refused naming the module and what to use."""
+    import torch
+    from tiny import RULES, tiny_model
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import RULES_DIR, build_skeleton
+    from ktransformers.operators.experts import KTransformersExperts
+    from ktransformers.operators.registry import LINEAR_OPS, OPERATORS
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    assert OPERATORS.get("KTransformersExpertsV2") is OPERATORS.get("KTransformersExperts")
+    assert OPERATORS.get("KDeepseekV3MoEV2") is OPERATORS.get("KDeepseekV3MoE")
+    assert OPERATORS.get("KMoEGateGreedy") is OPERATORS.get("KMoEGate")
+    assert LINEAR_OPS.get("VLinearMarlin") is LINEAR_OPS.get("KLinearMarlin")
+    hf = tiny_model("qwen3_moe", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.Q8_0)
+    shipped = (RULES_DIR / RULES["qwen3_moe"]).read_text()
+    logits = {}
+    for backend in ("llamafile", "AMXInt8", "AMXBF16"):
+        rules = tmp_path / f"{backend}.yaml"
+        rules.write_text('- match:\n    name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"\n  replace:\n'
+                         '    class: ktransformers.operators.experts.KTransformersExpertsV2\n'
+                         f'    kwargs: {{generate_op: KExpertsCPU, prefill_op: KExpertsCPU, backend: {backend}}}\n' + shipped)
+        model = build_skeleton(hf.config, torch.float32)
+        if backend == "AMXBF16":
+            with pytest.raises(ValueError, match=r"mlp\.experts'?: backend AMXBF16 .* use int8_prefill: true"):
+                optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
+            continue
+        optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
+        experts = [m for m in model.modules() if isinstance(m, KTransformersExperts)]
+        assert experts and all(m.options.backend == backend for m in experts)
+        assert all(m.ops["prefill"].spec.int8_prefill == (backend == "AMXInt8") for m in experts)
+        ids = torch.randint(0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            logits[backend] = model(ids, use_cache=False).logits
+    with torch.no_grad():
+        want = hf(ids, use_cache=False).logits
+    for got in logits.values():
+        assert ((got - want).norm() / want.norm()).item() < 5e-2

@@ -3,5 +3,15 @@ package registers every operator and op under the names rule files use."""
 from . import attention, experts, gate, layer, layernorm, linear, moe, rope  # noqa: F401  (they register)
 from .base import BaseInjectedModule, set_phase
 from .context import RunContext
+from .registry import EXPERT_OPS, LINEAR_OPS, OPERATORS
+
+# upstream KTransformers' other names (its "V2" / balance_serve rule files) for operators and ops here
+UPSTREAM_ALIASES = {OPERATORS: {"KTransformersExpertsV2": "KTransformersExperts", "KDeepseekV3MoEV2": "KDeepseekV3MoE",
+                                "KMoEGateGreedy": "KMoEGate"},
+                    LINEAR_OPS: {"VLinearMarlin": "KLinearMarlin"},
+                    EXPERT_OPS: {}}
+for _registry, _aliases in UPSTREAM_ALIASES.items():
+    for _alias, _name in _aliases.items():
+        _registry.register(_alias)(_registry.get(_name))
 
 __all__ = ["BaseInjectedModule", "RunContext", "set_phase"]

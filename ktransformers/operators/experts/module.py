@@ -22,6 +22,9 @@ class ExpertsOptions(Placement):
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
+    # upstream's CPU backend: llamafile (the GGML blocks, as here by default) or AMXInt8 (= int8_prefill);
+    # AMXBF16 (bf16 copies) is refused
+    backend: str | None = field(default=None, metadata=choices(lambda: ["llamafile", "AMXInt8", "AMXBF16"]))
     # KExpertsCPU: int4 copies instead (groups of int4_group columns, a multiple of 64): 0.53 bytes a
     # weight at 128, against int8's 1 (2 with its AMX tiles)
     int4_prefill: bool = False
@@ -72,8 +75,11 @@ class KTransformersExperts(BaseInjectedModule):
         self.n_experts = E
         top_k = getattr(config, "num_experts_per_tok", None) or E
         o = self.options
+        if o.backend == "AMXBF16":
+            raise ValueError(f"{key}: backend AMXBF16 (upstream's bf16 copies of the experts) is not here: use int8_prefill: "
+                             f"true (int8 copies for prefill, AMX where the CPU has it) or the GGML blocks (backend: llamafile)")
         self.placement = ExpertPlacement(key, E, o.num_gpu_experts, o.expert_counts_file, o.pcie_experts)
-        spec = ExpertSpec(key, E, H, I, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill,
+        spec = ExpertSpec(key, E, H, I, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill or o.backend == "AMXInt8",
                           self.placement.pcie, int4_group=self._int4_group(key, H, I),
                           int4_decode=o.int4_decode, act=expert_activation(orig_module),
                           bias=bool(getattr(orig_module, "has_bias", False)))
