@@ -214,3 +214,33 @@ def test_upstream_v2_names_and_the_experts_backend(tmp_path):
         want = hf(ids, use_cache=False).logits
     for got in logits.values():
         assert ((got - want).norm() / want.norm()).item() < 5e-2
+
+
+def test_transformers_4_module_names_of_upstream_rules(tmp_path):
+    """Upstream's Mixtral rules name the MoE block `block_sparse_moe` and give each layer's
+    `self_attn.rotary_emb` a rule (transformers 4's names): they place transformers 5's `mlp` and
+    its one `model.rotary_emb`, and the model gives transformers' logits."""
+    import torch
+    from tiny import RULES, tiny_model
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import RULES_DIR, build_skeleton
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model("mixtral", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.F32)
+    shipped = (RULES_DIR / RULES["mixtral"]).read_text()
+    assert "\\\\.mlp" in shipped
+    rules = tmp_path / "upstream-mixtral.yaml"
+    rules.write_text('- match:\n    name: "^model\\\\.layers\\\\..*\\\\.self_attn\\\\.rotary_emb$"\n  replace:\n'
+                     '    class: ktransformers.operators.RoPE.RotaryEmbedding\n'
+                     '    kwargs: {generate_device: cpu, prefill_device: cpu}\n'
+                     + shipped.replace("\\\\.mlp", "\\\\.block_sparse_moe"))
+    model = build_skeleton(hf.config, torch.float32)
+    rows = {r.name: r for r in optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)}
+    assert rows["model.rotary_emb"].operator == "RotaryEmbedding"
+    assert rows["model.layers.0.mlp.experts"].operator == "KTransformersExperts"
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4

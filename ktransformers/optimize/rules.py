@@ -54,6 +54,8 @@ _UPSTREAM_RENAMES = {
     "ktransformers.models.modeling_deepseek_v3.MoEGate": "DeepseekV3TopkRouter",
     "ktransformers.models.modeling_deepseek.MoEGate": "DeepseekV2TopkRouter",
     "ktransformers.models.modeling_deepseek.DeepseekV2MoE": "DeepseekV2Moe",
+    "ktransformers.models.modeling_deepseek.DeepseekV2YarnRotaryEmbedding": "DeepseekV2RotaryEmbedding",
+    "ktransformers.models.modeling_deepseek_v3.DeepseekV3YarnRotaryEmbedding": "DeepseekV3RotaryEmbedding",
 }
 
 
@@ -290,5 +292,22 @@ def check_rules_fit(model: nn.Module, rules: list[Rule], source: str = "the rule
                         f"{ours} model: pass a rule file for {ours} (the shipped ones are in ktransformers/optimize_rules)")
 
 
+# transformers 5 names some modules otherwise than transformers 4 did, which upstream's rule files
+# were written against: a rule's match.name is tried on those spellings too
+_V4_SPELLINGS = (
+    (regex.compile(r"^model\.rotary_emb$"), "model.layers.0.self_attn.rotary_emb"),  # one table, once per layer then
+    (regex.compile(r"^(model\.layers\.\d+)\.mlp(\.|$)"), r"\1.block_sparse_moe\2"),  # Mixtral's MoE block
+)
+
+
+def _spellings(name: str, module: nn.Module) -> list[str]:
+    names = [name]
+    for pattern, v4 in _V4_SPELLINGS:
+        if pattern.search(name) and (".mlp" not in name or "Mixtral" in type(module).__name__):
+            names.append(pattern.sub(v4, name))
+    return names
+
+
 def first_match(rules: list[Rule], name: str, module: nn.Module) -> Rule | None:
-    return next((r for r in rules if r.matches(name, module)), None)
+    names = _spellings(name, module)
+    return next((r for r in rules if any(r.matches(n, module) for n in names)), None)
