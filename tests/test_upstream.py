@@ -244,3 +244,10 @@ def test_transformers_4_module_names_of_upstream_rules(tmp_path):
     with torch.no_grad():
         ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
     assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
+def test_linear_num_bits_is_honoured_or_refused():
+    from ktransformers.operators.base import option_errors
+    from ktransformers.operators.linear import LinearOptions
+    assert option_errors(LinearOptions, {"num_bits": 4}) == []
+    assert option_errors(LinearOptions, {"num_bits": 8}) == [("num_bits", "8 is not one of: 4")]

@@ -94,7 +94,7 @@ def option_errors(options_cls: type, kwargs: dict) -> list[tuple[str, str]]:
             except ValueError as e:
                 errors.append((key, str(e)))
         elif "choices" in meta and value not in meta["choices"]():
-            errors.append((key, f"{value!r} is not one of: {', '.join(meta['choices']())}"))
+            errors.append((key, f"{value!r} is not one of: {', '.join(map(str, meta['choices']()))}"))
         elif "min" in meta and value < meta["min"]:
             errors.append((key, f"must be at least {meta['min']}, got {value!r}"))
     return errors

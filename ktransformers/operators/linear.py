@@ -225,6 +225,8 @@ class LinearOptions(Placement):
     prefill_op: str = field(default="KLinearTorch", metadata=choices(LINEAR_OPS.names))
     generate_op: str = field(default="KLinearTorch", metadata=choices(LINEAR_OPS.names))
     requantize: bool = False  # KLinearMarlin: re-quantize weights of other types to int4 (lossy)
+    # upstream's KLinearMarlin bit width: its int4 is the one here (other widths are refused)
+    num_bits: int = field(default=4, metadata=choices(lambda: [4]))
 
 
 @register_operator("KTransformersLinear")
