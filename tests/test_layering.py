@@ -16,7 +16,7 @@ RANKS = {
     "weights": 1, "cache": 1, "kernels": 1,
     "operators": 2,
     "optimize": 3,
-    "loader": 4, "engine": 4,
+    "loader": 4, "engine": 4, "upstream": 4,
     "server": 5, "local_chat": 5, "calibrate": 5, "cli": 5, "demo": 5, "bench": 5,
 }
 
