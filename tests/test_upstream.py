@@ -189,6 +189,11 @@ def test_upstream_v2_names_and_the_experts_backend(tmp_path):
     assert OPERATORS.get("KDeepseekV3MoEV2") is OPERATORS.get("KDeepseekV3MoE")
     assert OPERATORS.get("KMoEGateGreedy") is OPERATORS.get("KMoEGate")
     assert LINEAR_OPS.get("VLinearMarlin") is LINEAR_OPS.get("KLinearMarlin")
+    assert LINEAR_OPS.get("KLinearCPUInfer") is LINEAR_OPS.get("KLinearCPU")
+    for alias, ours in (("KQwen3MoeSparseMoeBlockV2", "KQwen3MoeSparseMoeBlock"), ("KGlm4Experts", "KTransformersExperts"),
+                        ("KMistralSparseMoEBlock", "KMixtralSparseMoeBlock"), ("KQwen3MoeRMSNorm", "RMSNorm"),
+                        ("flashinfer_attn", "KDeepseekV2Attention"), ("RotaryEmbeddingV4", "KRotaryEmbedding")):
+        assert OPERATORS.get(alias) is OPERATORS.get(ours), alias
     hf = tiny_model("qwen3_moe", layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.Q8_0)
     shipped = (RULES_DIR / RULES["qwen3_moe"]).read_text()
@@ -251,3 +256,23 @@ def test_linear_num_bits_is_honoured_or_refused():
     from ktransformers.operators.linear import LinearOptions
     assert option_errors(LinearOptions, {"num_bits": 4}) == []
     assert option_errors(LinearOptions, {"num_bits": 8}) == [("num_bits", "8 is not one of: 4")]
+
+
+def test_another_familys_rotary_class_and_the_mlp_operators(tmp_path):
+    """Upstream's Qwen3-MoE files match the rotary embedding by Qwen2-MoE's class, and place dense
+    MLPs with `ktransformers.operators.mlp.*`: the first places the Qwen3 model's rotary_emb (it is
+    no sign of another architecture), the second keeps the module as it is."""
+    import torch
+    from tiny import tiny_model
+
+    from ktransformers.loader import build_skeleton
+    from ktransformers.optimize.inject import plan
+    from ktransformers.optimize.rules import parse_rules
+    model = build_skeleton(tiny_model("qwen3_moe", layers=1).config, torch.float32)
+    rules = parse_rules('- match: {class: ktransformers.models.modeling_qwen2_moe.Qwen2MoeRotaryEmbedding}\n'
+                        '  replace: {class: ktransformers.operators.RoPE.RotaryEmbedding}\n'
+                        '- match: {name: "^model\\\\.layers\\\\.0\\\\.self_attn$"}\n'
+                        '  replace: {class: ktransformers.operators.mlp.KQwen2MoeMLP}\n')
+    rows = {r.name: r for r in plan(model, rules, "cpu")}
+    assert rows["model.rotary_emb"].operator == "RotaryEmbedding" and rows["model.rotary_emb"].cls is not None
+    assert rows["model.layers.0.self_attn"].operator == "KQwen2MoeMLP" and rows["model.layers.0.self_attn"].cls is None

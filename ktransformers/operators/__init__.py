@@ -7,8 +7,15 @@ from .registry import EXPERT_OPS, LINEAR_OPS, OPERATORS
 
 # upstream KTransformers' other names (its "V2" / balance_serve rule files) for operators and ops here
 UPSTREAM_ALIASES = {OPERATORS: {"KTransformersExpertsV2": "KTransformersExperts", "KDeepseekV3MoEV2": "KDeepseekV3MoE",
-                                "KMoEGateGreedy": "KMoEGate"},
-                    LINEAR_OPS: {"VLinearMarlin": "KLinearMarlin"},
+                                "KMoEGateGreedy": "KMoEGate", "KGlm4Experts": "KTransformersExperts",
+                                "KQwen3MoeSparseMoeBlockV2": "KQwen3MoeSparseMoeBlock",
+                                "KQwen2MoeSparseMoeBlockV2": "KQwen2MoeSparseMoeBlock",
+                                "KMistralSparseMoEBlock": "KMixtralSparseMoeBlock",
+                                "KQwen3MoeRMSNorm": "RMSNorm", "KQwen2MoeRMSNorm": "RMSNorm",
+                                "KGlm4MoeRMSNorm": "RMSNorm", "flashinfer_attn": "KDeepseekV2Attention",
+                                "RotaryEmbeddingV4": "KRotaryEmbedding", "KQwen3MoeRotaryEmbedding": "KRotaryEmbedding",
+                                "KGlm4MoeRotaryEmbedding": "KRotaryEmbedding"},
+                    LINEAR_OPS: {"VLinearMarlin": "KLinearMarlin", "KLinearCPUInfer": "KLinearCPU"},
                     EXPERT_OPS: {}}
 for _registry, _aliases in UPSTREAM_ALIASES.items():
     for _alias, _name in _aliases.items():

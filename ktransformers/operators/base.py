@@ -56,9 +56,11 @@ class ModelPlacement(Placement):
     per_layer_prefill_intput_threshold: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
-# upstream's names of the model-level operators (ktransformers.operators.models.<name>)
+# upstream's names of the model-level operators (ktransformers.operators.models.<name>), and of its
+# dense-MLP operators (ktransformers.operators.mlp.<name>: the MLP's linears have rules of their own here)
 UPSTREAM_MODEL_OPERATORS = ("KDeepseekV2Model", "KDeepseekV3Model", "KQwen2MoeModel", "KQwen3MoeModel",
                             "KMixtralModel", "KLlamaModel", "KGlm4MoeModel")
+UPSTREAM_MLP_OPERATORS = ("kDeepseekV3MLP", "KDeepseekV3MLP", "KQwen2MoeMLP", "KQwen3MoeMLP", "KGlm4MoeMLP")
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -20,7 +20,8 @@ import regex
 import yaml
 from torch import nn
 
-from ..operators.base import UPSTREAM_MODEL_OPERATORS, BaseInjectedModule, ModelPlacement, Placement, option_errors
+from ..operators.base import (UPSTREAM_MLP_OPERATORS, UPSTREAM_MODEL_OPERATORS, BaseInjectedModule, ModelPlacement,
+                              Placement, option_errors)
 from .. import operators  # noqa: F401  (importing the package registers every operator)
 from ..operators.registry import OPERATORS
 
@@ -48,6 +49,7 @@ _UPSTREAM_MODELS = {
     "modeling_qwen3_moe": "qwen3_moe",
     "modeling_qwen2_moe": "qwen2_moe",
     "modeling_mixtral": "mixtral",
+    "modeling_glm4_moe": "glm4_moe",
     "modeling_llama": "llama",
 }
 _UPSTREAM_RENAMES = {
@@ -114,7 +116,15 @@ class Rule:
                                 f"{MATCH_TIMEOUT_S:g} s on {name!r} (a regular expression that backtracks without bound)") from None
             if not found:
                 return False
-        return self.match_class is None or isinstance(module, self.match_class)
+        if self.match_class is None or isinstance(module, self.match_class):
+            return True
+        # upstream's files name one family's rotary class for another's model (Qwen3-MoE's take
+        # Qwen2-MoE's): a rotary class stands for the model's rotary embedding, whatever its family
+        return _is_rotary(self.match_class) and _is_rotary(type(module))
+
+
+def _is_rotary(cls: type) -> bool:
+    return cls.__module__.startswith("transformers.models.") and cls.__name__.endswith("RotaryEmbedding")
 
 
 def _upstream_model_path(path: str) -> str | None:
@@ -156,6 +166,8 @@ def resolve_operator(name: str, allow_prefixes: tuple[str, ...] = ()) -> type | 
     short = name.rpartition(".")[2]
     if short in UPSTREAM_MODEL_OPERATORS and (name == short or name == f"ktransformers.operators.models.{short}"):
         return ModelPlacement
+    if short in UPSTREAM_MLP_OPERATORS and (name == short or name == f"ktransformers.operators.mlp.{short}"):
+        return None  # the module stays as it is (placed like "default")
     if name in OPERATORS or (name.startswith("ktransformers.operators.") and short in OPERATORS):
         return OPERATORS.get(short)
     if "." not in name:
@@ -285,7 +297,7 @@ def check_rules_fit(model: nn.Module, rules: list[Rule], source: str = "the rule
     own = type(model).__module__
     for rule in rules:
         cls = rule.match_class
-        if cls is None or not cls.__module__.startswith("transformers.models.") or cls.__module__ == own:
+        if cls is None or not cls.__module__.startswith("transformers.models.") or cls.__module__ == own or _is_rotary(cls):
             continue
         theirs, ours = cls.__module__.split(".")[2], own.split(".")[2] if own.startswith("transformers.models.") else own
         raise RuleError(f"{source} is for {theirs} models (rule {rule.index} matches class {cls.__name__}), not this "
