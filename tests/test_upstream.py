@@ -141,7 +141,7 @@ def test_a_rule_file_error_lists_every_wrong_rule(tmp_path):
 def test_upstream_model_operator_keeps_the_model_and_sets_the_threshold(tmp_path, spelling):
     """`^model$` -> upstream's model-level operator loads: the model stays transformers' own, and
     per_layer_prefill_intput_threshold becomes every experts operator's prefill_gpu_threshold;
-    transfer_map is refused with what to use instead."""
+    a transfer_map must agree with where the layers' own rules put them."""
     import torch
     from tiny import RULES, tiny_model
 
@@ -166,10 +166,16 @@ def test_upstream_model_operator_keeps_the_model_and_sets_the_threshold(tmp_path
     with torch.no_grad():
         ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
     assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
-    rules.write_text(f'- match:\n    name: "^model$"\n  replace:\n    class: "{spelling}"\n    kwargs:\n'
-                     f'      transfer_map: {{30: "cuda:1"}}\n' + shipped)
-    with pytest.raises(RuleError, match=r"rule 0: replace.kwargs.transfer_map: layers are put on GPUs by per-layer rules"):
-        optimize_and_load_gguf(build_skeleton(hf.config, torch.float32), rules, tmp_path / "m.gguf", hf.config)
+    for where in ("cpu", "cuda:1"):  # a map that agrees with the layers' own rules, and one that does not
+        rules.write_text(f'- match:\n    name: "^model$"\n  replace:\n    class: "{spelling}"\n    kwargs:\n'
+                         f'      transfer_map: {{1: "{where}"}}\n' + shipped)
+        model = build_skeleton(hf.config, torch.float32)
+        if where == "cpu":
+            optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
+            continue
+        with pytest.raises(RuleError, match=r"rule 0: transfer_map puts layer 1 on cuda:1, but its rules put its "
+                                            r"attention on cpu"):
+            optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)
 
 
 def test_upstream_v2_names_and_the_experts_backend(tmp_path):

@@ -54,6 +54,9 @@ class ModelPlacement(Placement):
     prefill_gpu_threshold."""
 
     per_layer_prefill_intput_threshold: int = dataclasses.field(default=0, metadata={"min": 0})
+    # {layer index: device}: where the hidden states move to another GPU; here each layer's own
+    # rules place it (the engine moves the hidden states), so the map is checked against them
+    transfer_map: dict | None = None
 
 
 # upstream's names of the model-level operators (ktransformers.operators.models.<name>), and of its

@@ -19,7 +19,7 @@ from ..operators.base import BaseInjectedModule, RunContext
 from ..weights.gguf import GGUFSource
 from ..weights.safetensors import SafetensorsSource
 from ..weights.source import WeightError, WeightSource
-from .rules import DEFAULT, Rule, check_rules_fit, first_match, load_rules, parse_rules
+from .rules import DEFAULT, Rule, RuleError, check_rules_fit, first_match, load_rules, parse_rules
 
 _ROTARY = re.compile(r"\.rotary_emb\.inv_freq$")
 
@@ -59,7 +59,22 @@ def plan(model: nn.Module, rules: list[Rule], default_device: str = "cpu", sourc
     base = {"generate_device": default_device, "prefill_device": default_device}
     for child_name, child in model.named_children():
         visit(child_name, child, base)
+    _check_transfer_maps(rows, source)
     return rows
+
+
+def _check_transfer_maps(rows: list[PlanRow], source: str) -> None:
+    """Upstream's transfer_map ({layer: device}, on its model-level operator) must agree with where
+    the layers' own rules put their attention: here those rules decide, and the engine moves the
+    hidden states at each change of device."""
+    devices = {r.name: r.device for r in rows}
+    for row in rows:
+        for layer, device in (row.kwargs.get("transfer_map") or {}).items():
+            placed = devices.get(f"model.layers.{layer}.self_attn")
+            if placed is None or torch.device(placed) != torch.device(str(device)):
+                raise RuleError(f"{source}: rule {row.rule}: transfer_map puts layer {layer} on {device}, but its "
+                                f"rules put its attention on {placed or 'no device (no such layer)'}: place layers by "
+                                f"their own rules (generate_device / prefill_device; docs/multi_gpu.md)")
 
 
 def format_plan(rows: list[PlanRow]) -> str:

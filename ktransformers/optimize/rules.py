@@ -258,9 +258,6 @@ class _RuleParser:
             raise self.fail(i, "replace.kwargs", f"expected a mapping, got {_short(kwargs)}")
         if operator is ModelPlacement:  # upstream's model-level operator: the module stays as it is
             operator, options = None, ModelPlacement
-            if "transfer_map" in kwargs:
-                raise self.fail(i, "replace.kwargs.transfer_map", "layers are put on GPUs by per-layer rules here "
-                                "(generate_device / prefill_device of each layer's rule: docs/multi_gpu.md)")
         else:
             options = Placement if operator is None else operator.Options
         errors = option_errors(options, kwargs)
