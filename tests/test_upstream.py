@@ -282,3 +282,86 @@ def test_another_familys_rotary_class_and_the_mlp_operators(tmp_path):
     rows = {r.name: r for r in plan(model, rules, "cpu")}
     assert rows["model.rotary_emb"].operator == "RotaryEmbedding" and rows["model.rotary_emb"].cls is not None
     assert rows["model.layers.0.self_attn"].operator == "KQwen2MoeMLP" and rows["model.layers.0.self_attn"].cls is None
+
+
+# Rule files in the shape upstream's balance_serve and multi-GPU files take (written here, not
+# copied): a model-level operator with its threshold and transfer_map, classes by upstream's
+# module paths, V2 operator names, op names and kwargs of its own.
+UPSTREAM_SHAPES = {
+    "deepseek_v3": """
+- match: {name: "^model$"}
+  replace:
+    class: "ktransformers.operators.models.KDeepseekV2Model"
+    kwargs: {per_layer_prefill_intput_threshold: 0, transfer_map: {1: "cpu"}}
+- match: {class: ktransformers.models.modeling_deepseek_v3.DeepseekV3YarnRotaryEmbedding}
+  replace: {class: ktransformers.operators.RoPE.YarnRotaryEmbeddingV3, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.self_attn$"}
+  replace: {class: ktransformers.operators.balance_serve_attention.flashinfer_attn,
+            kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp$", class: ktransformers.models.modeling_deepseek_v3.DeepseekV3MoE}
+  replace: {class: ktransformers.operators.experts.KDeepseekV3MoEV2, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {class: ktransformers.models.modeling_deepseek_v3.MoEGate}
+  replace: {class: ktransformers.operators.gate.KMoEGate, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
+  replace:
+    class: ktransformers.operators.experts.KTransformersExpertsV2
+    kwargs: {prefill_device: cpu, generate_device: cpu, generate_op: KExpertsCPU, prefill_op: KExpertsCPU,
+             out_device: cpu, backend: llamafile}
+  recursive: false
+- match: {name: "^model\\\\.layers\\\\.0\\\\.mlp$"}
+  replace: {class: ktransformers.operators.mlp.kDeepseekV3MLP, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*", class: torch.nn.Linear}
+  replace: {class: ktransformers.operators.linear.KTransformersLinear,
+            kwargs: {generate_device: cpu, prefill_device: cpu, generate_op: KLinearCPUInfer, prefill_op: KLinearTorch}}
+""",
+    "qwen3_moe": """
+- match: {class: ktransformers.models.modeling_qwen2_moe.Qwen2MoeRotaryEmbedding}
+  replace: {class: ktransformers.operators.RoPE.RotaryEmbedding, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.self_attn$"}
+  replace: {class: ktransformers.operators.balance_serve_attention.KQwen3MoeAttention,
+            kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp$", class: ktransformers.models.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock}
+  replace: {class: ktransformers.operators.experts.KQwen3MoeSparseMoeBlockV2, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
+  replace:
+    class: ktransformers.operators.experts.KTransformersExpertsV2
+    kwargs: {prefill_device: cpu, generate_device: cpu, generate_op: KExpertsCPU, prefill_op: KExpertsCPU, backend: AMXInt8}
+  recursive: false
+- match: {name: "^model\\\\.layers\\\\..*\\\\.(input_layernorm|post_attention_layernorm)$"}
+  replace: {class: ktransformers.operators.layernorm.KQwen3MoeRMSNorm, kwargs: {generate_device: cpu, prefill_device: cpu}}
+""",
+}
+PLACED = {"deepseek_v3": {"model.rotary_emb": "YarnRotaryEmbeddingV3", "model.layers.1.self_attn": "flashinfer_attn",
+                          "model.layers.1.mlp": "KDeepseekV3MoEV2", "model.layers.1.mlp.gate": "KMoEGate",
+                          "model.layers.1.mlp.experts": "KTransformersExpertsV2", "model.layers.0.mlp": "kDeepseekV3MLP",
+                          "model.layers.0.mlp.gate_proj": "KTransformersLinear"},
+          "qwen3_moe": {"model.rotary_emb": "RotaryEmbedding", "model.layers.0.self_attn": "KQwen3MoeAttention",
+                        "model.layers.1.mlp": "KQwen3MoeSparseMoeBlockV2", "model.layers.1.mlp.experts": "KTransformersExpertsV2",
+                        "model.layers.0.input_layernorm": "KQwen3MoeRMSNorm"}}
+
+
+@pytest.mark.parametrize("family", list(UPSTREAM_SHAPES))
+def test_upstream_shaped_rule_files_place_each_module(tmp_path, family):
+    """Each module lands where the upstream-shaped file says, on a skeleton built on the meta device
+    as upstream's scripts build it; the model loads and gives transformers' logits (the CPU
+    kernels' bound)."""
+    import torch
+    from tiny import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model(family, layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.BF16)
+    rules = tmp_path / "upstream.yaml"
+    rules.write_text(UPSTREAM_SHAPES[family])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)
+    rows = {r.name: r.operator for r in optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)}
+    for name, operator in PLACED[family].items():
+        assert rows[name] == operator, (name, rows[name])
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 3e-2
