@@ -325,7 +325,7 @@ UPSTREAM_SHAPES = {
 - match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
   replace:
     class: ktransformers.operators.experts.KTransformersExpertsV2
-    kwargs: {prefill_device: cpu, generate_device: cpu, generate_op: KExpertsCPU, prefill_op: KExpertsCPU, backend: AMXInt8}
+    kwargs: {prefill_device: cpu, generate_device: cpu, generate_op: KExpertsCPU, prefill_op: None, backend: AMXInt8}
   recursive: false
 - match: {name: "^model\\\\.layers\\\\..*\\\\.(input_layernorm|post_attention_layernorm)$"}
   replace: {class: ktransformers.operators.layernorm.KQwen3MoeRMSNorm, kwargs: {generate_device: cpu, prefill_device: cpu}}
@@ -361,6 +361,9 @@ def test_upstream_shaped_rule_files_place_each_module(tmp_path, family):
     rows = {r.name: r.operator for r in optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)}
     for name, operator in PLACED[family].items():
         assert rows[name] == operator, (name, rows[name])
+    if family == "qwen3_moe":  # `prefill_op: None`: prefill runs on the generate op, on its device
+        experts = model.model.layers[1].mlp.experts
+        assert experts.ops["prefill"] is experts.ops["generate"] and type(experts.ops["generate"]).__name__ == "KExpertsCPU"
     ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits

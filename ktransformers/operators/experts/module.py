@@ -18,7 +18,8 @@ from .reference import SWIGLU, Activation, ExpertSpec, check_routing
 
 @dataclass(frozen=True)
 class ExpertsOptions(Placement):
-    prefill_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
+    # "None" (upstream's spelling): prefill runs on the generate op, where it lives
+    prefill_op: str = field(default="KExpertsTorch", metadata=choices(lambda: EXPERT_OPS.names() + ["None"]))
     generate_op: str = field(default="KExpertsTorch", metadata=choices(EXPERT_OPS.names))
     out_device: str = device_field()
     int8_prefill: bool = False  # KExpertsCPU: int8 copies of the experts for a faster prefill GEMM
@@ -84,8 +85,10 @@ class KTransformersExperts(BaseInjectedModule):
                           int4_decode=o.int4_decode, act=expert_activation(orig_module),
                           bias=bool(getattr(orig_module, "has_bias", False)))
         self._check_gpu_options(spec)
-        self.ops = {"prefill": EXPERT_OPS.get(o.prefill_op)(spec, torch.device(o.prefill_device))}
-        same = (o.prefill_op, o.prefill_device) == (o.generate_op, o.generate_device)
+        prefill_op, prefill_device = ((o.generate_op, o.generate_device) if o.prefill_op == "None"
+                                      else (o.prefill_op, o.prefill_device))
+        self.ops = {"prefill": EXPERT_OPS.get(prefill_op)(spec, torch.device(prefill_device))}
+        same = (prefill_op, prefill_device) == (o.generate_op, o.generate_device)
         self.ops["generate"] = self.ops["prefill"] if same else EXPERT_OPS.get(o.generate_op)(
             spec, torch.device(o.generate_device))
         self.hot = None  # KExpertsGPU over the hot experts, with their mask [E] on its device
