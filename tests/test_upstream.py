@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from test_models import logits, rel_err
 
 from ktransformers.upstream import CHAT_FLAGS, SERVER_FLAGS, SERVER_RENAMES, drop_upstream_flags
 
@@ -110,9 +111,7 @@ def test_a_skeleton_built_on_the_meta_device_loads(tmp_path, family):
     assert any(b.is_meta for b in model.buffers())
     optimize_and_load_gguf(model, RULES_DIR / RULES[family], tmp_path / "m.gguf", hf.config)
     ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+    assert rel_err(logits(model, ids), logits(hf, ids)) < 1e-4
 
 
 def test_a_rule_file_error_lists_every_wrong_rule(tmp_path):
@@ -163,9 +162,7 @@ def test_upstream_model_operator_keeps_the_model_and_sets_the_threshold(tmp_path
     experts = [m for m in model.modules() if isinstance(m, KTransformersExperts)]
     assert experts and all(m.prefill_gpu_threshold == 4096 for m in experts)
     ids = torch.randint(0, hf.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+    assert rel_err(logits(model, ids), logits(hf, ids)) < 1e-4
     for where in ("cpu", "cuda:1"):  # a map that agrees with the layers' own rules, and one that does not
         rules.write_text(f'- match:\n    name: "^model$"\n  replace:\n    class: "{spelling}"\n    kwargs:\n'
                          f'      transfer_map: {{1: "{where}"}}\n' + shipped)
@@ -203,7 +200,7 @@ def test_upstream_v2_names_and_the_experts_backend(tmp_path):
     hf = tiny_model("qwen3_moe", layers=2)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.Q8_0)
     shipped = (RULES_DIR / RULES["qwen3_moe"]).read_text()
-    logits = {}
+    got = {}
     for backend in ("llamafile", "AMXInt8", "AMXBF16"):
         rules = tmp_path / f"{backend}.yaml"
         rules.write_text('- match:\n    name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"\n  replace:\n'
@@ -219,12 +216,9 @@ def test_upstream_v2_names_and_the_experts_backend(tmp_path):
         assert experts and all(m.options.backend == backend for m in experts)
         assert all(m.ops["prefill"].spec.int8_prefill == (backend == "AMXInt8") for m in experts)
         ids = torch.randint(0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
-        with torch.no_grad():
-            logits[backend] = model(ids, use_cache=False).logits
-    with torch.no_grad():
-        want = hf(ids, use_cache=False).logits
-    for got in logits.values():
-        assert ((got - want).norm() / want.norm()).item() < 5e-2
+        got[backend] = logits(model, ids)
+    for ours in got.values():
+        assert rel_err(ours, logits(hf, ids)) < 5e-2
 
 
 def test_transformers_4_module_names_of_upstream_rules(tmp_path):
@@ -252,9 +246,7 @@ def test_transformers_4_module_names_of_upstream_rules(tmp_path):
     assert rows["model.rotary_emb"].operator == "RotaryEmbedding"
     assert rows["model.layers.0.mlp.experts"].operator == "KTransformersExperts"
     ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+    assert rel_err(logits(model, ids), logits(hf, ids)) < 1e-4
 
 
 def test_linear_num_bits_is_honoured_or_refused():
@@ -365,6 +357,4 @@ def test_upstream_shaped_rule_files_place_each_module(tmp_path, family):
         experts = model.model.layers[1].mlp.experts
         assert experts.ops["prefill"] is experts.ops["generate"] and type(experts.ops["generate"]).__name__ == "KExpertsCPU"
     ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        ours, theirs = model(ids, use_cache=False).logits, hf(ids, use_cache=False).logits
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 3e-2
+    assert rel_err(logits(model, ids), logits(hf, ids)) < 3e-2

@@ -10,8 +10,9 @@ from torch import nn
 from .base import BaseInjectedModule
 from .registry import OPERATORS
 
-UPSTREAM_NAMES = ("RotaryEmbedding", "RotaryEmbeddingV3", "YarnRotaryEmbedding", "YarnRotaryEmbeddingV3",
-                  "DeepSeekV3YarnRotaryEmbedding", "KRotaryEmbedding")
+UPSTREAM_NAMES = ("RotaryEmbedding", "RotaryEmbeddingV3", "RotaryEmbeddingV4", "YarnRotaryEmbedding",
+                  "YarnRotaryEmbeddingV3", "DeepSeekV3YarnRotaryEmbedding", "KQwen3MoeRotaryEmbedding",
+                  "KGlm4MoeRotaryEmbedding", "KRotaryEmbedding")
 
 
 def complex_to_cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

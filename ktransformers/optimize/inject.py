@@ -227,10 +227,11 @@ def optimize_and_load_gguf(model: nn.Module, rule_file: str | os.PathLike | list
     model.kt_context = inject(model, rows, weights, config, RunContext(cpu_infer, cpu_tiles))
     load_weights(model, rows, weights, progress)
     check_extras(weights, config)
-    for row in rows:  # upstream's model-level operator: its layer-wise prefill threshold, for every layer
-        if "per_layer_prefill_intput_threshold" in row.kwargs:
-            from ..operators.experts import set_prefill_gpu_threshold
-            set_prefill_gpu_threshold(model, row.kwargs["per_layer_prefill_intput_threshold"])
+    thresholds = [r.kwargs["per_layer_prefill_intput_threshold"] for r in rows
+                  if "per_layer_prefill_intput_threshold" in r.kwargs]  # upstream's model-level operator's
+    if thresholds:
+        from ..operators.experts import set_prefill_gpu_threshold
+        set_prefill_gpu_threshold(model, thresholds[-1])
     model.eval()
     return rows
 
