@@ -179,7 +179,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
                                "max_tokens chunks of calls so far that ran gate/up, activation and down as one parallel region")
         .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.submit(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
-             });
+             })
+        .def("set_deferral", &MoE::set_deferral, py::arg("defer"), py::arg("next"),
+             "leave each token's `defer` lowest-weight experts to be added to `next`'s following call (0: off)")
+        .def("set_deferring", &MoE::set_deferring, py::arg("on"), "defer from now on (decode), or not (prefill)");
 
     py::class_<MoEHostCall, std::shared_ptr<MoEHostCall>>(m, "MoEHostCall", py::module_local())
         .def(py::init([](std::shared_ptr<MoE> moe, std::shared_ptr<Runtime> rt, int tokens, uintptr_t ids,

@@ -166,14 +166,44 @@ void MoE::check(int tokens, const int64_t* ids) const {
                                         " is outside [0, " + std::to_string(cfg_.experts) + ") (-1 skips a pair)");
 }
 
-void MoE::forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
+void MoE::forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype,
+                  bool hold_deferred) {
     check(tokens, ids);
-    rt_->run_inline([&] { run(tokens, ids, weights, x, y, dtype); });  // after anything queued before
+    rt_->run_inline([&] {  // after anything queued before
+        run(tokens, ids, weights, x, y, dtype);
+        if (!hold_deferred) compute_deferred();
+    });
 }
 
 void MoE::submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
     check(tokens, ids);
-    rt_->submit([=] { run(tokens, ids, weights, x, y, dtype); });
+    rt_->submit([=] {
+        run(tokens, ids, weights, x, y, dtype);
+        compute_deferred();
+    });
+}
+
+void MoE::run_deferred() {
+    if (later_tokens_.load(std::memory_order_relaxed)) rt_->run_inline([&] { compute_deferred(); });
+}
+
+void MoE::set_deferral(int defer, std::shared_ptr<MoE> next) {
+    if (defer < 0 || defer >= cfg_.top_k)
+        throw std::invalid_argument("MoE: deferred experts must lie in [0, top_k - 1 = " + std::to_string(cfg_.top_k - 1) +
+                                    "], got " + std::to_string(defer));
+    if (defer > 0 && (!next || next.get() == this || next->cfg_.hidden != cfg_.hidden))
+        throw std::invalid_argument("MoE: deferral needs the next layer's MoE, of the same hidden size");
+    if (defer > 0) {
+        next->carry_.assign(checked_product("MoE: carry", {(size_t)cfg_.max_tokens, (size_t)cfg_.hidden}), 0.f);
+        const size_t slots = (size_t)cfg_.max_tokens * cfg_.top_k;
+        ids_now_.resize(slots);
+        ids_later_.resize(slots);
+        w_later_.resize(slots);
+        kept_.assign(cfg_.experts, 0);
+        order_.resize(cfg_.top_k);
+    }
+    defer_ = defer;
+    next_ = defer > 0 ? std::move(next) : nullptr;
 }
 
 MoE::Scratch MoE::bind_scratch() {
@@ -196,25 +226,82 @@ MoE::Scratch MoE::bind_scratch() {
 void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype) {
     const auto t0 = std::chrono::steady_clock::now();
     s_ = bind_scratch();
+    const float* carry = take_carry(tokens);
+    if (split_deferred(tokens, ids, weights)) ids = ids_now_.data();
     const size_t elem = dtype == Dtype::F32 ? 4 : 2;
     for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // longer inputs in max_tokens chunks
         const int n = std::min(cfg_.max_tokens, tokens - start);
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
-        bool decode = decode_sized(expert_start_[cfg_.experts], (int)active_.size());
-        for (int e : active_) decode &= copies_only() || !use_int8(e);  // (mixed paths: the barriers)
-        if (decode) {
-            one_region_calls_.fetch_add(1, std::memory_order_relaxed);
-            gate_up_down();
-        } else {
-            gate_up();
-            activate();
-            down();
-        }
-        combine(n, weights + (size_t)start * cfg_.top_k, (uint8_t*)y + start * cfg_.hidden * elem, dtype);
+        compute();
+        combine(n, weights + (size_t)start * cfg_.top_k, (uint8_t*)y + start * cfg_.hidden * elem, dtype,
+                carry ? carry + (size_t)start * cfg_.hidden : nullptr);
     }
     last_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
                    std::memory_order_relaxed);
+}
+
+void MoE::compute() {
+    bool decode = decode_sized(expert_start_[cfg_.experts], (int)active_.size());
+    for (int e : active_) decode &= copies_only() || !use_int8(e);  // (mixed paths: the barriers)
+    if (decode) {
+        one_region_calls_.fetch_add(1, std::memory_order_relaxed);
+        gate_up_down();
+    } else {
+        gate_up();
+        activate();
+        down();
+    }
+}
+
+const float* MoE::take_carry(int tokens) {
+    const int carried = carry_tokens_.exchange(0, std::memory_order_acquire);
+    if (carried == 0) return nullptr;
+    if (carried != tokens)  // (the previous layer's last call was for another batch: a caller's bug)
+        throw std::invalid_argument("MoE: the previous layer deferred experts of " + std::to_string(carried) +
+                                    " tokens, this call has " + std::to_string(tokens));
+    return carry_.data();
+}
+
+bool MoE::split_deferred(int tokens, const int64_t* ids, const float* weights) {
+    later_tokens_.store(0, std::memory_order_relaxed);
+    if (!next_) return false;
+    next_->carry_tokens_.store(0, std::memory_order_relaxed);  // (replaced below, or none)
+    if (!deferring_.load(std::memory_order_relaxed) || tokens > cfg_.max_tokens || tokens > next_->cfg_.max_tokens)
+        return false;
+    const int K = cfg_.top_k, keep = K - defer_;
+    std::fill(kept_.begin(), kept_.end(), 0);
+    for (int t = 0; t < tokens; t++) {  // each token's `keep` highest weights (ties: the earlier slot)
+        const float* w = weights + (size_t)t * K;
+        for (int k = 0; k < K; k++) order_[k] = k;
+        std::stable_sort(order_.begin(), order_.end(), [w](int a, int b) { return w[a] > w[b]; });
+        for (int i = 0; i < keep; i++) {
+            const int64_t e = ids[(size_t)t * K + order_[i]];
+            if (e >= 0) kept_[e] = 1;
+        }
+    }
+    bool any = false;
+    for (int64_t s = 0; s < (int64_t)tokens * K; s++) {
+        const bool later = ids[s] >= 0 && !kept_[ids[s]];
+        ids_now_[s] = later ? -1 : ids[s];
+        ids_later_[s] = later ? ids[s] : -1;
+        any |= later;
+    }
+    if (!any) return false;
+    std::copy(weights, weights + (size_t)tokens * K, w_later_.begin());
+    later_tokens_.store(tokens, std::memory_order_relaxed);
+    return true;
+}
+
+void MoE::compute_deferred() {
+    const int tokens = later_tokens_.exchange(0, std::memory_order_relaxed);
+    if (tokens == 0) return;
+    // the call's prepared input rows are still in the scratch (combine overwrote only x_f32)
+    s_ = bind_scratch();
+    group_by_expert(tokens, ids_later_.data());
+    compute();
+    combine(tokens, w_later_.data(), next_->carry_.data(), Dtype::F32);
+    next_->carry_tokens_.store(tokens, std::memory_order_release);
 }
 
 void MoE::prepare_inputs(int tokens, const void* x, Dtype dtype) {
@@ -435,11 +522,12 @@ void MoE::down_int8(int e, int r0, int r1) {
     }
 }
 
-void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype) {
+void MoE::combine(int tokens, const float* weights, void* y, Dtype dtype, const float* carry) {
     const int H = cfg_.hidden, K = cfg_.top_k;
     rt_->pool().parallel_for(tokens, [&](int t, int) {
         float* acc = &s_.x_f32[(size_t)t * H];  // the input row is no longer needed
-        std::fill(acc, acc + H, 0.f);
+        if (carry) std::copy(carry + (size_t)t * H, carry + (size_t)(t + 1) * H, acc);
+        else std::fill(acc, acc + H, 0.f);
         for (int k = 0; k < K; k++) {
             const int p = slot_pair_[t * K + k];
             if (p < 0) continue;
@@ -545,9 +633,10 @@ void Doorbell::loop() {
                                       std::memory_order_relaxed);
                 betweens_.fetch_add(1, std::memory_order_relaxed);
             }
-            if (auto c = call(number)) {
+            const auto c = call(number);
+            if (c) {
                 try {
-                    c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype);
+                    c->moe->forward(c->tokens, c->ids, c->weights, c->x, c->y, c->dtype, true);
                 } catch (const std::exception& ex) {
                     c->fail(ex.what());
                 }
@@ -556,6 +645,13 @@ void Doorbell::loop() {
                 bad_.fetch_add(1, std::memory_order_relaxed);
             }
             __atomic_store_n(s.done, 1u, __ATOMIC_RELEASE);
+            if (c) {  // deferred experts: while the GPU runs on (the next layer's call waits for this thread)
+                try {
+                    c->moe->run_deferred();
+                } catch (const std::exception& ex) {
+                    c->fail(ex.what());
+                }
+            }
             last = clock::now();
             after_call = true;
             busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(last - start).count(),

@@ -51,8 +51,20 @@ class MoE {
     MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& config);
     // Checks everything before touching memory (throws std::invalid_argument), then runs on the
     // calling thread with the runtime's pool. `submit` runs the same on the dispatcher.
-    void forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    // `hold_deferred`: leave the call's deferred experts (below) for run_deferred, else run them too.
+    void forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype,
+                 bool hold_deferred = false);
     void submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    // Expert deferral (upstream's n_deferred_experts). While deferring, a call of at most max_tokens
+    // tokens leaves out each token's `defer` lowest-weight experts (where another token of the call
+    // keeps an expert, it is kept for all: its weights are read once), writes y, and then computes
+    // the left-out experts into `next`'s carry, which next's following call adds to its own y: their
+    // output joins the residual one layer later. Fed from a GPU (Doorbell), that second part runs
+    // after `done` is set, while the GPU runs the next layer's attention. Every call of this layer
+    // replaces next's carry (with a fresh one or none), so a carry never outlives its forward pass.
+    void set_deferral(int defer, std::shared_ptr<MoE> next);
+    void set_deferring(bool on) { deferring_.store(on, std::memory_order_relaxed); }
+    void run_deferred();  // the last call's left-out experts, if it left any (on the calling thread)
     const MoEConfig& config() const { return cfg_; }
     // Nanoseconds the last call took from its first phase to its output (no caller overhead).
     uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
@@ -88,7 +100,12 @@ class MoE {
     void gate_up_rows(int e, int r0, int r1);
     void activate_pair(int p);
     void down_rows(int e, int r0, int r1);
-    void combine(int tokens, const float* weights, void* y, Dtype dtype);
+    void compute();  // gate, up, activation and down of the grouped pairs
+    // y = sum of the pairs' weighted outputs (+ carry [tokens, H] where given)
+    void combine(int tokens, const float* weights, void* y, Dtype dtype, const float* carry = nullptr);
+    bool split_deferred(int tokens, const int64_t* ids, const float* weights);  // true: some pairs left out
+    const float* take_carry(int tokens);
+    void compute_deferred();
 
     std::shared_ptr<Runtime> rt_;
     MoEConfig cfg_;
@@ -123,6 +140,18 @@ class MoE {
     };
     std::unique_ptr<Countdown[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per active expert
     std::atomic<uint64_t> last_ns_{0}, one_region_calls_{0};
+    // deferral: this layer's setting, and the state of its last call
+    int defer_ = 0;
+    std::shared_ptr<MoE> next_;
+    std::atomic<bool> deferring_{false};
+    std::vector<int64_t> ids_now_, ids_later_;  // [T*K]: the pairs computed now / later (-1 elsewhere)
+    std::vector<float> w_later_;                // the call's weights, kept for the later part
+    std::vector<char> kept_;                    // [E] scratch: experts some token keeps now
+    std::vector<int> order_;                    // [K] scratch
+    std::atomic<int> later_tokens_{0};          // tokens of the part still to run (0: none)
+    // the previous layer's left-out experts, for this layer's next call: [max_tokens, H] float32
+    std::vector<float> carry_;
+    std::atomic<int> carry_tokens_{0};  // 0: none
 };
 
 // The XOR of the bytes [p, p + n), read as the stream probe reads them (stream.cpp).

@@ -585,3 +585,34 @@ def test_layerwise_prefill_equals_cpu_experts(tmp_path, monkeypatch, path):
     seq = engine.new_sequence()
     assert torch.equal(engine.prefill(seq, ids).float().cpu(), results[1])
     engine.release(seq)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deferred_experts_through_the_doorbell_equal_the_host_calls(tmp_path):
+    """n_deferred_experts: with the doorbell, each layer's deferred experts run after its `done`
+    is set, while the stream goes on to the next layer; with host functions they run in the same
+    job before it. Both give the same decode (CUDA graphs and eager), which is not the decode
+    without deferral."""
+    from ktransformers.operators.experts import set_expert_deferral
+    hf = tiny_model("qwen3_moe", layers=3)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=q4_k_m)
+    model = build_skeleton(hf.config, torch.bfloat16)
+    optimize_and_load_gguf(model, gpu_rules("qwen3_moe", tmp_path, "cuda", "n_deferred_experts: 1"),
+                           tmp_path / "m.gguf", hf.config)
+    ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(13)).tolist()
+    runs = {}
+    for handoff, defer, graphs in (("doorbell", 1, True), ("doorbell", 1, False), ("host", 1, False),
+                                   ("doorbell", 0, True)):
+        _use_staging(model, handoff, pack=False)
+        set_expert_deferral(model, defer)
+        engine = Engine(model, cache_lens=64, page_size=16, chunk_size=8, use_cuda_graph=graphs)
+        seq = engine.new_sequence()
+        engine.prefill(seq, ids[:7])
+        runs[handoff, defer, graphs] = torch.stack([engine.decode(seq, t)[0] for t in ids[7:]]).float().cpu()
+        model.kt_context.check_host_errors()
+    want = runs["host", 1, False]
+    for key in (("doorbell", 1, True), ("doorbell", 1, False)):
+        err = ((runs[key] - want).norm() / want.norm()).item()
+        assert err < 1e-3, (key, err)
+    assert ((runs["doorbell", 0, True] - want).norm() / want.norm()).item() > 1e-2

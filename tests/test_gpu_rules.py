@@ -260,3 +260,37 @@ def test_fused_add_norm_equals_transformers_forward(tmp_path, dev, family, monke
     assert not calls and not back and layers[1] in handed
     for a, b, what in zip(fused, plain, ("full forward", "prefill and decode")):
         assert torch.equal(a, b), f"{family} {what}: {(a - b).abs().max().item():.2e}"
+
+
+@pytest.mark.triton
+def test_decode_with_deferral_equals_the_cpu_rules(tmp_path, dev):
+    """n_deferred_experts through the GPU rule file gives the CPU rule file's deferred decode, to
+    the two files' own distance (their linears differ: ~1e-2 on the tiny GLM without deferral),
+    and its effect is several times that. (The GPU's own hand-off, where the deferred experts run
+    after the layer's output is handed back, is checked against the host-function hand-off in
+    test_cuda_host.)"""
+    from tiny import RULES, with_experts_kwargs
+
+    from ktransformers.loader import RULES_DIR
+    from ktransformers.operators.experts import set_expert_deferral
+    family = "glm4_moe"
+    hf = tiny_model(family, layers=3)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=converter_type(GGMLType.Q8_0))
+    ids = torch.randint(0, hf.config.vocab_size, (14,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def decode(model):
+        engine = Engine(model, cache_lens=64, page_size=4)
+        seq = engine.new_sequence()
+        engine.prefill(seq, ids[:5])
+        return torch.stack([engine.decode(seq, t)[0] for t in ids[5:-1]]).float().cpu()
+
+    want = decode(load(tmp_path / "m.gguf", hf.config,
+                       with_experts_kwargs(RULES_DIR / RULES[family], tmp_path, n_deferred_experts=1), "cpu"))
+    ours = load(tmp_path / "m.gguf", hf.config, gpu_rules(family, tmp_path, dev, "n_deferred_experts: 1"), dev)
+    got = decode(ours)
+    set_expert_deferral(ours, 0)
+    whole = decode(ours)
+    err = rel_err(got, want)
+    assert err < (5e-2 if dev == "cuda" else 2e-2)  # (seen without CUDA: 1.0e-2)
+    if dev != "cuda":  # (bf16 on CUDA: its own error is of the effect's size)
+        assert rel_err(whole, want) > 3 * err  # (seen: 4.8e-2)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..cache import CacheFullError, PagedCache, Sequence, make_cache
 from ..operators.base import set_phase
 from ..operators.context import RunContext
-from ..operators.experts import link_layerwise_prefill
+from ..operators.experts import link_expert_deferral, link_layerwise_prefill
 from ..operators.layer import KDecoderLayer, link_decoder_layers
 from .sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from .devices import indexed_device, module_device
@@ -306,6 +306,7 @@ class Engine:
         self.step_times = StepTimes()
         self._cores = len(os.sched_getaffinity(0))
         link_layerwise_prefill(self.model)
+        link_expert_deferral(self.model)
         link_decoder_layers(self.model.model.layers)
         # decode steps of up to max_batch sequences replay CUDA graphs (GPU caches only)
         self.graphs = None

@@ -528,6 +528,7 @@ class MoEKernel:
         if not (math.isfinite(limit) and limit >= 0 and math.isfinite(swiglu_alpha)):
             raise ValueError(f"{name}: swiglu_limit must be finite and positive (None: plain SwiGLU), swiglu_alpha "
                              f"finite; got {swiglu_limit}, {swiglu_alpha}")
+        self.deferral = 0  # set_deferral's
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(-1 if w is None else w.kernel_type(runtime.ext) for w in self._weights),
                                     g, gb, u, ub, d, db,
@@ -559,6 +560,18 @@ class MoEKernel:
     def last_seconds(self) -> float:
         """How long the last call took inside the kernel (from its first phase to its output)."""
         return self._moe.last_ns * 1e-9
+
+    def set_deferral(self, defer: int, next_kernel: MoEKernel | None) -> None:
+        """Expert deferral: while deferring (set_deferring), each call leaves out every token's
+        `defer` lowest-weight experts and adds them to `next_kernel`'s following call's output
+        (the C++ MoE's set_deferral says how); 0: off."""
+        if defer and (next_kernel is None or next_kernel.runtime is not self.runtime):
+            raise ValueError(f"{self.name}: deferral needs the next layer's CPU experts, on the same runtime")
+        self._moe.set_deferral(defer, next_kernel._moe if defer else None)
+        self.deferral = defer
+
+    def set_deferring(self, on: bool) -> None:
+        self._moe.set_deferring(bool(on))
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Queue the job and return the output tensor, valid after runtime.sync()."""

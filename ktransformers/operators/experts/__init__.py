@@ -10,7 +10,14 @@
 from .cpu import KExpertsCPU
 from .gpu import KExpertsGPU
 from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots, expert_groups
-from .module import ExpertsOptions, KTransformersExperts, link_layerwise_prefill, set_prefill_gpu_threshold
+from .module import (
+    ExpertsOptions,
+    KTransformersExperts,
+    link_expert_deferral,
+    link_layerwise_prefill,
+    set_expert_deferral,
+    set_prefill_gpu_threshold,
+)
 from .placement import (
     BUS_SHARE_COSTS,
     BusShareCosts,
@@ -25,4 +32,5 @@ from .reference import ExpertSpec, KExpertsTorch, check_routing, moe_reference
 __all__ = ["BUS_SHARE_COSTS", "BusShareCosts", "ExpertPlacement", "ExpertSpec", "ExpertsOptions", "KExpertsCPU",
            "KExpertsGPU", "KExpertsTorch", "KTransformersExperts", "LAYERWISE_GROUP_MB", "LayerwisePrefill",
            "PcieShare", "PinnedSlots", "auto_pcie_experts", "check_routing", "expert_groups", "hot_experts",
-           "link_layerwise_prefill", "moe_reference", "pcie_share_size", "set_prefill_gpu_threshold"]
+           "link_expert_deferral", "link_layerwise_prefill", "moe_reference", "pcie_share_size", "set_expert_deferral",
+           "set_prefill_gpu_threshold"]

@@ -48,6 +48,11 @@ class ExpertsOptions(Placement):
     # from the CPU's own tiles, read in place over PCIe while the CPU threads compute the rest
     # (kernels/triton/pcie_experts.py; 0: all on the CPU; "auto": the cost model's choice, placement.py)
     pcie_experts: int | str = 0
+    # expert deferral (upstream's, as its rule files spell it): in decode, each token's this many
+    # lowest-weight experts are computed after the layer's output is handed on, while the GPU runs
+    # the next layer's attention, and their output joins the next MoE layer's (a KExpertsCPU
+    # generate op; the model's last MoE layer defers none)
+    n_deferred_experts: int = field(default=0, metadata={"min": 0})
 
 
 def expert_shape(orig_module: nn.Module) -> tuple[int, int, int]:
@@ -85,6 +90,9 @@ class KTransformersExperts(BaseInjectedModule):
                           int4_decode=o.int4_decode, act=expert_activation(orig_module),
                           bias=bool(getattr(orig_module, "has_bias", False)))
         self._check_gpu_options(spec)
+        self.top_k = top_k
+        self._check_deferral(o.n_deferred_experts)
+        self.n_deferred = o.n_deferred_experts  # link_expert_deferral hands them on
         prefill_op, prefill_device = ((o.generate_op, o.generate_device) if o.prefill_op == "None"
                                       else (o.prefill_op, o.prefill_device))
         self.ops = {"prefill": EXPERT_OPS.get(prefill_op)(spec, torch.device(prefill_device))}
@@ -123,6 +131,18 @@ class KTransformersExperts(BaseInjectedModule):
             raise ValueError(f"{key}: int4_group must be a multiple of 64 dividing hidden ({hidden}) and "
                              f"intermediate ({intermediate}), got {g}")
         return g
+
+    def _check_deferral(self, n: int) -> None:
+        o = self.options
+        if n and (n < 0 or n >= self.top_k or o.generate_op != "KExpertsCPU"):
+            raise ValueError(f"{self.key}: n_deferred_experts={n} needs generate_op KExpertsCPU (it is {o.generate_op}) "
+                             f"and from 0 to top-k - 1 ({self.top_k - 1}) deferred experts")
+
+    def set_phase(self, phase: str) -> None:
+        super().set_phase(phase)
+        kernel = getattr(self.ops["generate"], "kernel", None)
+        if kernel is not None and kernel.deferral:
+            kernel.set_deferring(phase == "generate")
 
     def _threshold(self) -> int:
         return self.options.prefill_gpu_threshold if self.prefill_gpu_threshold is None else self.prefill_gpu_threshold
@@ -221,6 +241,32 @@ def set_prefill_gpu_threshold(model: nn.Module, tokens: int) -> None:
     for module in model.modules():
         if isinstance(module, KTransformersExperts):
             module.prefill_gpu_threshold = tokens
+
+
+def link_expert_deferral(model: nn.Module) -> None:
+    """Each MoE layer with deferred experts (n_deferred_experts, or set_expert_deferral's) hands
+    them to the next MoE layer's CPU experts; the last one, with no layer after it, defers none."""
+    chain = [m for m in model.modules() if isinstance(m, KTransformersExperts)]
+    for a, b in zip(chain, chain[1:] + [None]):
+        kernel = getattr(a.ops["generate"], "kernel", None)
+        if kernel is None or not (a.n_deferred or kernel.deferral):
+            continue
+        nxt = getattr(b.ops["generate"], "kernel", None) if b is not None else None
+        if a.n_deferred and b is not None and nxt is None:
+            raise ValueError(f"{a.key}: n_deferred_experts={a.n_deferred} hands the deferred experts to the next MoE "
+                             f"layer's CPU experts, but {b.key} computes its experts with {b.options.generate_op}")
+        kernel.set_deferral(a.n_deferred if nxt is not None else 0, nxt)
+        kernel.set_deferring(a.phase == "generate")
+
+
+def set_expert_deferral(model: nn.Module, n: int) -> None:
+    """Every MoE layer defers its tokens' `n` lowest-weight experts in decode (0: none), over the
+    rule file's n_deferred_experts (bench.deferral compares settings on one loaded model)."""
+    for module in model.modules():
+        if isinstance(module, KTransformersExperts):
+            module._check_deferral(n)
+            module.n_deferred = n
+    link_expert_deferral(model)
 
 
 def link_layerwise_prefill(model: nn.Module) -> None:
