@@ -111,21 +111,25 @@ def test_server_returns_the_final_channel_and_the_reasoning_apart(o200k):
 
     from ktransformers.server.app import create_app
 
+    from types import SimpleNamespace
+
+    from ktransformers.server.scheduler import _emit_channels
+
     class Scheduler:  # plays the scheduler's part: the answer's tokens through the request's harmony parser
         tokenizer, context_length, running, prompts = ByteLevelVocab(o200k), 4096, [], []
+        engine = SimpleNamespace(config=SimpleNamespace(model_type="gpt_oss", vocab_size=201088))
+        eos_ids, on_finish, answer = set(), [], ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant"
+                                                 "<|channel|>final<|message|>Four.<|return|>")
 
         def submit(self, r):
             self.prompts.append(r.prompt_ids)
             self.encoding = r.harmony.encoding
             stream = r.harmony.stream()
-            answer = r.harmony.encoding.encode("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant"
-                                               "<|channel|>final<|message|>Four.<|return|>", allowed_special="all")
+            answer = r.harmony.encoding.encode(self.answer, allowed_special="all")
             assert answer[-1] in r.stop_ids
             for token in answer[:-1]:
                 r.tokens.append(token)
-                for piece in stream.push(token):
-                    r.loop.call_soon_threadsafe(r.events.put_nowait, (
-                        "text" if piece.channel == "final" else "reasoning", piece.text))
+                _emit_channels(r, stream.push(token))  # (r.emit: thread-safe, in order with "done" below)
             r.finish_reason = "stop"
             r.t_done = r.t_first = r.t_submit
             r.loop.call_soon_threadsafe(r.events.put_nowait, ("done", "stop"))
@@ -143,4 +147,23 @@ def test_server_returns_the_final_channel_and_the_reasoning_apart(o200k):
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two."
     assert "".join(d.get("content", "") for d in deltas) == "Four."
     bad = client.post("/v1/chat/completions", json={"model": "gpt-oss", "messages": [{"role": "tool", "content": "x"}]})
-    assert bad.status_code == 400 and "harmony messages" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "tool message needs" in bad.json()["error"]["message"]
+    # a call: a commentary message to functions.get_weather; the tools are declared to the model
+    scheduler.answer = ("<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+                        "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    reply = client.post("/v1/chat/completions", json=body | {"tools": tools}).json()["choices"][0]
+    call = reply["message"]["tool_calls"][0]
+    assert reply["finish_reason"] == "tool_calls" and reply["message"]["reasoning_content"] == "Look it up."
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    prompt = scheduler.encoding.decode(scheduler.prompts[-1])
+    assert "get_weather" in prompt and "namespace functions" in prompt
+    # the call and its result sent back: the prompt carries both as harmony messages
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+    client.post("/v1/chat/completions", json={"model": "gpt-oss", "messages": history, "tools": tools})
+    prompt = scheduler.encoding.decode(scheduler.prompts[-1])
+    assert "to=functions.get_weather" in prompt and "<|start|>functions.get_weather to=assistant" in prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +80,11 @@ def load_encoding(token_bytes):
 @dataclass
 class Piece:
     """Part of an answer: `channel` "analysis" (reasoning), "final" (the answer) or another of
-    harmony's (e.g. "commentary" for tool calls), and its new text."""
+    harmony's (e.g. "commentary" for tool calls), and its new text; `recipient` "functions.NAME"
+    where the text is the arguments of a call of tool NAME."""
     channel: str
     text: str
+    recipient: str | None = None
 
 
 class HarmonyChat:
@@ -92,24 +95,52 @@ class HarmonyChat:
             raise ValueError(f"reasoning effort must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning_effort!r}")
         self.encoding, self.reasoning_effort = encoding, reasoning_effort
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` ([{"role": "system"|"developer"|"user"|"assistant", "content": str}])
-        ready for the assistant's answer; a system message's text goes to harmony's developer
-        instructions, earlier assistant answers are their final channel."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` ([{"role": "system"|"developer"|"user"|"assistant"|"tool",
+        "content": str}], OpenAI's shape) ready for the assistant's answer; a system message's text
+        goes to harmony's developer instructions, earlier assistant answers are their final
+        channel, their `tool_calls` commentary messages to functions.NAME, and a tool message the
+        answer of the function its `name` (or its tool_call_id's call) names. `tools`: OpenAI's
+        function tools, declared in the developer message."""
         import openai_harmony as oh
         system = oh.SystemContent.new().with_reasoning_effort(oh.ReasoningEffort(self.reasoning_effort.capitalize()))
         out = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+        instructions = "\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))
+        if instructions or tools:
+            developer = oh.DeveloperContent.new()
+            if instructions:
+                developer = developer.with_instructions(instructions)
+            if tools:
+                developer = developer.with_function_tools([
+                    oh.ToolDescription.new(t["function"]["name"], t["function"].get("description", ""),
+                                           parameters=t["function"].get("parameters")) for t in tools])
+            out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
+        called: dict[str, str] = {}  # tool_call_id -> function name
         for m in messages:
             role, text = m["role"], m["content"]
             if role in ("system", "developer"):
-                out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER,
-                                                           oh.DeveloperContent.new().with_instructions(text)))
-            elif role == "user":
+                continue
+            if role == "user":
                 out.append(oh.Message.from_role_and_content(oh.Role.USER, text))
             elif role == "assistant":
-                out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, text).with_channel("final"))
+                if text:
+                    out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, text).with_channel("final"))
+                for call in m.get("tool_calls") or ():
+                    name = call["function"]["name"]
+                    called[call.get("id", "")] = name
+                    arguments = call["function"].get("arguments", "{}")
+                    out.append(oh.Message.from_role_and_content(
+                        oh.Role.ASSISTANT, arguments if isinstance(arguments, str) else json.dumps(arguments))
+                        .with_channel("commentary").with_recipient(f"functions.{name}").with_content_type("json"))
+            elif role == "tool":
+                name = m.get("name") or called.get(m.get("tool_call_id") or "", "")
+                if not name:
+                    raise ValueError("a tool message needs the name of its function, or the tool_call_id of an "
+                                     "earlier assistant tool call")
+                out.append(oh.Message.from_author_and_content(oh.Author.new(oh.Role.TOOL, f"functions.{name}"), text)
+                           .with_channel("commentary").with_recipient("assistant"))
             else:
-                raise ValueError(f"harmony messages are system, developer, user or assistant, not {role!r}")
+                raise ValueError(f"harmony messages are system, developer, user, assistant or tool, not {role!r}")
         conversation = oh.Conversation.from_messages(out)
         return list(self.encoding.render_conversation_for_completion(conversation, oh.Role.ASSISTANT))
 
@@ -148,7 +179,7 @@ class HarmonyStream:
         if not delta:
             return []
         self.any_content = True
-        return [Piece(self.parser.current_channel or "final", delta)]
+        return [Piece(self.parser.current_channel or "final", delta, self.parser.current_recipient)]
 
     def finish(self) -> list[Piece]:
         if self.any_content:

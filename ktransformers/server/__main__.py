@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed_hosts", nargs="+", metavar="NAME",
                    help="Host header names to answer (default on a loopback --host: localhost, 127.0.0.1, ::1, "
                         "against DNS rebinding; elsewhere: any)")
+    p.add_argument("--chat_template", help="a Jinja chat template (a file, or the template itself) instead of the model's")
+    p.add_argument("--tool_call_parser", default="auto",
+                   choices=["auto", "hermes", "deepseek_v3", "kimi_k2", "glm45", "minimax_m2"],
+                   help="the tool-call format of the model's answers (auto: from its chat template and architecture)")
     p.add_argument("--no_prefix_cache", action="store_true", help="do not keep finished requests' cache for reuse")
     p.add_argument("--prefix_cache_ram", type=float, default=1.0,
                    help="GiB of CPU RAM for prefix pages evicted from the KV cache (0: none)")
@@ -58,6 +63,11 @@ def make_server(args):
     loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
                         cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
     freeze_heap()
+    if args.chat_template:
+        if loaded.tokenizer is None:
+            raise ValueError("--chat_template: the model has no tokenizer to attach it to")
+        template = Path(args.chat_template)
+        loaded.tokenizer.chat_template = template.read_text() if template.is_file() else args.chat_template
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=args.cache_lens, chunk_size=args.chunk_size,
                     use_cuda_graph=device.startswith("cuda"), max_batch=args.max_batch_size)
     engine.warm_up(batch_sizes=range(1, args.max_batch_size + 1))
@@ -66,11 +76,11 @@ def make_server(args):
                         int(args.prefix_cache_disk * (1 << 30)))
     scheduler = Scheduler(engine, loaded.tokenizer, max_batch=args.max_batch_size, max_queue=args.max_queue,
                           prefix_cache=not args.no_prefix_cache, prefix_store=store)
-    from pathlib import Path
     name = args.model_name or Path(str(gguf_path)).stem
     defaults = SamplingParams.from_generation_config(getattr(loaded.model, "generation_config", None))
     app = create_app(scheduler, name, args.api_key, args.max_new_tokens, defaults,
-                     max_body_bytes=int(args.max_request_mb * (1 << 20)), allowed_hosts=allowed_hosts(args))
+                     max_body_bytes=int(args.max_request_mb * (1 << 20)), allowed_hosts=allowed_hosts(args),
+                     tool_call_parser=args.tool_call_parser)
     return app, scheduler
 
 
@@ -97,13 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, chat page /)", flush=True)
+    log_requests()
+    print(f"serving on http://{args.host}:{args.port} (OpenAI /v1, Anthropic /v1/messages, Ollama /api, metrics "
+          f"/metrics, chat page /)", flush=True)
     try:
         uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
     finally:
         scheduler.close()
         sock.close()
     return 0
+
+
+def log_requests() -> None:
+    """The request log (metrics.py: a line per finished request) to stderr, as uvicorn's own."""
+    import logging
+    logger = logging.getLogger("ktransformers.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 HEADER_TIMEOUT_S = 30.0  # the longest a connection may take to send a request's line and headers

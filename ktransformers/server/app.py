@@ -23,34 +23,29 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.sampling import SamplingParams
+from .base import APIError, Body, events, whole_answer
+from .chat import Answer, ChatError, ChatFormat, ChatOptions, check_tools
 from .scheduler import QueueFull, Request, Scheduler
 
 STATIC = Path(__file__).parent / "static"
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-
 # -- request bodies ---------------------------------------------------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's call
+    reasoning_content: str | None = None
 
 
-class OpenAISampling(_Body):
+class OpenAISampling(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -68,13 +63,19 @@ class OpenAISampling(_Body):
 
 class ChatCompletionBody(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's) e.g. {"enable_thinking": false}
 
 
 class CompletionBody(OpenAISampling):
     prompt: str | list[str]
 
 
-class OllamaOptions(_Body):
+class OllamaOptions(Body):
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
@@ -84,20 +85,30 @@ class OllamaOptions(_Body):
     stop: list[str] | None = None
 
 
-class OllamaGenerateBody(_Body):
+class OllamaGenerateBody(Body):
     model: str | None = None
     prompt: str = ""
     system: str | None = None
     stream: bool = True
     raw: bool = False
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema
+    think: bool | None = None
     options: OllamaOptions = Field(default_factory=OllamaOptions)
 
 
-class OllamaChatBody(_Body):
+class OllamaChatBody(Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = True
+    format: str | dict[str, Any] | None = None
+    think: bool | None = None
+    tools: list[dict[str, Any]] | None = None
     options: OllamaOptions = Field(default_factory=OllamaOptions)
+
+
+class OllamaShowBody(Body):
+    model: str | None = None
+    name: str | None = None  # (older clients)
 
 
 def _text(content) -> str:
@@ -121,13 +132,19 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
                gen_defaults: SamplingParams | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """`allowed_hosts`: the Host header names requests may carry (None: any), so that a page
-    on another site cannot reach a server on loopback through DNS rebinding."""
+    on another site cannot reach a server on loopback through DNS rebinding. `tool_call_parser`:
+    the tool-call format of the model's answers (default: found from its chat template)."""
     app = FastAPI(title="ktransformers", version="0.1.0")
     from ..engine.harmony import harmony_chat
-    served = _Served(scheduler, scheduler.tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
-                     int(time.time()), harmony_chat(scheduler.tokenizer))
+    from .metrics import Metrics
+    tokenizer = scheduler.tokenizer
+    config = scheduler.engine.config
+    chat = ChatFormat(tokenizer, harmony_chat(tokenizer), getattr(config, "model_type", None), tool_call_parser,
+                      _LazyGrammars(tokenizer, config.vocab_size, scheduler.eos_ids))
+    served = _Served(scheduler, tokenizer, model_name, default_max_tokens, gen_defaults or SamplingParams(),
+                     int(time.time()), chat, Metrics(scheduler, model_name))
     _add_error_handlers(app)
     _limit_body(app, max_body_bytes)
     if allowed_hosts is not None:
@@ -136,8 +153,42 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         _require_api_key(app, api_key)
     _add_openai_routes(app, served)
     _add_ollama_routes(app, served)
+    from .anthropic import add_anthropic_routes
+    add_anthropic_routes(app, served)
     _add_status_routes(app, served)
     return app
+
+
+class _LazyGrammars:
+    """The model's grammar compiler, made on the first constrained request (llguidance reads the
+    whole vocabulary once)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self._args, self._grammars = (tokenizer, vocab_size, stop_ids), None
+
+    def _get(self):
+        if self._grammars is None:
+            from ..engine.grammar import available, grammars_for
+            why = available()
+            if why:
+                raise ChatError(why, "response_format")
+            self._grammars = grammars_for(*self._args)
+        return self._grammars
+
+    def json_schema(self, schema, strict: bool = True):
+        return self._get().json_schema(schema, strict)
+
+    def json_object(self):
+        return self._get().json_object()
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    out = {"role": m.role, "content": _text(m.content)}
+    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 @dataclass
@@ -150,7 +201,8 @@ class _Served:
     default_max_tokens: int
     defaults: SamplingParams
     created: int  # when the app was made: the model's "created" in the listings
-    harmony: Any = None  # engine.harmony.HarmonyChat for a model of the harmony format (gpt-oss)
+    chat: ChatFormat
+    metrics: Any = None  # metrics.Metrics
 
     def sampling(self, temperature, top_p, top_k, repetition_penalty, seed) -> SamplingParams:
         """The served defaults, overridden by whichever of the request's values it set."""
@@ -164,37 +216,52 @@ class _Served:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            "model", "not_found_error")
 
+    @staticmethod
+    def options(make) -> ChatOptions:
+        """ChatOptions from `make()`, a ChatError as a 400."""
+        try:
+            return make()
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+
+    def prepare_chat(self, messages: list, options: ChatOptions):
+        """(prompt ids, its grammar or None, the Answer that reads its text) of a chat, in a
+        worker thread's time (templates, tokenizing and grammar compiles can take a while)."""
+        conversation = [m if isinstance(m, dict) else _message_dict(m) for m in messages]
+        try:
+            ids, inside = self.chat.render(conversation, options)
+            grammar = self.chat.constraint(options)
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+        return ids, grammar, self.chat.answer(options, inside)
+
+    def constraint(self, options: ChatOptions):
+        try:
+            return self.chat.constraint(options)
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
-        if self.harmony is not None:
-            try:
-                return self.harmony.render(conversation)
-            except ValueError as e:
-                raise APIError(400, str(e), "messages") from None
-        if getattr(self.tokenizer, "chat_template", None):
-            try:
-                return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                               tokenize=True, return_dict=False))
-            except Exception as e:  # e.g. a template that insists on alternating roles
-                raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
-        return self.tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in conversation)
-                                     + "\nassistant:")
+        return self.prepare_chat(messages, ChatOptions())[0]
 
     def start(self, ids: list[int], params: SamplingParams, max_tokens: int | None, stop,
-              ignore_eos: bool = False, chat: bool = False) -> Request:
+              ignore_eos: bool = False, chat: bool = False, grammar=None, api: str = "openai") -> Request:
         """Submit a request after checking that it fits the context; 429 when the queue is full. A
         chat of a harmony model has its answer split into channels (the final one is the text)."""
         max_tokens = self._max_tokens(ids, max_tokens)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not s for s in stops):
             raise APIError(400, "a stop string must not be empty", "stop")
-        r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue())
-        if chat and self.harmony is not None:
-            r.harmony, r.stop_ids = self.harmony, frozenset(self.harmony.stop_ids)
+        r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue(),
+                    grammar=grammar, keep_special=chat and self.chat.keeps_special)
+        if chat and self.chat.harmony is not None:
+            r.harmony, r.stop_ids = self.chat.harmony, frozenset(self.chat.harmony.stop_ids)
         try:
             self.scheduler.submit(r)
         except QueueFull as e:
             raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        if self.metrics is not None:
+            self.metrics.started(r, api)
         return r
 
     def _max_tokens(self, ids: list[int], max_tokens: int | None) -> int:
@@ -211,26 +278,9 @@ class _Served:
         return max_tokens
 
 
-async def _events(r: Request):
-    """(kind, text) pieces of a request as they come, kind "text" or "reasoning"; cancels it when
-    the consumer goes away."""
-    try:
-        while True:
-            kind, payload = await r.events.get()
-            if kind in ("text", "reasoning"):
-                yield kind, payload
-            elif kind == "error":
-                raise RuntimeError(payload)
-            else:
-                return
-    finally:
-        if r.finish_reason is None:
-            r.cancel()
-
-
 async def _pieces(r: Request):
     """Text pieces of a request as they come (a harmony model's reasoning left out)."""
-    async for kind, piece in _events(r):
+    async for kind, piece in events(r):
         if kind == "text":
             yield piece
 
@@ -249,8 +299,15 @@ def _usage(r: Request) -> dict:
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
-def _finish(r: Request) -> str:
+def _finish(r: Request, answer: Answer | None = None) -> str:
+    if answer is not None and answer.tool_calls:
+        return "tool_calls"
     return "length" if r.finish_reason == "length" else "stop"
+
+
+def _openai_call(call, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
 
 
 # -- errors and the API key -------------------------------------------------------------------
@@ -258,6 +315,11 @@ def _error_response(path: str, status: int, message: str, param: str | None = No
                     kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
     if path.startswith("/api/"):  # Ollama's shape
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+    if path.startswith("/v1/messages"):  # Anthropic's
+        kinds = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                 429: "rate_limit_error", 500: "api_error"}
+        return JSONResponse({"type": "error", "error": {"type": kinds.get(status, "invalid_request_error"),
+                                                        "message": message}}, status_code=status, headers=headers)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status, headers=headers)
 
@@ -376,15 +438,18 @@ def _check_host(app: FastAPI, allowed: tuple[str, ...]) -> None:
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """/v1 and /api answer 401 without `Authorization: Bearer api_key`."""
-    expected = f"Bearer {api_key}".encode()
+    """/v1, /api and /metrics answer 401 without `Authorization: Bearer api_key` or (Anthropic's
+    clients) `x-api-key: api_key`."""
+    bearer, key = f"Bearer {api_key}".encode(), api_key.encode()
 
     def unauthorized(scope):
         path = scope.get("path", "")
-        if (path.startswith("/v1/") or path.startswith("/api/")) and _header(scope, b"authorization") != expected:
-            return _error_response(path, 401, "missing or wrong API key (Authorization: Bearer ...)",
-                                   kind="authentication_error")
-        return None
+        if not (path.startswith("/v1/") or path.startswith("/api/") or path == "/metrics"):
+            return None
+        if _header(scope, b"authorization") == bearer or _header(scope, b"x-api-key") == key:
+            return None
+        return _error_response(path, 401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                               kind="authentication_error")
     _guard(app, unauthorized)
 
 
@@ -392,7 +457,11 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 def _add_openai_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody):
-        return await _openai_run(s, body, await asyncio.to_thread(s.chat_ids, body.messages), chat=True)
+        options = s.options(lambda: ChatOptions.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                                            body.response_format, body.reasoning_effort,
+                                                            body.chat_template_kwargs))
+        ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, body.messages, options)
+        return await _openai_run(s, body, ids, chat=True, grammar=grammar, answer=answer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
@@ -403,7 +472,8 @@ def _add_openai_routes(app: FastAPI, s: _Served) -> None:
     async def models():
         return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
                                             "owned_by": "ktransformers",
-                                            "context_length": s.scheduler.context_length}]}
+                                            "context_length": s.scheduler.context_length,
+                                            "max_model_len": s.scheduler.context_length}]}
 
 
 @dataclass(frozen=True)
@@ -419,56 +489,58 @@ class _OpenAIReply:
         """The response's "object" field."""
         return "chat.completion" if self.chat else "text_completion"
 
-    def choice(self, text: str, reason: str | None, streamed: bool, reasoning: str = "") -> dict:
+    def choice(self, text: str, reason: str | None, reasoning: str = "", tool_calls=()) -> dict:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        if streamed:
-            return {"index": 0, "delta": text, "finish_reason": reason}
-        message = {"role": "assistant", "content": text}
-        if reasoning:  # (a harmony model's analysis channel, as vLLM and SGLang return it)
+        message = {"role": "assistant", "content": text if text.strip() or not tool_calls else None}
+        if reasoning:  # (a thinking model's reasoning, as vLLM and SGLang return it)
             message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = [_openai_call(c) for c in tool_calls]
         return {"index": 0, "message": message, "finish_reason": reason}
 
     def chunk(self, delta_or_text, reason=None) -> str:
         """One server-sent event: a chat delta (dict) or a piece of completion text."""
+        choice = ({"index": 0, "delta": delta_or_text, "finish_reason": reason} if self.chat else
+                  {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": reason})
         event = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind,
-                 "created": int(time.time()), "model": self.model,
-                 "choices": [self.choice(delta_or_text, reason, streamed=True)]}
-        return f"data: {json.dumps(event)}\n\n"
+                 "created": int(time.time()), "model": self.model, "choices": [choice]}
+        return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def _openai_run(s: _Served, body: OpenAISampling, ids: list[int], chat: bool):
+async def _openai_run(s: _Served, body: OpenAISampling, ids: list[int], chat: bool, grammar=None,
+                      answer: Answer | None = None):
     s.check_model(body.model)
     params = s.sampling(body.temperature, body.top_p, body.top_k, body.repetition_penalty, body.seed)
-    r = s.start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos, chat=chat)
+    r = s.start(ids, params, body.max_completion_tokens or body.max_tokens, body.stop, body.ignore_eos, chat=chat,
+                grammar=grammar)
     reply = _OpenAIReply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", chat, s.model_name)
     if not body.stream:
-        parts = {"text": [], "reasoning": []}
-        try:
-            async for kind, piece in _events(r):
-                parts[kind].append(piece)
-        except RuntimeError as e:
-            raise APIError(500, str(e), kind="server_error") from None
-        choice = reply.choice("".join(parts["text"]), _finish(r), streamed=False, reasoning="".join(parts["reasoning"]))
+        whole = await whole_answer(r, answer)
+        choice = reply.choice(whole["text"], _finish(r, answer), whole["reasoning"], whole["tool_calls"])
         return {"id": reply.id, "object": reply.kind, "created": int(time.time()), "model": s.model_name,
                 "choices": [choice], "usage": _usage(r)}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(_openai_events(r, reply, include_usage), media_type="text/event-stream")
+    return StreamingResponse(_openai_events(r, reply, include_usage, answer), media_type="text/event-stream")
 
 
-async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool):
+async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool, answer: Answer | None):
     if reply.chat:
         yield reply.chunk({"role": "assistant", "content": ""})
+    calls = 0
     try:
-        async for kind, piece in _events(r):
+        async for kind, piece in events(r, answer):
             if kind == "reasoning":
                 yield reply.chunk({"reasoning_content": piece})
+            elif kind == "tool_call":
+                yield reply.chunk({"tool_calls": [_openai_call(piece, calls)]})
+                calls += 1
             else:
                 yield reply.chunk({"content": piece} if reply.chat else piece)
     except RuntimeError as e:
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
         return
-    yield reply.chunk({} if reply.chat else "", _finish(r))
+    yield reply.chunk({} if reply.chat else "", _finish(r, answer))
     if include_usage:
         usage = {"id": reply.id, "object": reply.kind + ".chunk", "choices": [], "usage": _usage(r)}
         yield f"data: {json.dumps(usage)}\n\n"
@@ -476,61 +548,138 @@ async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool):
 
 
 # -- Ollama -----------------------------------------------------------------------------------
+def _ollama_options(s: _Served, fmt, think, tools=None) -> ChatOptions:
+    """Ollama's `format` ("json" or a JSON schema), `think` and `tools` as ChatOptions."""
+    def make():
+        o = ChatOptions(tools=check_tools(tools))
+        if fmt == "json":
+            o.json_object = True
+        elif isinstance(fmt, dict):
+            o.schema = fmt
+        elif fmt not in (None, ""):
+            raise ChatError('format must be "json" or a JSON schema', "format")
+        if think is not None:
+            o.template_kwargs["enable_thinking"] = bool(think)
+        return o
+    return s.options(make)
+
+
 def _add_ollama_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/api/generate")
     async def ollama_generate(body: OllamaGenerateBody):
-        if body.raw or not getattr(s.tokenizer, "chat_template", None):
+        options = _ollama_options(s, body.format, body.think)
+        if body.raw or not s.chat.template and s.chat.harmony is None:
             ids = await asyncio.to_thread(s.tokenizer.encode, (body.system + "\n" if body.system else "") + body.prompt)
-        else:
-            messages = ([ChatMessage(role="system", content=body.system)] if body.system else []) + \
-                [ChatMessage(role="user", content=body.prompt)]
-            ids = await asyncio.to_thread(s.chat_ids, messages)
-        return await _ollama_run(s, body, ids, chat=False)
+            return await _ollama_run(s, body, ids, False, await asyncio.to_thread(s.constraint, options), None)
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+            [{"role": "user", "content": body.prompt}]
+        ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, messages, options)
+        return await _ollama_run(s, body, ids, False, grammar, answer)
 
     @app.post("/api/chat")
     async def ollama_chat(body: OllamaChatBody):
-        return await _ollama_run(s, body, await asyncio.to_thread(s.chat_ids, body.messages), chat=True)
+        options = _ollama_options(s, body.format, body.think, body.tools)
+        messages = [_ollama_message_in(m) for m in body.messages]
+        ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, messages, options)
+        return await _ollama_run(s, body, ids, True, grammar, answer)
 
     @app.get("/api/tags")
     async def ollama_tags():
         return {"models": [{"name": s.model_name, "model": s.model_name,
                             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.created)),
-                            "size": 0, "details": {"format": "gguf", "family": s.model_name}}]}
+                            "size": 0, "details": _ollama_details(s)}]}
+
+    @app.post("/api/show")
+    async def ollama_show(body: OllamaShowBody):
+        s.check_model(body.model or body.name)
+        config = s.scheduler.engine.config
+        arch = getattr(config, "model_type", "unknown")
+        capabilities = ["completion"] + (["tools"] if s.chat.tool_parser is not None or s.chat.harmony else []) + \
+            (["thinking"] if s.chat.thinks or s.chat.harmony else [])
+        return {"modelfile": "", "parameters": "", "template": s.chat.template or "",
+                "details": _ollama_details(s), "capabilities": capabilities,
+                "model_info": {"general.architecture": arch,
+                               f"{arch}.context_length": s.scheduler.context_length,
+                               f"{arch}.embedding_length": getattr(config, "hidden_size", 0),
+                               f"{arch}.block_count": getattr(config, "num_hidden_layers", 0)}}
 
 
-async def _ollama_run(s: _Served, body: OllamaGenerateBody | OllamaChatBody, ids: list[int], chat: bool):
+def _ollama_details(s: _Served) -> dict:
+    return {"format": "gguf", "family": getattr(s.scheduler.engine.config, "model_type", s.model_name)}
+
+
+def _ollama_message_in(m: ChatMessage) -> dict:
+    """An Ollama chat message in OpenAI's shape: its tool calls' arguments (objects) as text, its
+    `thinking` as reasoning_content."""
+    out = _message_dict(m)
+    calls = []
+    for i, call in enumerate(m.tool_calls or ()):
+        fn = call.get("function") or {}
+        args = fn.get("arguments", {})
+        calls.append({"id": call.get("id", f"call_{i}"), "type": "function",
+                      "function": {"name": fn.get("name", ""), "arguments": args if isinstance(args, str)
+                                   else json.dumps(args)}})
+    if calls:
+        out["tool_calls"] = calls
+    thinking = (m.model_extra or {}).get("thinking")
+    if isinstance(thinking, str):
+        out["reasoning_content"] = thinking
+    return out
+
+
+async def _ollama_run(s: _Served, body, ids: list[int], chat: bool, grammar, answer: Answer | None):
     s.check_model(body.model)
     o = body.options
     params = s.sampling(o.temperature, o.top_p, o.top_k, o.repeat_penalty, o.seed)
     max_tokens = o.num_predict if o.num_predict and o.num_predict > 0 else None
-    r = s.start(ids, params, max_tokens, o.stop, chat=chat)
+    r = s.start(ids, params, max_tokens, o.stop, chat=answer is not None, grammar=grammar, api="ollama")
     model = body.model or s.model_name
     if not body.stream:
-        return _ollama_message(r, model, chat, await _whole_text(r, "invalid_request_error"), done=True)
-    return StreamingResponse(_ollama_lines(r, model, chat), media_type="application/x-ndjson")
+        whole = await whole_answer(r, answer, "invalid_request_error")
+        return _ollama_message(r, model, chat, whole["text"], True, whole["reasoning"], whole["tool_calls"], answer)
+    return StreamingResponse(_ollama_lines(r, model, chat, answer), media_type="application/x-ndjson")
 
 
-def _ollama_message(r: Request, model: str, chat: bool, piece: str, done: bool) -> dict:
+def _ollama_message(r: Request, model: str, chat: bool, piece: str, done: bool, thinking: str = "",
+                    tool_calls=(), answer: Answer | None = None) -> dict:
     out = {"model": model, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out.update({"message": {"role": "assistant", "content": piece}} if chat else {"response": piece})
+    if chat:
+        message = {"role": "assistant", "content": piece}
+        if thinking:
+            message["thinking"] = thinking
+        if tool_calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                     for c in tool_calls]
+        out["message"] = message
+    else:
+        out["response"] = piece
+        if thinking:
+            out["thinking"] = thinking
     out["done"] = done
     if done:  # Ollama's counts and durations (nanoseconds)
         first = r.t_first or r.t_done
-        out.update({"done_reason": _finish(r), "total_duration": int((r.t_done - r.t_submit) * 1e9),
+        out.update({"done_reason": "stop" if _finish(r, answer) == "tool_calls" else _finish(r),
+                    "total_duration": int((r.t_done - r.t_submit) * 1e9),
                     "prompt_eval_count": len(r.prompt_ids), "eval_count": len(r.tokens),
                     "prompt_eval_duration": int((first - r.t_submit) * 1e9),
                     "eval_duration": int((r.t_done - first) * 1e9)})
     return out
 
 
-async def _ollama_lines(r: Request, model: str, chat: bool):
+async def _ollama_lines(r: Request, model: str, chat: bool, answer: Answer | None):
     try:
-        async for piece in _pieces(r):
-            yield json.dumps(_ollama_message(r, model, chat, piece, False)) + "\n"
+        async for kind, piece in events(r, answer):
+            if kind == "tool_call":
+                line = _ollama_message(r, model, chat, "", False, tool_calls=[piece])
+            elif kind == "reasoning":
+                line = _ollama_message(r, model, chat, "", False, thinking=piece)
+            else:
+                line = _ollama_message(r, model, chat, piece, False)
+            yield json.dumps(line, ensure_ascii=False) + "\n"
     except RuntimeError as e:
         yield json.dumps({"error": str(e)}) + "\n"
         return
-    yield json.dumps(_ollama_message(r, model, chat, "", True)) + "\n"
+    yield json.dumps(_ollama_message(r, model, chat, "", True, answer=answer)) + "\n"
 
 
 # -- the rest ---------------------------------------------------------------------------------
@@ -539,6 +688,13 @@ def _add_status_routes(app: FastAPI, s: _Served) -> None:
     async def health():
         return {"status": "ok", "model": s.model_name, "running": len(s.scheduler.running),
                 "engine": dataclasses.asdict(s.scheduler.stats)}
+
+    @app.get("/metrics")
+    async def metrics():
+        if s.metrics is None or s.metrics.registry is None:
+            raise APIError(404, "metrics need the prometheus-client package: pip install prometheus-client")
+        body, content_type = s.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/")
     async def page():

@@ -29,6 +29,7 @@ import torch
 
 from ..cache.paged import CacheFullError, Sequence
 from ..engine.generate import common_prefix, eos_token_ids
+from ..engine.grammar import mask_rows
 from ..engine.sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from ..engine.streaming import StopMatcher, StreamDecoder
 
@@ -39,9 +40,13 @@ def _put_all(events) -> None:
 
 
 def _emit_channels(r: "Request", pieces) -> None:
-    """A harmony answer's pieces as events: the final channel is text, the others reasoning."""
+    """A harmony answer's pieces as events: the final channel is text, a message to a function
+    ("functions.NAME") a tool call's arguments, the others reasoning."""
     for piece in pieces:
-        r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
+        if (piece.recipient or "").startswith("functions."):
+            r.emit("tool", (piece.recipient.removeprefix("functions."), piece.text))
+        else:
+            r.emit("text" if piece.channel == "final" else "reasoning", piece.text)
 
 
 @dataclass
@@ -68,8 +73,8 @@ _ids = itertools.count(1)
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress. Events put on `events` (in `loop`):
-    ("text", str) and, for a harmony model's chat, ("reasoning", str) (its analysis channel), then
-    ("done", finish_reason) or ("error", message)."""
+    ("text", str) and, for a harmony model's chat, ("reasoning", str) (its analysis channel) and
+    ("tool", (function name, arguments text)), then ("done", finish_reason) or ("error", message)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -82,6 +87,8 @@ class Request:
     cancelled: bool = False
     harmony: object | None = None  # engine.harmony.HarmonyChat: its parser splits the answer into channels
     stop_ids: frozenset = frozenset()  # tokens that end the answer besides the model's EOS
+    grammar: object | None = None  # engine.grammar.Constraint: masks each draw (structured output)
+    keep_special: bool = False  # the text keeps special tokens (tool-call and reasoning markers)
     # progress, owned by the scheduler thread
     seq: Sequence | None = None
     begin: int | None = None  # next prompt position to compute; None once the prompt is in
@@ -206,6 +213,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.stats = EngineStats()
+        self.on_finish: list = []  # callables given each request as it ends (metrics, the request log)
         self.run_ahead = engine.decodes_ahead() if run_ahead is None else run_ahead
         self._ahead = None  # (the decode step in flight, its requests in row order)
         self._thread = threading.Thread(target=self._loop, name="kt-scheduler", daemon=True)
@@ -228,6 +236,11 @@ class Scheduler:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet running."""
+        return self._pending
 
     def free_pages(self) -> int:
         """Pages free in the cache, counting those the prefix cache holds (it gives them back on demand)."""
@@ -344,14 +357,19 @@ class Scheduler:
         if not decoding:
             return
         engine = self.engine
-        if any(r.params.repetition_penalty != 1 for r in decoding):  # (the penalty reads the history on the host)
+        # (the penalty reads the history on the host; a grammar masks each row before its draw)
+        if any(r.params.repetition_penalty != 1 or r.grammar is not None for r in decoding):
             engine._set_phase("generate")
-            logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding]).float().cpu()
+            logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding])
             self._count(len(decoding))
+            constrained = [i for i, r in enumerate(decoding) if r.grammar is not None]
+            if constrained:  # (on the logits' device, before they are read back)
+                mask_rows(logits, [decoding[i].grammar for i in constrained], constrained)
+            logits = logits.float().cpu()
             argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
-                self._end(r, self._accept_one(r, row, best if plain else None))
+                self._end(r, self._accept_one(r, row, best if plain else None, masked=True))
             return
         step = engine.issue([r.seq for r in decoding], [r.next_token for r in decoding], self._samplers(decoding),
                             fed=[r.next_token for r in decoding])
@@ -416,7 +434,8 @@ class Scheduler:
     def _may_run_ahead(self, reqs: list[Request]) -> bool:
         """Whether the next step may be enqueued before this one's picks are read: each request
         can take two more tokens (the pick in flight and the next) and none is cancelled."""
-        return self.run_ahead and all(not r.cancelled and len(r.tokens) + 2 <= r.max_tokens for r in reqs)
+        return self.run_ahead and all(not r.cancelled and len(r.tokens) + 2 <= r.max_tokens and r.grammar is None
+                                      for r in reqs)
 
     @staticmethod
     def _samplers(reqs: list[Request]) -> list[Sampler | None]:
@@ -477,25 +496,32 @@ class Scheduler:
         with self._lock:
             self._pending += 1
 
-    def _accept_one(self, r: Request, logits: torch.Tensor | None, token: int | None = None) -> tuple | None:
+    def _accept_one(self, r: Request, logits: torch.Tensor | None, token: int | None = None,
+                    masked: bool = False) -> tuple | None:
         """_accept, a failure ending only this request."""
         try:
-            return self._accept(r, logits, token)
+            return self._accept(r, logits, token, masked)
         except Exception as e:
             return None, f"{type(e).__name__}: {e}", True
 
-    def _accept(self, r: Request, logits: torch.Tensor | None, token: int | None = None) -> tuple | None:
-        """Sample r's next token from its logits [V] (or take `token`, already chosen), stream its
-        text; how r ends now, as _finish's (reason, error, flush), or None while it goes on (its
-        next_token then set)."""
+    def _accept(self, r: Request, logits: torch.Tensor | None, token: int | None = None,
+                masked: bool = False) -> tuple | None:
+        """Sample r's next token from its logits [V] (or take `token`, already chosen; `masked`:
+        the logits went through r's grammar already), stream its text; how r ends now, as
+        _finish's (reason, error, flush), or None while it goes on (its next_token then set)."""
         if not hasattr(r, "_sampler"):
             r._sampler = Sampler(r.params)
-            r._decoder = StreamDecoder(self.tokenizer)
+            r._decoder = StreamDecoder(self.tokenizer, skip_special_tokens=not r.keep_special)
             r._stopper = StopMatcher(r.stop) if r.stop else None
             r._history = list(r.prompt_ids)
             r._channels = r.harmony.stream() if r.harmony is not None else None
         if token is None:
-            token = int(r._sampler(logits.float().cpu()[None], [r._history])[0])
+            row = logits.float().cpu()
+            if r.grammar is not None and not masked:
+                row = r.grammar.mask(row.clone())
+            token = int(r._sampler(row[None], [r._history])[0])
+        if r.grammar is not None and not r.grammar.accept(token):
+            return None, f"the grammar refused token {token}", True
         r.tokens.append(token)
         r._history.append(token)
         if (token in self.eos_ids or token in r.stop_ids) and not r.ignore_eos:
@@ -534,3 +560,8 @@ class Scheduler:
             keep = self.pool is not None and reason in ("stop", "length")
             self.pool.put(r.seq) if keep else self.engine.release(r.seq)
         r.emit("error", error) if error else r.emit("done", reason)
+        for hook in self.on_finish:
+            try:
+                hook(r)
+            except Exception:  # (an observer's failure is not the request's)
+                traceback.print_exc()
