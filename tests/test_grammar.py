@@ -1,0 +1,79 @@
+"""Grammar masks (engine/grammar.py) against the matcher itself: at each step of a JSON answer,
+the tokens mask_rows leaves finite are the matcher's bitmask read bit by bit in plain Python,
+all of them tokens the matcher takes when asked token by token (its mask may hold back a
+non-canonical spelling of forced text, e.g. 'w' + 'ord' of a key), for rows of a batch on the
+CPU and on CUDA; other rows' logits are untouched, and the vocabulary rows past the tokenizer's
+are never allowed."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance")
+from tiny import train_tokenizer  # noqa: E402
+
+from ktransformers.engine.grammar import GrammarError, grammars_for, mask_rows, tool_call_schema  # noqa: E402
+
+SCHEMA = {"type": "object", "required": ["word", "n"], "additionalProperties": False,
+          "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}}}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(320)
+
+
+def accepted(constraint, vocab: int) -> set[int]:
+    """The tokens the matcher takes next, each tried alone (validate_tokens counts how many of the
+    given tokens it would take)."""
+    return {t for t in range(vocab) if constraint._matcher.validate_tokens([t]) == 1}
+
+
+def bits(constraint, vocab: int) -> set[int]:
+    """The tokens set in the matcher's own bitmask, read one bit at a time."""
+    import llguidance.torch as lt
+    words = lt.allocate_token_bitmask(1, vocab)
+    constraint.fill(words, 0)
+    return {t for t in range(vocab) if (int(words[0, t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_tokens_are_exactly_those_the_matcher_takes(tok, device):
+    vocab = 336  # (the model's vocabulary may be longer than the tokenizer's 320)
+    grammars = grammars_for(tok, vocab, [tok.eos_token_id])
+    answer = tok.encode('{"word":"the","n":42}')
+    constraints = [grammars.json_schema(SCHEMA) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for step, token in enumerate(answer + [tok.eos_token_id]):
+        logits = torch.randn(3, vocab, generator=gen).to(device)
+        before = logits.clone()
+        mask_rows(logits, constraints, [0, 2])  # row 1: an unconstrained request of the batch
+        want = bits(constraints[0], vocab)
+        # (the stop token ends the answer rather than being taken: validate_tokens does not count it)
+        assert want and want - {tok.eos_token_id} <= accepted(constraints[0], vocab) and max(want) < 320
+        assert (tok.eos_token_id in want) == (step == len(answer))
+        for row in (0, 2):
+            finite = set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
+            assert finite == want, (step, row)
+            assert torch.equal(logits[row][list(want)], before[row][list(want)])
+        assert torch.equal(logits[1], before[1])
+        for c in constraints:
+            assert c.accept(token)
+    assert all(c.done for c in constraints)
+
+
+def test_forced_tool_call_schemas_and_bad_schemas(tok):
+    grammars = grammars_for(tok, 320, [tok.eos_token_id])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    assert tool_call_schema(tools, "f", True) == SCHEMA
+    many = tool_call_schema(tools, None, False)
+    assert many["maxItems"] == 1 and {c["properties"]["name"]["const"] for c in many["items"]["anyOf"]} == {"f", "g"}
+    c = grammars.json_schema(many)
+    text = json.dumps([{"name": "f", "arguments": {"word": "dog", "n": 1}}], separators=(",", ":"))
+    assert all(c.accept(t) for t in tok.encode(text)) and c.done
+    wrong = grammars.json_schema(many)
+    assert not all(wrong.accept(t) for t in tok.encode('[{"name":"h"'))
+    with pytest.raises(GrammarError, match="JSON schema"):
+        grammars.json_schema({"type": "object", "properties": {"x": {"type": "no-such-type"}}})
