@@ -322,6 +322,60 @@ UPSTREAM_SHAPES = {
 - match: {name: "^model\\\\.layers\\\\..*\\\\.(input_layernorm|post_attention_layernorm)$"}
   replace: {class: ktransformers.operators.layernorm.KQwen3MoeRMSNorm, kwargs: {generate_device: cpu, prefill_device: cpu}}
 """,
+    # transformers 4's module names (block_sparse_moe), upstream's Mistral spelling of the block
+    "mixtral": """
+- match: {class: ktransformers.models.modeling_mixtral.MixtralRotaryEmbedding}
+  replace: {class: ktransformers.operators.RoPE.RotaryEmbedding, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*$", class: torch.nn.Linear}
+  replace: {class: ktransformers.operators.linear.KTransformersLinear,
+            kwargs: {generate_device: cpu, prefill_device: cpu, generate_op: KLinearCPU, prefill_op: KLinearTorch}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.block_sparse_moe$", class: ktransformers.models.modeling_mixtral.MixtralSparseMoeBlock}
+  replace: {class: ktransformers.operators.experts.KMistralSparseMoEBlock}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.block_sparse_moe\\\\.experts$"}
+  replace:
+    class: ktransformers.operators.experts.KTransformersExperts
+    kwargs: {prefill_device: cpu, prefill_op: KExpertsTorch, generate_device: cpu, generate_op: KExpertsCPU, out_device: cpu}
+  recursive: False
+- match: {name: "^model\\\\.layers\\\\..*\\\\."}
+  replace: {class: "default", kwargs: {generate_device: cpu, prefill_device: cpu}}
+""",
+    # a model-level operator with its threshold, the block's own upstream name
+    "qwen2_moe": """
+- match: {class: ktransformers.models.modeling_qwen2_moe.Qwen2MoeRotaryEmbedding}
+  replace: {class: ktransformers.operators.RoPE.RotaryEmbedding, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp$", class: ktransformers.models.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock}
+  replace: {class: ktransformers.operators.experts.KQwen2MoeSparseMoeBlock, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
+  replace:
+    class: ktransformers.operators.experts.KTransformersExperts
+    kwargs: {prefill_device: cpu, prefill_op: KExpertsTorch, generate_device: cpu, generate_op: KExpertsCPU, out_device: cpu}
+  recursive: False
+- match: {name: "^model$"}
+  replace: {class: "ktransformers.operators.models.KQwen2MoeModel", kwargs: {per_layer_prefill_intput_threshold: 0}}
+- match: {name: "^model.embed_tokens"}
+  replace: {class: "default", kwargs: {generate_device: cpu, prefill_device: cpu}}
+""",
+    # the serve file's names: GLM's own experts, attention, norm and rotary operators; prefill_op None
+    "glm4_moe": """
+- match: {class: ktransformers.models.modeling_glm4_moe.Glm4MoeRotaryEmbedding}
+  replace: {class: ktransformers.operators.RoPE.KGlm4MoeRotaryEmbedding, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\.(?!.*mlp\\\\.shared_expert_gate).*$", class: torch.nn.Linear}
+  replace: {class: ktransformers.operators.linear.KTransformersLinear,
+            kwargs: {generate_device: cpu, prefill_device: cpu, generate_op: KLinearCPU, prefill_op: KLinearTorch}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp$", class: ktransformers.models.modeling_glm4_moe.Glm4MoeMoE}
+  replace: {class: ktransformers.operators.experts.KGlm4MoeMoE, kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
+  replace:
+    class: ktransformers.operators.experts.KGlm4Experts
+    kwargs: {prefill_device: cpu, prefill_op: None, generate_device: cpu, generate_op: KExpertsCPU, out_device: cpu,
+             n_deferred_experts: 1}
+  recursive: False
+- match: {name: "^model\\\\.layers\\\\..*\\\\.self_attn$"}
+  replace: {class: ktransformers.operators.balance_serve_attention.KGlm4MoeAttention,
+            kwargs: {generate_device: cpu, prefill_device: cpu}}
+- match: {class: ktransformers.models.modeling_glm4_moe.Glm4MoeRMSNorm}
+  replace: {class: ktransformers.operators.layernorm.KGlm4MoeRMSNorm, kwargs: {generate_device: cpu, prefill_device: cpu}}
+""",
 }
 PLACED = {"deepseek_v3": {"model.rotary_emb": "YarnRotaryEmbeddingV3", "model.layers.1.self_attn": "flashinfer_attn",
                           "model.layers.1.mlp": "KDeepseekV3MoEV2", "model.layers.1.mlp.gate": "KMoEGate",
@@ -329,7 +383,16 @@ PLACED = {"deepseek_v3": {"model.rotary_emb": "YarnRotaryEmbeddingV3", "model.la
                           "model.layers.0.mlp.gate_proj": "KTransformersLinear"},
           "qwen3_moe": {"model.rotary_emb": "RotaryEmbedding", "model.layers.0.self_attn": "KQwen3MoeAttention",
                         "model.layers.1.mlp": "KQwen3MoeSparseMoeBlockV2", "model.layers.1.mlp.experts": "KTransformersExpertsV2",
-                        "model.layers.0.input_layernorm": "KQwen3MoeRMSNorm"}}
+                        "model.layers.0.input_layernorm": "KQwen3MoeRMSNorm"},
+          "mixtral": {"model.rotary_emb": "RotaryEmbedding", "model.layers.0.mlp": "KMistralSparseMoEBlock",
+                      "model.layers.1.mlp.experts": "KTransformersExperts",
+                      "model.layers.0.self_attn.q_proj": "KTransformersLinear"},
+          "qwen2_moe": {"model": "KQwen2MoeModel", "model.layers.1.mlp": "KQwen2MoeSparseMoeBlock",
+                        "model.layers.1.mlp.experts": "KTransformersExperts"},
+          "glm4_moe": {"model.rotary_emb": "KGlm4MoeRotaryEmbedding", "model.layers.1.mlp": "KGlm4MoeMoE",
+                       "model.layers.1.mlp.experts": "KGlm4Experts", "model.layers.0.self_attn": "KGlm4MoeAttention",
+                       "model.layers.0.input_layernorm": "KGlm4MoeRMSNorm",
+                       "model.layers.0.self_attn.q_proj": "KTransformersLinear"}}
 
 
 @pytest.mark.parametrize("family", list(UPSTREAM_SHAPES))
