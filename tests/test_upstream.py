@@ -92,6 +92,42 @@ def test_a_rule_file_for_another_architecture_is_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not this qwen3_moe model" in out.stderr
 
 
+def test_a_slip_of_another_architecture_beside_the_models_own_rules_warns(tmp_path):
+    """Upstream's DeepSeek-V2-Lite gpu-cpu file matches V3's MoEGate among V2 rules: those rules
+    match nothing (a warning names them) and the rest places; its CPU linears' out_device puts
+    their output where it says."""
+    import torch
+    from tiny import tiny_model
+
+    from ktransformers import optimize_and_load_gguf
+    from ktransformers.loader import build_skeleton
+    from ktransformers.weights.ggml_quants import GGMLType
+    from ktransformers.weights.gguf_write import write_gguf
+    hf = tiny_model("deepseek_v2", layers=2)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=GGMLType.BF16)
+    rules = tmp_path / "slip.yaml"
+    rules.write_text("""
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.gate$", class: ktransformers.models.modeling_deepseek_v3.MoEGate}
+  replace: {class: ktransformers.operators.gate.KMoEGate}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp$", class: ktransformers.models.modeling_deepseek.DeepseekV2MoE}
+  replace: {class: ktransformers.operators.experts.KDeepseekV2MoE}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}
+  replace: {class: ktransformers.operators.experts.KTransformersExperts, kwargs: {generate_op: KExpertsCPU}}
+- match: {name: "^model\\\\.layers\\\\..*\\\\.self_attn$"}
+  replace: {class: ktransformers.operators.attention.KDeepseekV2Attention}
+- match: {name: "^model\\\\.layers\\\\.(?!self_attn).*$", class: torch.nn.Linear}
+  replace: {class: ktransformers.operators.linear.KTransformersLinear,
+            kwargs: {generate_op: KLinearCPUInfer, prefill_op: KLinearTorch, out_device: cpu}}
+""")
+    model = build_skeleton(hf.config, torch.float32)
+    with pytest.warns(UserWarning, match=r"rule\(s\) 0 match classes of other architectures \(DeepseekV3TopkRouter\)"):
+        rows = {r.name: r.operator for r in optimize_and_load_gguf(model, rules, tmp_path / "m.gguf", hf.config)}
+    assert rows["model.layers.1.mlp"] == "KDeepseekV2MoE" and rows["model.layers.1.mlp.gate"] == "default"
+    assert model.model.layers[0].mlp.gate_proj.options.out_device == "cpu"
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8))
+    assert rel_err(logits(model, ids), logits(hf, ids)) < 3e-2
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "glm4_moe"])
 def test_a_skeleton_built_on_the_meta_device_loads(tmp_path, family):
     """Upstream's scripts build the model under `with torch.device("meta")`, buffers included:

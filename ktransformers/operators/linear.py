@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BaseInjectedModule, Placement, choices
+from .base import BaseInjectedModule, Placement, choices, device_field
 from .registry import LINEAR_OPS, register_operator
 
 
@@ -227,6 +227,7 @@ class LinearOptions(Placement):
     requantize: bool = False  # KLinearMarlin: re-quantize weights of other types to int4 (lossy)
     # upstream's KLinearMarlin bit width: its int4 is the one here (other widths are refused)
     num_bits: int = field(default=4, metadata=choices(lambda: [4]))
+    out_device: str | None = device_field(None)  # where the output goes (None: where the input came from)
 
 
 @register_operator("KTransformersLinear")
@@ -259,4 +260,4 @@ class KTransformersLinear(BaseInjectedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = self.ops[self.phase]
-        return op.forward(x.to(op.device)).to(x.device)
+        return op.forward(x.to(op.device)).to(self.options.out_device or x.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 import reprlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,17 +289,34 @@ def load_rules(path: str | Path, allow_import_prefixes: tuple[str, ...] = ()) ->
 
 
 def check_rules_fit(model: nn.Module, rules: list[Rule], source: str = "the rule file") -> None:
-    """A rule whose match.class is a transformers model class of another architecture than the
-    model's makes the file one for that architecture: refused in one line, before anything is
-    placed (its operators would meet modules they were not written for)."""
+    """Rules whose match.class is a transformers model class of another architecture than the
+    model's: where no rule names a class of the model's own, the file is one for that
+    architecture, refused in one line before anything is placed (its operators would meet
+    modules they were not written for); beside rules of the model's own classes they are a slip
+    of the file's (upstream's DeepSeek-V2-Lite gpu-cpu file matches V3's MoEGate) and never
+    match, as upstream's engine had it: one warning names them."""
     own = type(model).__module__
+    foreign, native = [], False
     for rule in rules:
         cls = rule.match_class
-        if cls is None or not cls.__module__.startswith("transformers.models.") or cls.__module__ == own or _is_rotary(cls):
+        if cls is None or not cls.__module__.startswith("transformers.models.") or _is_rotary(cls):
             continue
-        theirs, ours = cls.__module__.split(".")[2], own.split(".")[2] if own.startswith("transformers.models.") else own
-        raise RuleError(f"{source} is for {theirs} models (rule {rule.index} matches class {cls.__name__}), not this "
-                        f"{ours} model: pass a rule file for {ours} (the shipped ones are in ktransformers/optimize_rules)")
+        if cls.__module__ == own:
+            native = True
+        else:
+            foreign.append(rule)
+    if not foreign:
+        return
+    ours = own.split(".")[2] if own.startswith("transformers.models.") else own
+    first = foreign[0]
+    theirs = first.match_class.__module__.split(".")[2]
+    if not native:
+        raise RuleError(f"{source} is for {theirs} models (rule {first.index} matches class "
+                        f"{first.match_class.__name__}), not this {ours} model: pass a rule file for {ours} (the "
+                        f"shipped ones are in ktransformers/optimize_rules)")
+    warnings.warn(f"{source}: rule(s) {', '.join(str(r.index) for r in foreign)} match classes of other architectures "
+                  f"({', '.join(sorted({r.match_class.__name__ for r in foreign}))}), which this {ours} model has "
+                  f"not: they match nothing", stacklevel=2)
 
 
 # transformers 5 names some modules otherwise than transformers 4 did, which upstream's rule files
