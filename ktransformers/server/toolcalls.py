@@ -59,6 +59,14 @@ def _call(name: Any, arguments: Any) -> ToolCall | None:
     return ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 
+def _every_call(matches, make) -> list[ToolCall] | None:
+    """make(match) of every match, or None where there is none or one of them is not a call."""
+    if not matches:
+        return None
+    calls = [make(m) for m in matches]
+    return None if any(c is None for c in calls) else calls
+
+
 def _xml_value(raw: str) -> Any:
     """A glm45/minimax argument value: the JSON value it spells unless that is a string, else the text as written."""
     try:
@@ -225,23 +233,14 @@ class DeepSeekV3Parser(ToolParser):
     _FENCED = re.compile(r"\A([^\n`]*)\n?```[A-Za-z]*[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.S)
 
     def parse_section(self, body: str) -> list[ToolCall] | None:
-        matches = _repeated(self._CALL, body)
-        if not matches:
-            return None
-        calls = []
-        for m in matches:
-            left, right = m.group(1), m.group(2)
-            fenced = self._FENCED.match(right.lstrip())
-            if fenced:
-                # A fence after a bare name (no `function` line) still names the call on the left.
-                name, args = fenced.group(1).strip() or left, fenced.group(2)
-            else:
-                name, args = left, right
-            call = _call(name, args)
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+        return _every_call(_repeated(self._CALL, body), self._one)
+
+    def _one(self, m: re.Match) -> ToolCall | None:
+        left, right = m.group(1), m.group(2)
+        fenced = self._FENCED.match(right.lstrip())
+        if fenced:  # (a fence after a bare name, no `function` line, still names the call on the left)
+            return _call(fenced.group(1).strip() or left, fenced.group(2))
+        return _call(left, right)
 
 
 class KimiK2Parser(ToolParser):
@@ -255,17 +254,11 @@ class KimiK2Parser(ToolParser):
     _ID = re.compile(r"\A\s*(?:functions\.)?(.+?)(?::\d+)?\s*\Z", re.S)
 
     def parse_section(self, body: str) -> list[ToolCall] | None:
-        matches = _repeated(self._CALL, body)
-        if not matches:
-            return None
-        calls = []
-        for m in matches:
-            ident = self._ID.match(m.group(1))
-            call = _call(ident.group(1), m.group(2)) if ident else None
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+        return _every_call(_repeated(self._CALL, body), self._one)
+
+    def _one(self, m: re.Match) -> ToolCall | None:
+        ident = self._ID.match(m.group(1))
+        return _call(ident.group(1), m.group(2)) if ident else None
 
 
 class Glm45Parser(ToolParser):
@@ -296,19 +289,13 @@ class MiniMaxM2Parser(ToolParser):
     _PARAM = re.compile(r"\s*<parameter\s+name=([\"'])(.*?)\1\s*>(.*?)</parameter>\s*", re.S)
 
     def parse_section(self, body: str) -> list[ToolCall] | None:
-        invokes = _repeated(self._INVOKE, body)
-        if not invokes:
+        return _every_call(_repeated(self._INVOKE, body), self._one)
+
+    def _one(self, invoke: re.Match) -> ToolCall | None:
+        params = _repeated(self._PARAM, invoke.group(3))
+        if params is None:
             return None
-        calls = []
-        for inv in invokes:
-            params = _repeated(self._PARAM, inv.group(3))
-            if params is None:
-                return None
-            call = _call(inv.group(2), {p.group(2): _xml_value(p.group(3)) for p in params})
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+        return _call(invoke.group(2), {p.group(2): _xml_value(p.group(3)) for p in params})
 
 
 PARSERS: dict[str, type[ToolParser]] = {
