@@ -11,6 +11,7 @@
 
 #include "linear.h"
 #include "attention.h"
+#include "deltanet.h"
 #include "checked.h"
 #include "moe.h"
 
@@ -66,6 +67,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
              py::arg("spin_us") = 300)
         .def("sync", &Runtime::sync, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", [](Runtime& r) { return r.pool().size(); })
+        .def("gated_delta_rule", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t g, uintptr_t beta,
+                                    uintptr_t state, uintptr_t out, int B, int T, int Hk, int Hv, int Dk, int Dv,
+                                    bool l2norm) {
+                 r.run_inline([&] {
+                     gated_delta_rule(r.pool(), cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(g),
+                                      cptr<float>(beta), reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
+                                      B, T, Hk, Hv, Dk, Dv, l2norm);
+                 });
+             }, py::call_guard<py::gil_scoped_release>(), "the gated delta rule over T tokens of B sequences (deltanet.h)")
         .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,
                                      uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
                                      uintptr_t sinks) {

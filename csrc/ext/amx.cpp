@@ -9,4 +9,5 @@
 #include "../linear.cpp"
 #include "../stream.cpp"
 #include "../attention.cpp"
+#include "../deltanet.cpp"
 #include "../bindings.cpp"

@@ -10,4 +10,5 @@
 #include "../linear.cpp"
 #include "../stream.cpp"
 #include "../attention.cpp"
+#include "../deltanet.cpp"
 #include "../bindings.cpp"

@@ -691,6 +691,32 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
+def gated_delta_rule(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, l2norm: bool = True) -> torch.Tensor:
+    """The gated delta rule of gated-DeltaNet layers over T tokens of B sequences, as transformers'
+    torch_recurrent_gated_delta_rule with [B, T, ...] inputs: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv],
+    g, beta [B, T, Hv] -> out [B, T, Hv, Dv]; `state` [B, Hv, Dk, Dv] is the recurrent state,
+    updated in place (all float32 and contiguous; Hv a multiple of Hk)."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"gated_delta_rule: q and k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    for name, t, shape in (("g", g, (B, T, Hv)), ("beta", beta, (B, T, Hv)), ("state", state, (B, Hv, Dk, Dv))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"gated_delta_rule: {name} must be {list(shape)}, got {list(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"gated_delta_rule: {name} must be a contiguous float32 CPU tensor, got {t.dtype} on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    out = torch.empty(B, T, Hv, Dv, dtype=torch.float32)
+    runtime._rt.gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                 state.data_ptr(), out.data_ptr(), B, T, Hk, Hv, Dk, Dv, bool(l2norm))
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | str | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; BF16_ACTIVATIONS rounds each value to the nearest
