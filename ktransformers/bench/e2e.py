@@ -129,6 +129,9 @@ def _load_engine(args):
     if args.prefill_gpu_threshold is not None:
         from ..operators.experts import set_prefill_gpu_threshold
         set_prefill_gpu_threshold(loaded.model, args.prefill_gpu_threshold)
+    if args.n_deferred_experts is not None:
+        from ..operators.experts import set_expert_deferral
+        set_expert_deferral(loaded.model, args.n_deferred_experts)
     engine = Engine(loaded.model, None, cache_lens=max(args.prompts) + args.decode + 256, page_size=256,
                     chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
     return loaded, engine
@@ -255,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="of each decode token's experts, the GPU computes N (or the rule files' 'auto' share) from "
                         "the CPU's copy over PCIe (set in every experts rule; 0: off; the header then adds the roofline "
                         "with the bus's bandwidth too)")
+    p.add_argument("--n_deferred_experts", type=int, metavar="K",
+                   help="defer each decode token's K lowest-weight experts of every MoE layer to the next layer's "
+                        "(docs/rules.md; over the rule file's n_deferred_experts)")
     p.add_argument("--json", action="store_true")
     return p
 
