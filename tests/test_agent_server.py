@@ -175,6 +175,12 @@ def test_anthropic_messages_tools_streaming_and_count(agent):
     assert plain.stop_reason == "max_tokens" and plain.content[0].type == "text" and plain.content[0].text
     with client.messages.stream(model="demo", max_tokens=24, messages=ask, extra_body=GREEDY, thinking=off) as stream:
         assert stream.get_final_message().content[0].text == plain.content[0].text
+    text = plain.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # (a piece of the greedy answer: it stops there)
+    cut = client.messages.create(model="demo", max_tokens=24, messages=ask, extra_body=GREEDY, thinking=off,
+                                 stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     forced = client.messages.create(model="demo", max_tokens=80, messages=ask, tools=tools, extra_body=GREEDY,

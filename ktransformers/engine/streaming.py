@@ -64,6 +64,7 @@ class StopMatcher:
         self.stop = tuple(stop)
         self._held = ""
         self.stopped = False
+        self.hit: str | None = None  # the stop string that stopped the text
 
     def _held_tail(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
@@ -78,10 +79,11 @@ class StopMatcher:
         if self.stopped:
             return "", True
         buf = self._held + text
-        hits = [i for s in self.stop if (i := buf.find(s)) >= 0]
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.hit = min(hits, key=lambda h: h[0])
             self.stopped, self._held = True, ""
-            return buf[:min(hits)], True
+            return buf[:at], True
         n = self._held_tail(buf)
         self._held = buf[len(buf) - n:]
         return buf[:len(buf) - n], False

@@ -139,6 +139,8 @@ def chat_options(tools, tool_choice, thinking) -> ChatOptions:
 def _stop_reason(r, answer) -> str:
     if answer is not None and answer.tool_calls:
         return "tool_use"
+    if r.stop_hit is not None:
+        return "stop_sequence"
     return "max_tokens" if r.finish_reason == "length" else "end_turn"
 
 
@@ -182,7 +184,7 @@ def add_anthropic_routes(app: FastAPI, s) -> None:
             content.append({"type": "text", "text": whole["text"]})
         content += [_tool_use(c) for c in whole["tool_calls"]]
         return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-                "stop_reason": _stop_reason(r, answer), "stop_sequence": None,
+                "stop_reason": _stop_reason(r, answer), "stop_sequence": r.stop_hit,
                 "usage": {"input_tokens": len(r.prompt_ids), "output_tokens": len(r.tokens),
                           "cache_read_input_tokens": r.cached_tokens}}
 
@@ -227,6 +229,6 @@ async def _stream(r, answer, message_id: str, model: str):
         return
     if open_kind is not None:
         yield _sse("content_block_stop", {"index": index})
-    yield _sse("message_delta", {"delta": {"stop_reason": _stop_reason(r, answer), "stop_sequence": None},
+    yield _sse("message_delta", {"delta": {"stop_reason": _stop_reason(r, answer), "stop_sequence": r.stop_hit},
                                  "usage": {"output_tokens": len(r.tokens)}})
     yield _sse("message_stop", {})

@@ -89,6 +89,7 @@ class Request:
     stop_ids: frozenset = frozenset()  # tokens that end the answer besides the model's EOS
     grammar: object | None = None  # engine.grammar.Constraint: masks each draw (structured output)
     keep_special: bool = False  # the text keeps special tokens (tool-call and reasoning markers)
+    stop_hit: str | None = None  # the stop string that ended the answer, if one did
     # progress, owned by the scheduler thread
     seq: Sequence | None = None
     begin: int | None = None  # next prompt position to compute; None once the prompt is in
@@ -535,6 +536,7 @@ class Scheduler:
                 if text:
                     r.emit("text", text)
                 if stopped:
+                    r.stop_hit = r._stopper.hit
                     return "stop", None, False
             elif text:
                 r.emit("text", text)
@@ -554,6 +556,8 @@ class Scheduler:
             if r._stopper is not None:
                 text, stopped = r._stopper.push(tail)
                 tail = text if stopped else text + r._stopper.flush()
+                if stopped:
+                    r.stop_hit = r._stopper.hit
             if tail:
                 r.emit("text", tail)
         if r.seq is not None:
