@@ -36,8 +36,12 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         import llguidance.hf
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=sorted(int(t) for t in stop_ids))
+        stops = sorted(int(t) for t in stop_ids)
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+        except TypeError:  # (llguidance before 1.9 takes one stop token: the answer ends on it)
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                           eos_token=stops[0] if stops else None)
 
     def json_schema(self, schema: dict | bool, strict: bool = True) -> "Constraint":
         """Output that is one JSON value valid against `schema` (`strict` False: keywords the

@@ -208,8 +208,10 @@ class KTransformersExperts(BaseInjectedModule):
                 check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
             on_gpu = self.hot_mask[top_k_index.to(self.hot.device)]
             ids = top_k_index.masked_fill(on_gpu.to(top_k_index.device), -1)
-        # a CPU op fed from a GPU stream takes the GPU tensors (it stages them itself)
-        where = hidden_states.device if op.device.type == "cpu" and hidden_states.device.type == "cuda" else op.device
+        # a CPU op fed from a GPU stream that stages its inputs itself (KExpertsCPU) takes the GPU
+        # tensors; others (the torch reference on the CPU) take them moved to their device
+        stages = hasattr(op, "stage_inputs") and op.device.type == "cpu" and hidden_states.device.type == "cuda"
+        where = hidden_states.device if stages else op.device
         args = (hidden_states.to(where), ids.to(where), top_k_weights.to(where))
         if hasattr(op, "submit") and (overlap or split or where.type == "cuda"):
             handoff = {"packed": packed, "epilogue": None if split else epilogue} if where.type == "cuda" else {}
