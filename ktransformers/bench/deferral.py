@@ -85,7 +85,7 @@ def measure(args) -> tuple[list[dict], object]:
     if len(ids) <= PREFILL + 1:
         raise SystemExit(f"the text has {len(ids)} tokens; at least {PREFILL + 2} are needed")
     engine = Engine(loaded.model, loaded.tokenizer, cache_lens=max(len(ids), 64 + args.decode) + 64, page_size=64,
-                    max_batch=1)
+                    use_cuda_graph=device == "cuda", max_batch=1)
     target = torch.tensor(ids[PREFILL:])
     rows, base = [], None
     for k in args.deferred:
