@@ -8,3 +8,24 @@ CUDA build; `gpu` the Triton kernels against the GPU's memory bandwidth; `handof
 a layer's experts from a GPU stream to the CPU and back costs; `serve` the OpenAI server under
 concurrent clients. How to run each, what its columns mean and current figures:
 docs/benchmarks.md."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def sync() -> None:
+    """Wait for every GPU (layers may be spread over several): before and after a timed region."""
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def machine(threads: int) -> str:
+    """"CPU model, N threads; GPU" for a table's header line."""
+    info = Path("/proc/cpuinfo")
+    cpu = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if info.exists() else "unknown CPU"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {threads} threads; {gpu}"
+

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from . import machine, sync
+
 # Prose of the kind the demo model learned from (the Python documentation's), written for this benchmark.
 TEXT = (
     "A list is a mutable sequence of items. You can create a list by placing values between square brackets, "
@@ -38,11 +40,6 @@ TEXT = (
     "interface that every file object supports."
 )
 PREFILL = 8  # the text's first tokens, fed as one prefill; every later token is a decode step
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def teacher_forced(engine, ids: list[int]) -> torch.Tensor:
@@ -101,12 +98,8 @@ def measure(args) -> tuple[list[dict], object]:
 
 
 def print_table(rows: list[dict], args, loaded) -> None:
-    import platform
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"# {Path(args.gguf_path).name}: {loaded.config.num_hidden_layers} layers, top-k "
-          f"{loaded.config.num_experts_per_tok}; {cpu}, {args.threads} threads; {gpu}")
+          f"{loaded.config.num_experts_per_tok}; {machine(args.threads)}")
     print(f"# {rows[0]['tokens']} text tokens scored by decode steps; decode tok/s: median of {args.repeats} runs "
           f"of {args.decode} greedy steps")
     first = rows[0]["tok_s"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import sync
 from .decode import layer_bytes
 from .moe import stream_gbps
 
@@ -37,12 +38,6 @@ PROBE_GIB = 2.0  # each stream probe's buffer (best of five reads)
 def gpu_copy_gbps() -> float:
     from .gpu import copy_gbps
     return copy_gbps()
-
-
-def sync() -> None:
-    """Wait for every GPU (layers may be spread over several)."""
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(i)
 
 
 def hot_split(files, config, hot: dict[int, int]) -> tuple[float, float]:

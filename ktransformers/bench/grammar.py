@@ -22,15 +22,12 @@ from pathlib import Path
 
 import torch
 
+from . import machine, sync
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "units", "fields"],
           "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer"},
                          "units": {"enum": ["metric", "imperial"]},
                          "fields": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def measure(engine, grammars, vocab: int, batch: int, steps: int) -> dict:
@@ -88,11 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = loaded.config.vocab_size
     grammars = grammars_for(loaded.tokenizer, vocab, eos_token_ids(loaded.model, loaded.tokenizer))
     rows = [measure(engine, grammars, vocab, b, args.steps) for b in args.batch]
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    print(f"# {Path(args.gguf_path).name}, vocabulary {vocab}; {cpu}, {args.threads} threads; {gpu}; "
-          f"medians of {args.steps} steps")
+    print(f"# {Path(args.gguf_path).name}, vocabulary {vocab}; {machine(args.threads)}; medians of {args.steps} steps")
     print("| batch | step ms | mask ms | mask / step |")
     print("|---|---|---|---|")
     for r in rows:

@@ -7,6 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def held_prefix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`: the part of
+    streamed text held back because it may still become a marker (a stop string, a tag)."""
+    firsts = {m[0] for m in markers if m}
+    for n in range(min(len(text), max(map(len, markers), default=1) - 1), 0, -1):
+        tail = text[-n:]
+        if tail[0] in firsts and any(m.startswith(tail) for m in markers):
+            return n
+    return 0
+
+
 class StreamDecoder:
     """Incremental detokenizer. Byte-level BPE tokens can end mid-character, and some tokenizers
     render a token differently depending on its left neighbour, so each push decodes the window
@@ -66,13 +77,6 @@ class StopMatcher:
         self.stopped = False
         self.hit: str | None = None  # the stop string that stopped the text
 
-    def _held_tail(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        for n in range(min(len(text), max(map(len, self.stop), default=1) - 1), 0, -1):
-            if any(s.startswith(text[-n:]) for s in self.stop):
-                return n
-        return 0
-
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit now, stopped). On a stop, the text before the earliest
         stop string is returned with True and everything after is dropped, including later pushes."""
@@ -84,7 +88,7 @@ class StopMatcher:
             at, self.hit = min(hits, key=lambda h: h[0])
             self.stopped, self._held = True, ""
             return buf[:at], True
-        n = self._held_tail(buf)
+        n = held_prefix(buf, self.stop)
         self._held = buf[len(buf) - n:]
         return buf[:len(buf) - n], False
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from .base import APIError, Body, events, whole_answer
+from .base import Body, events, whole_answer
 from .chat import ChatError, ChatOptions, check_tools
 
 
@@ -152,12 +152,8 @@ def _tool_use(call) -> dict:
 def add_anthropic_routes(app: FastAPI, s) -> None:
 
     def prepare(body):
-        try:
-            options = chat_options(body.tools, body.tool_choice, body.thinking)
-            messages = openai_messages(body.system, body.messages)
-        except ChatError as e:
-            raise APIError(400, str(e), e.param) from None
-        return s.prepare_chat(messages, options)
+        return s.prepare_chat(openai_messages(body.system, body.messages),
+                              chat_options(body.tools, body.tool_choice, body.thinking))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountBody):

@@ -216,33 +216,12 @@ class _Served:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            "model", "not_found_error")
 
-    @staticmethod
-    def options(make) -> ChatOptions:
-        """ChatOptions from `make()`, a ChatError as a 400."""
-        try:
-            return make()
-        except ChatError as e:
-            raise APIError(400, str(e), e.param) from None
-
     def prepare_chat(self, messages: list, options: ChatOptions):
         """(prompt ids, its grammar or None, the Answer that reads its text) of a chat, in a
         worker thread's time (templates, tokenizing and grammar compiles can take a while)."""
         conversation = [m if isinstance(m, dict) else _message_dict(m) for m in messages]
-        try:
-            ids, inside = self.chat.render(conversation, options)
-            grammar = self.chat.constraint(options)
-        except ChatError as e:
-            raise APIError(400, str(e), e.param) from None
-        return ids, grammar, self.chat.answer(options, inside)
-
-    def constraint(self, options: ChatOptions):
-        try:
-            return self.chat.constraint(options)
-        except ChatError as e:
-            raise APIError(400, str(e), e.param) from None
-
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        return self.prepare_chat(messages, ChatOptions())[0]
+        ids, inside = self.chat.render(conversation, options)
+        return ids, self.chat.constraint(options), self.chat.answer(options, inside)
 
     def start(self, ids: list[int], params: SamplingParams, max_tokens: int | None, stop,
               ignore_eos: bool = False, chat: bool = False, grammar=None, api: str = "openai") -> Request:
@@ -253,15 +232,13 @@ class _Served:
         if any(not s for s in stops):
             raise APIError(400, "a stop string must not be empty", "stop")
         r = Request(list(ids), params, max_tokens, stops, ignore_eos, asyncio.get_running_loop(), asyncio.Queue(),
-                    grammar=grammar, keep_special=chat and self.chat.keeps_special)
+                    grammar=grammar, keep_special=chat and self.chat.keeps_special, api=api)
         if chat and self.chat.harmony is not None:
             r.harmony, r.stop_ids = self.chat.harmony, frozenset(self.chat.harmony.stop_ids)
         try:
             self.scheduler.submit(r)
         except QueueFull as e:
             raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
-        if self.metrics is not None:
-            self.metrics.started(r, api)
         return r
 
     def _max_tokens(self, ids: list[int], max_tokens: int | None) -> int:
@@ -328,6 +305,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, exc: APIError):
         return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind, exc.headers)
+
+    @app.exception_handler(ChatError)
+    async def _chat_error(request: HTTPRequest, exc: ChatError):
+        """A chat the server cannot make of the request (tools, template, schema): a 400 naming the field."""
+        return _error_response(request.url.path, 400, str(exc), exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
@@ -457,9 +439,8 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 def _add_openai_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody):
-        options = s.options(lambda: ChatOptions.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                                            body.response_format, body.reasoning_effort,
-                                                            body.chat_template_kwargs))
+        options = ChatOptions.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format,
+                                          body.reasoning_effort, body.chat_template_kwargs)
         ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, body.messages, options)
         return await _openai_run(s, body, ids, chat=True, grammar=grammar, answer=answer)
 
@@ -548,29 +529,27 @@ async def _openai_events(r: Request, reply: _OpenAIReply, include_usage: bool, a
 
 
 # -- Ollama -----------------------------------------------------------------------------------
-def _ollama_options(s: _Served, fmt, think, tools=None) -> ChatOptions:
+def _ollama_options(fmt, think, tools=None) -> ChatOptions:
     """Ollama's `format` ("json" or a JSON schema), `think` and `tools` as ChatOptions."""
-    def make():
-        o = ChatOptions(tools=check_tools(tools))
-        if fmt == "json":
-            o.json_object = True
-        elif isinstance(fmt, dict):
-            o.schema = fmt
-        elif fmt not in (None, ""):
-            raise ChatError('format must be "json" or a JSON schema', "format")
-        if think is not None:
-            o.template_kwargs["enable_thinking"] = bool(think)
-        return o
-    return s.options(make)
+    o = ChatOptions(tools=check_tools(tools))
+    if fmt == "json":
+        o.json_object = True
+    elif isinstance(fmt, dict):
+        o.schema = fmt
+    elif fmt not in (None, ""):
+        raise ChatError('format must be "json" or a JSON schema', "format")
+    if think is not None:
+        o.template_kwargs["enable_thinking"] = bool(think)
+    return o
 
 
 def _add_ollama_routes(app: FastAPI, s: _Served) -> None:
     @app.post("/api/generate")
     async def ollama_generate(body: OllamaGenerateBody):
-        options = _ollama_options(s, body.format, body.think)
+        options = _ollama_options(body.format, body.think)
         if body.raw or not s.chat.template and s.chat.harmony is None:
             ids = await asyncio.to_thread(s.tokenizer.encode, (body.system + "\n" if body.system else "") + body.prompt)
-            return await _ollama_run(s, body, ids, False, await asyncio.to_thread(s.constraint, options), None)
+            return await _ollama_run(s, body, ids, False, await asyncio.to_thread(s.chat.constraint, options), None)
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
         ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, messages, options)
@@ -578,7 +557,7 @@ def _add_ollama_routes(app: FastAPI, s: _Served) -> None:
 
     @app.post("/api/chat")
     async def ollama_chat(body: OllamaChatBody):
-        options = _ollama_options(s, body.format, body.think, body.tools)
+        options = _ollama_options(body.format, body.think, body.tools)
         messages = [_ollama_message_in(m) for m in body.messages]
         ids, grammar, answer = await asyncio.to_thread(s.prepare_chat, messages, options)
         return await _ollama_run(s, body, ids, True, grammar, answer)

@@ -18,8 +18,8 @@ TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 
 class Metrics:
-    """The server's metrics; `started` marks a request's API, the scheduler calls `finished`
-    (from its thread) when a request ends. Without prometheus-client only the log lines remain."""
+    """The server's metrics; the scheduler calls `finished` (from its thread) when a request
+    ends. Without prometheus-client only the log lines remain."""
 
     def __init__(self, scheduler, model_name: str):
         self.scheduler, self.model_name = scheduler, model_name
@@ -53,9 +53,6 @@ class Metrics:
         cache = self.scheduler.engine.cache
         return 1.0 - self.scheduler.free_pages() / max(cache.num_pages, 1)
 
-    def started(self, r, api: str) -> None:
-        r.api = api
-
     def finished(self, r) -> None:
         """A request ended (the scheduler's thread): its metrics and its log line."""
         reason = r.finish_reason or "error"
@@ -64,11 +61,11 @@ class Metrics:
         decode_s = (r.t_done - r.t_first) if r.t_first is not None and r.t_done is not None else 0.0
         rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
         log.info("request %d: %s, prompt %d tokens (%d cached), %d generated, TTFT %s, %.1f tok/s, finish %s",
-                 r.id, getattr(r, "api", "-"), len(r.prompt_ids), r.cached_tokens, n,
+                 r.id, r.api, len(r.prompt_ids), r.cached_tokens, n,
                  f"{ttft * 1e3:.0f} ms" if ttft is not None else "-", rate, reason)
         if self.registry is None:
             return
-        self.requests.labels(getattr(r, "api", "other"), reason).inc()
+        self.requests.labels(r.api, reason).inc()
         self.prompt_tokens.inc(len(r.prompt_ids))
         self.generation_tokens.inc(n)
         if r.cached_tokens:

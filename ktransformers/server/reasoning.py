@@ -5,6 +5,8 @@ reasoning (it ends with <think>, as DeepSeek-R1's template does), the answer sta
 (gpt-oss's reasoning is harmony's analysis channel: engine/harmony.py.)"""
 from __future__ import annotations
 
+from ..engine.streaming import held_prefix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -17,15 +19,6 @@ def opened_in_prompt(prompt_text: str) -> bool:
     """Whether the prompt's tail leaves the answer inside a reasoning block."""
     tail = prompt_text.rstrip()
     return tail.endswith(OPEN) or tail.rfind(OPEN) > tail.rfind(CLOSE)
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker` (held back: it may
-    still become the marker)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ThinkSplitter:
@@ -52,7 +45,7 @@ class ThinkSplitter:
             if self.inside:
                 at = self.pending.find(CLOSE)
                 if at < 0:
-                    keep = _held(self.pending, CLOSE)
+                    keep = held_prefix(self.pending, (CLOSE,))
                     self._add(out, "reasoning", self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     break

@@ -90,6 +90,7 @@ class Request:
     grammar: object | None = None  # engine.grammar.Constraint: masks each draw (structured output)
     keep_special: bool = False  # the text keeps special tokens (tool-call and reasoning markers)
     stop_hit: str | None = None  # the stop string that ended the answer, if one did
+    api: str = "other"  # the API it came through (openai, anthropic, ollama): the metrics' label
     # progress, owned by the scheduler thread
     seq: Sequence | None = None
     begin: int | None = None  # next prompt position to compute; None once the prompt is in

@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.streaming import held_prefix
+
 Event = tuple[str, object]  # ("text", str) or ("tool_call", ToolCall)
 
 
@@ -96,9 +98,6 @@ class ToolStream:
         self._buf = ""  # held-back text, or the open section from its start marker on
         self._start: str | None = None  # the open section's start marker
         self._scan = 0  # where in _buf to look for the section's end marker next
-        # Every marker starts with one of these, so a tail without them cannot be held back.
-        self._first_chars = {m[0] for m in parser.start_markers}
-        self._longest = max(len(m) for m in parser.start_markers)
 
     def push(self, text: str) -> list[Event]:
         self._buf += text
@@ -131,21 +130,12 @@ class ToolStream:
                 events.append(("text", self._buf[:i]))
             self._buf, self._start, self._scan = self._buf[i:], marker, len(marker)
             return True
-        hold = self._held_tail()
+        hold = held_prefix(self._buf, self.parser.start_markers)
         cut = len(self._buf) - hold
         if cut:
             events.append(("text", self._buf[:cut]))
             self._buf = self._buf[cut:]
         return False
-
-    def _held_tail(self) -> int:
-        """Length of the longest tail of the buffer that is a proper prefix of a start marker."""
-        buf = self._buf
-        for k in range(min(len(buf), self._longest - 1), 0, -1):
-            tail = buf[-k:]
-            if tail[0] in self._first_chars and any(m.startswith(tail) for m in self.parser.start_markers):
-                return k
-        return 0
 
     def _close_section(self, events: list[Event]) -> bool:
         """Parse and emit the open section once its end marker has arrived (True); else keep buffering."""
