@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(args.gguf_path, args.model_path, args.optimize_config_path, default_device=device,
                         cpu_infer=args.threads, progress=False)
-    engine = Engine(loaded.model, loaded.tokenizer, cache_lens=max(args.batch) * (64 + args.steps + 8) + 256,
-                    page_size=64, use_cuda_graph=device == "cuda", max_batch=max(args.batch))
+    per_sequence = -(-(64 + args.steps + 1) // 64) * 64  # (whole pages: each sequence holds its own)
+    engine = Engine(loaded.model, loaded.tokenizer, cache_lens=max(args.batch) * per_sequence, page_size=64,
+                    use_cuda_graph=device == "cuda", max_batch=max(args.batch))
     engine._set_phase("generate")
     vocab = loaded.config.vocab_size
     grammars = grammars_for(loaded.tokenizer, vocab, eos_token_ids(loaded.model, loaded.tokenizer))
