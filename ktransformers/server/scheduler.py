@@ -365,9 +365,8 @@ class Scheduler:
             logits = engine.step([r.seq for r in decoding], [[r.next_token] for r in decoding])
             self._count(len(decoding))
             constrained = [i for i, r in enumerate(decoding) if r.grammar is not None]
-            if constrained:  # (on the logits' device, before they are read back)
+            if constrained:  # (in place, on the logits' device)
                 mask_rows(logits, [decoding[i].grammar for i in constrained], constrained)
-            logits = logits.float().cpu()
             argmax = logits.argmax(dim=-1).tolist()  # every greedy request's choice, in one op
             for r, row, best in zip(decoding, logits, argmax):
                 plain = r.params.greedy and r.params.repetition_penalty == 1
@@ -517,8 +516,8 @@ class Scheduler:
             r._stopper = StopMatcher(r.stop) if r.stop else None
             r._history = list(r.prompt_ids)
             r._channels = r.harmony.stream() if r.harmony is not None else None
-        if token is None:
-            row = logits.float().cpu()
+        if token is None:  # (drawn on the logits' device, by its generator: the draws Engine.generate makes)
+            row = logits.float()
             if r.grammar is not None and not masked:
                 row = r.grammar.mask(row.clone())
             token = int(r._sampler(row[None], [r._history])[0])
