@@ -21,15 +21,17 @@ from transformers import (
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from ktransformers.weights.ggml_quants import GGMLType, quantize
 from ktransformers.weights.gguf_write import converter_tensors, join_hf
 
-FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2")
+FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2",
+            "qwen3_next")
 RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "deepseek_v2": "DeepSeek-V2-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
          "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml",
-         "gpt_oss": "GptOss-cpu.yaml", "minimax_m2": "MiniMaxM2-cpu.yaml"}
+         "gpt_oss": "GptOss-cpu.yaml", "minimax_m2": "MiniMaxM2-cpu.yaml", "qwen3_next": "Qwen3Next-cpu.yaml"}
 
 
 def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
@@ -72,6 +74,12 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
         return MiniMaxM2Config(**common, num_key_value_heads=2, head_dim=64, intermediate_size=256, num_local_experts=8,
                                num_experts_per_tok=2, bos_token_id=0, eos_token_id=1,
                                rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5})
+    if family == "qwen3_next":  # gated DeltaNet layers (2 value heads a key head), gated attention every 4th
+        return Qwen3NextConfig(**{**common, "num_hidden_layers": max(layers, 4)}, num_key_value_heads=2, head_dim=64,
+                               intermediate_size=512, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                               linear_conv_kernel_dim=4)
     raise ValueError(family)
 
 
@@ -123,6 +131,10 @@ def reference_state_dict(model, types: dict[str, GGMLType] | None = None, split_
             out[name] = _unpermute(next(iter(back.values())), heads)
         else:
             out[name] = join_hf(name, list(back.values()), config, tuple(tensor.shape), split_kv_b)
+        if config.model_type == "qwen3_next" and name.endswith("A_log"):  # stored as -exp(A_log)
+            out[name] = torch.log(-out[name])
+        elif config.model_type == "qwen3_next" and name.endswith("norm.weight") and ".linear_attn." not in name:
+            out[name] = out[name] - 1  # zero-centred norms are stored as 1 + w
     return out
 
 

@@ -1,4 +1,5 @@
-"""KV caches: the paged DeepSeek-V3 latent cache and the paged GQA cache."""
+"""KV caches: the paged DeepSeek-V3 latent cache, the paged GQA cache, and the hybrid models' cache
+(GQA pages beside recurrent states)."""
 from .paged import (
     CacheFullError,
     ForwardBatch,
@@ -8,5 +9,6 @@ from .paged import (
     Sequence,
     make_cache,
 )
+from .recurrent import HybridCache
 
-__all__ = ["CacheFullError", "ForwardBatch", "KDeepSeekV3Cache", "KGQACache", "PagedCache", "Sequence", "make_cache"]
+__all__ = ["CacheFullError", "ForwardBatch", "HybridCache", "KDeepSeekV3Cache", "KGQACache", "PagedCache", "Sequence", "make_cache"]

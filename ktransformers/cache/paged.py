@@ -60,6 +60,11 @@ class ForwardBatch:
     _slots: torch.Tensor | None = None
     _read_slots: list[torch.Tensor] | None = None
     _tables: dict = field(default_factory=dict, repr=False)
+    # hybrid models (cache.recurrent.HybridCache): each sequence's recurrent-state rows, read and
+    # written by the linear-attention layers, and whether it starts from zero states
+    state_read: list[int] | None = None
+    state_write: list[int] | None = None
+    state_fresh: list[bool] | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -159,6 +164,11 @@ class PagedCache:
         seq.length = length
         if seq.slots is not None:
             seq.slots = seq.slots[:keep * self.page_size]
+
+    def restorable(self, seq: Sequence, length: int) -> int:
+        """The longest length <= `length` that `seq` can be truncated to: any, here (a hybrid
+        model's cache keeps states for a few lengths only)."""
+        return length
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """How many more pages `seq` needs to hold `n` more tokens."""
@@ -269,8 +279,12 @@ class KGQACache(PagedCache):
 
 
 def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
-               layer_devices: list | None = None) -> PagedCache:
-    """The cache an architecture's attention reads: latent for MLA models, K/V for the rest."""
+               layer_devices: list | None = None, max_seqs: int = 8) -> PagedCache:
+    """The cache an architecture's attention reads: latent for MLA models, K/V and recurrent
+    states (for `max_seqs` sequences at once) for hybrid ones, K/V for the rest."""
+    from .recurrent import HybridCache, linear_layers
+    if linear_layers(config):
+        return HybridCache(config, cache_lens, page_size, device, dtype, layer_devices, max_seqs)
     if getattr(config, "kv_lora_rank", None):
         return KDeepSeekV3Cache(config, cache_lens, page_size, device, dtype, layer_devices)
     return KGQACache(config, cache_lens, page_size, device, dtype, layer_devices)

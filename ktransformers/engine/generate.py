@@ -289,7 +289,7 @@ class Engine:
         # layers spread over several devices: hidden states (and RoPE tables) move at the boundaries
         self.layer_devices, self.pipelined = devices, len(set(devices)) > 1
         self.cache = cache or make_cache(self.config, cache_lens, page_size, devices[0], dtype,
-                                         devices if self.pipelined else None)
+                                         devices if self.pipelined else None, max_seqs=max_batch)
         self.context.cache = self.cache
         self._tokens: dict[int, list[int]] = {}  # per sequence: the tokens whose entries are cached
         self._phase = None
@@ -321,13 +321,15 @@ class Engine:
                 warnings.warn(f"use_cuda_graph: decoding without CUDA graphs: {reason}", stacklevel=2)
 
     def _attention_layers(self) -> list:
-        """Every layer's cached attention operator, sharing the engine's run context."""
+        """Every layer's token mixer: its cached attention operator, or in a hybrid model's
+        linear-attention layers the gated DeltaNet operator; all share the engine's run context."""
         from ..operators.attention import _CachedAttention
-        layers = [m for m in self.model.modules() if isinstance(m, _CachedAttention)]
+        from ..operators.deltanet import KGatedDeltaNet
+        layers = [m for m in self.model.modules() if isinstance(m, (_CachedAttention, KGatedDeltaNet))]
         if len(layers) != self.config.num_hidden_layers:
             raise ValueError(f"the engine needs every layer's self_attn replaced by a cached attention operator "
-                             f"(KDeepseekV2Attention / KGQAAttention); found {len(layers)} of "
-                             f"{self.config.num_hidden_layers}: add a `self_attn` rule to the rule file")
+                             f"(KDeepseekV2Attention / KGQAAttention) and every linear_attn by KGatedDeltaNet; "
+                             f"found {len(layers)} of {self.config.num_hidden_layers}: add the rules to the rule file")
         for m in layers:
             m.context = self.context
         return layers
@@ -449,7 +451,7 @@ class Engine:
             raise CacheFullError(f"the prompt has {len(prompt_ids)} tokens but the cache holds {self.cache.capacity} "
                                  f"(--cache_lens); raise --cache_lens or shorten the prompt")
         cached = self._tokens.get(seq.seq_id, [])
-        keep = min(common_prefix(cached, prompt_ids), len(prompt_ids) - 1)
+        keep = self.cache.restorable(seq, min(common_prefix(cached, prompt_ids), len(prompt_ids) - 1))
         if keep < seq.length:
             self.cache.truncate(seq, keep)
             self._tokens[seq.seq_id] = cached[:keep]

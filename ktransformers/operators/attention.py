@@ -270,10 +270,15 @@ class KDeepseekV2Attention(_CachedAttention):
         return out.transpose(0, 1)
 
 
+def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The attention's output times sigmoid(gate) (gated attention), where the layer has a gate."""
+    return out if gate is None else out * torch.sigmoid(gate.to(out.device))
+
+
 class KGQAAttention(_CachedAttention):
     """Grouped-query attention over KGQACache (torch reference); Qwen3's per-head q/k norms,
-    Qwen2's q/k/v biases (inside the projections), partial rotary, sliding windows and gpt-oss's
-    per-head sinks are honoured."""
+    Qwen2's q/k/v biases (inside the projections), partial rotary, sliding windows, gpt-oss's
+    per-head sinks and Qwen3-Next's output gate are honoured."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
@@ -287,6 +292,8 @@ class KGQAAttention(_CachedAttention):
         rope = getattr(config, "rope_parameters", None) or {}
         self.rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
         self.has_sinks = isinstance(getattr(o, "sinks", None), torch.Tensor)
+        # Qwen3-Next's gated attention: q_proj gives each head's query and then its output gate
+        self.gated = o.q_proj.out_features == 2 * self.num_heads * self.head_dim
         # MiniMax-M2 normalizes q and k over all heads at once (weights of heads * d)
         q_norm = getattr(o, "q_norm", None)
         self.norm_all_heads = q_norm is not None and q_norm.weight.shape[0] == self.num_heads * self.head_dim != self.head_dim
@@ -345,7 +352,12 @@ class KGQAAttention(_CachedAttention):
         qkv = self._project_one(hidden_states) if B * S == 1 else None
         if qkv is None:
             qkv = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        q, k, v = (t.view(B, S, -1, d) for t in qkv)
+        gate = None
+        if self.gated:  # per head: d query values, then d gate values
+            both = qkv[0].view(B, S, self.num_heads, 2 * d)
+            qkv = (both[..., :d], *qkv[1:])
+            gate = both[..., d:].reshape(B, S, -1)
+        q, k, v = (t.reshape(B, S, -1, d) for t in qkv)
         cos, sin = position_embeddings
         if 2 * cos.shape[-1] == self.rotary_dim:  # one factor per rotated pair (gpt-oss's tables)
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
@@ -360,13 +372,13 @@ class KGQAAttention(_CachedAttention):
                                           self.scaling, self.sinks)
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
-            return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
+            return self.o_proj(_gated(out.to(hidden_states.dtype).reshape(B, S, -1), gate)), None
         q, k, written = self._norm_rope(q, k, cos, sin, v)  # [B, S, heads, d] as they are
         dev = self.device
         q = q.reshape(B * S, -1, d).to(dev)
         k = k.reshape(B * S, -1, d).to(dev)
         out = self._run([k, v.reshape(B * S, -1, d).to(dev)], (q,), B, S, written)  # [T, h, d]
-        return self.o_proj(out.to(hidden_states.dtype).reshape(B, S, -1)), None
+        return self.o_proj(_gated(out.to(hidden_states.dtype).reshape(B, S, -1), gate)), None
 
     def _project_one(self, hidden_states: torch.Tensor):
         """q, k and v of one token in one launch (quant_linear.gemv_many) where all three are GPU
@@ -472,5 +484,5 @@ class KGQAAttention(_CachedAttention):
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
 OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
 for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention",
-              "KGlm4MoeAttention", "KGptOssAttention", "KMiniMaxM2Attention"):
+              "KGlm4MoeAttention", "KGptOssAttention", "KMiniMaxM2Attention", "KQwen3NextAttention"):
     OPERATORS.register(_name)(KGQAAttention)

@@ -239,7 +239,7 @@ class KDecoderLayer(BaseInjectedModule):
         from .moe import KMoEBlock
         attn, mlp = self.self_attn, self.mlp
         route = _cpu_route(mlp)
-        if not isinstance(attn, KGQAAttention) or route is None:
+        if not isinstance(attn, KGQAAttention) or attn.gated or route is None:
             return None
         experts = getattr(mlp, "experts", None)
         if not isinstance(experts, KTransformersExperts):

@@ -19,7 +19,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 
 from .ggml_quants import GGMLType, dequantize, tensor_nbytes
-from .gguf_names import DERIVED_HF, IGNORABLE_GGUF, GGUFNameTable
+from .gguf_names import DERIVED_HF, IGNORABLE_GGUF, VALUE_TRANSFORMS, GGUFNameTable
 from .source import MissingTensorError, TensorInfo, WeightError, WeightSource
 
 GGUF_MAGIC = b"GGUF"
@@ -293,6 +293,10 @@ class GGUFSource(WeightSource):
             tensor = dequantize(t.data, t.ggml_type, t.shape, dtype or torch.float32)
         except (ValueError, NotImplementedError) as e:
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
+        if transform in VALUE_TRANSFORMS:  # (undone in float32, then cast)
+            tensor = dequantize(t.data, t.ggml_type, t.shape, torch.float32)
+            tensor = tensor - 1 if transform == "plus_one" else torch.log(-tensor)
+            return tensor.to(dtype or torch.float32)
         if transform:
             tensor = _unpermute(tensor, self._heads(transform))
         return tensor
@@ -301,9 +305,20 @@ class GGUFSource(WeightSource):
         key = "attention.head_count" if transform == "unpermute_q" else "attention.head_count_kv"
         return int(self.files.get("{arch}." + key) or self.files.get("{arch}.attention.head_count"))
 
+    def linear_attention_heads(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key head dim, value head dim) of the gated DeltaNet layers."""
+        get = lambda key: self.files.get("{arch}.ssm." + key)  # noqa: E731
+        hk, hv, dk, inner = get("group_count"), get("time_step_rank"), get("state_size"), get("inner_size")
+        if not all(isinstance(v, int) and v > 0 for v in (hk, hv, dk, inner)) or inner % hv or hv % hk:
+            raise WeightError(f"{self.path}: the ssm.group_count / time_step_rank / state_size / inner_size metadata "
+                              f"({hk}, {hv}, {dk}, {inner}) do not describe gated DeltaNet heads")
+        return hk, hv, dk, inner // hv
+
     def stored_row_order(self, name: str) -> torch.Tensor | None:
+        if not self.stored(name):
+            return super().stored_row_order(name)
         t, transform = self._tensor(name)
-        if not transform:
+        if transform not in ("unpermute_q", "unpermute_k"):
             return None
         rows, heads = t.shape[0], self._heads(transform)
         return torch.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)

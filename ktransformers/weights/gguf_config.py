@@ -81,12 +81,22 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("attention.value_length", "head_dim"),
     ),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
+    "qwen3next": _QWEN_MOE + (
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ("attention.key_length", "head_dim"),
+        ("attention.value_length", "head_dim"),
+        ("ssm.conv_kernel", "linear_conv_kernel_dim"),
+        ("ssm.state_size", "linear_key_head_dim"),
+        ("ssm.group_count", "linear_num_key_heads"),
+        ("ssm.time_step_rank", "linear_num_value_heads"),
+        ("full_attention_interval", "full_attention_interval"),
+    ),
 }
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # HF model_type -> the GGUF architecture llama.cpp's converter writes for it
 GGUF_ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe",
              "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
-             "minimax_m2": "minimax-m2"}
+             "minimax_m2": "minimax-m2", "qwen3_next": "qwen3next"}
 
 
 def arch_of(config: PretrainedConfig) -> str:
@@ -186,7 +196,9 @@ _INT_RANGES = {
     "attention.key_length": (1, 1 << 16), "attention.value_length": (1, 1 << 16), "rope.dimension_count": (1, 1 << 16),
     "expert_shared_count": (0, 1 << 10), "expert_group_count": (1, 1 << 16), "expert_group_used_count": (1, 1 << 16),
     "nextn_predict_layers": (0, 64), "attention.sliding_window": (1, 1 << 31), "expert_gating_func": (0, 3),
-    "rope.scaling.original_context_length": (1, 1 << 31),
+    "rope.scaling.original_context_length": (1, 1 << 31), "ssm.conv_kernel": (2, 64), "ssm.state_size": (1, 1 << 12),
+    "ssm.group_count": (1, 1024), "ssm.time_step_rank": (1, 1024), "ssm.inner_size": (1, 1 << 20),
+    "full_attention_interval": (1, 4096),
 }
 # float keys that must be finite and positive (yarn_log_multiplier: finite and >= 0)
 _POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "expert_weights_scale",
@@ -336,10 +348,42 @@ def _minimax_m2_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pre
     return MiniMaxM2Config(**kw)
 
 
-_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "glm4moe": _glm4moe_metadata,
+def _qwen3next_metadata(config: PretrainedConfig) -> dict[str, Any]:
+    """The converter writes the value heads' total width and the rotated part of each head."""
+    types = list(config.layer_types)
+    interval = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    if types != ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
+        raise ValueError(f"qwen3next files say where full attention is by one interval; layer_types {types} has none")
+    return {"qwen3next.ssm.inner_size": config.linear_value_head_dim * config.linear_num_value_heads,
+            "qwen3next.rope.dimension_count": _rotary_dims(config, 0.25),
+            "qwen3next.full_attention_interval": interval}
+
+
+def _qwen3next_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    """Layer i is full attention where (i + 1) % full_attention_interval == 0, linear otherwise (as
+    llama.cpp reads the files); the value heads' width is inner_size over their count. llama.cpp
+    always normalizes the top-k weights and runs every layer's MoE."""
+    from transformers import Qwen3NextConfig
+    inner, v_heads = meta.get("qwen3next.ssm.inner_size"), kw.get("linear_num_value_heads")
+    if inner is None or not v_heads or inner % v_heads:
+        raise WeightError(f"GGUF metadata qwen3next.ssm.inner_size = {inner!r} is not a multiple of "
+                          f"qwen3next.ssm.time_step_rank = {v_heads!r}")
+    if v_heads % kw.get("linear_num_key_heads", 1):
+        raise WeightError(f"GGUF metadata qwen3next.ssm.time_step_rank = {v_heads} is not a multiple of "
+                          f"qwen3next.ssm.group_count = {kw['linear_num_key_heads']}")
+    kw["linear_value_head_dim"] = inner // v_heads
+    interval = kw.pop("full_attention_interval", 4)
+    kw["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                         for i in range(kw["num_hidden_layers"])]
+    _set_partial_rotary("qwen3next", meta, kw, lambda head_dim: head_dim // 4)
+    kw.setdefault("intermediate_size", kw.get("moe_intermediate_size"))
+    return Qwen3NextConfig(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **kw)
+
+
+_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "qwen3next": _qwen3next_metadata, "glm4moe": _glm4moe_metadata,
                    "gpt-oss": lambda config: _yarn_metadata("gpt-oss", config), "minimax-m2": _minimax_m2_metadata}
 _BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "gpt-oss": _gpt_oss_config,
-             "minimax-m2": _minimax_m2_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+             "minimax-m2": _minimax_m2_config, "qwen3next": _qwen3next_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
 
 
 def routed_experts(config) -> int:

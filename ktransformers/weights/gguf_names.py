@@ -2,9 +2,12 @@
 
 Names are what llama.cpp's convert_hf_to_gguf.py writes. `{i}` is the block (layer) index and
 `{e}` an expert index (old per-expert Mixtral files). A transform is how the converter changed
-the tensor; load() undoes it: "unpermute_q"/"unpermute_k" undo llama's Q/K row permutation.
+the tensor; load() undoes it: "unpermute_q"/"unpermute_k" undo llama's Q/K row permutation,
+"plus_one" subtracts the 1 added to zero-centred norm weights, "neg_exp" takes log(-x) of a
+stored -exp(x).
 Virtual HF names (not parameters of the HF model) are composed by WeightSource:
-`experts.{gate,up,down}_proj` [E, ...] (and their `_bias` [E, ...]) and DeepSeek's `k_b_proj`/`v_b_proj`.
+`experts.{gate,up,down}_proj` [E, ...] (and their `_bias` [E, ...]), DeepSeek's `k_b_proj`/`v_b_proj`
+and Qwen3-Next's `in_proj_qkv`/`in_proj_z`.
 """
 from __future__ import annotations
 
@@ -100,6 +103,26 @@ _MLA = (
     _m(L + "self_attn.v_b_proj.weight", B + "attn_v_b.weight"),
 )
 
+def _plus_one(maps: tuple[NameMap, ...]) -> tuple[NameMap, ...]:
+    """Zero-centred RMSNorm weights (Qwen3-Next's): the converter stores 1 + w."""
+    return tuple(NameMap(m.hf, m.gguf, "plus_one") for m in maps)
+
+
+# Qwen3-Next's gated DeltaNet layers. The converter splits in_proj_qkvz (rows per key head: its q,
+# k, then the v and z of the value heads it serves) into attn_qkv (all q, all k, all v) and
+# attn_gate (all z); WeightSource composes in_proj_qkvz back from these two (virtual HF names,
+# which are Qwen3.5's own). It stores -exp(A_log) as ssm_a and the conv1d weight squeezed.
+_DELTANET = (
+    _m(L + "linear_attn.in_proj_qkv.weight", B + "attn_qkv.weight"),
+    _m(L + "linear_attn.in_proj_z.weight", B + "attn_gate.weight"),
+    _m(L + "linear_attn.in_proj_ba.weight", B + "ssm_ba.weight"),
+    _m(L + "linear_attn.conv1d.weight", B + "ssm_conv1d.weight"),
+    _m(L + "linear_attn.dt_bias", B + "ssm_dt.bias"),
+    _m(L + "linear_attn.A_log", B + "ssm_a", "neg_exp"),
+    _m(L + "linear_attn.norm.weight", B + "ssm_norm.weight"),
+    _m(L + "linear_attn.out_proj.weight", B + "ssm_out.weight"),
+)
+
 ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "deepseek2": _GLOBAL + _BLOCK + _MLA + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
         _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),),
@@ -116,7 +139,15 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "minimax-m2": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED + (
         _m(L + "mlp.e_score_correction_bias", B + "exp_probs_b.bias"),),
     "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
+    # Qwen3-Next: every RMSNorm but the DeltaNet's gated one is zero-centred; q_proj keeps each
+    # head's query and output gate together
+    "qwen3next": (_GLOBAL[0], _GLOBAL[2]) + _plus_one((_GLOBAL[1], _BLOCK_POST_ATTENTION_NORM[0],
+                                                       _BLOCK_POST_ATTENTION_NORM[2]))
+    + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED + _mlp("mlp.shared_expert", "_shexp")
+    + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),) + _DELTANET,
 }
+# transforms that change values, not row order (undone by load(); raw bytes are never used for them)
+VALUE_TRANSFORMS = ("plus_one", "neg_exp")
 
 # Tensors a file may carry that no HF parameter uses: never an error when left unread.
 IGNORABLE_GGUF = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.(nextn\.|attn_rot_embd).*)$")
@@ -146,6 +177,13 @@ class GGUFNameTable:
             if match:
                 return entry.hf.format(**match.groupdict()), entry.transform
         return None
+
+    def transform_of(self, hf_name: str) -> str:
+        """How the converter changes the HF tensor `hf_name` ("" for not at all)."""
+        for entry in self.maps:
+            if _pattern(entry.hf).match(hf_name):
+                return entry.transform
+        return ""
 
     def to_gguf(self, hf_name: str) -> str | None:
         for entry in self.maps:

@@ -19,9 +19,10 @@ from transformers import PretrainedConfig
 from .ggml_quants import FORMATS, GGMLType, quantize
 from .gguf_config import arch_of, metadata_from_config
 from .gguf_names import GGUFNameTable
+from .source import qkvz_rows
 
 TypeChooser = Callable[[str, tuple[int, ...]], GGMLType]
-_KEEP_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp(_shexp)?\.weight|\.bias)$")
+_KEEP_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp(_shexp)?\.weight|ssm_conv1d\.weight|\.bias|ssm_a)$")
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -44,6 +45,11 @@ def converter_tensors(state_dict: dict[str, torch.Tensor], config: PretrainedCon
             if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
                 t = _permute(t, heads)
+            transform = table.transform_of(hf_name)
+            if transform == "plus_one":
+                t = t + 1
+            elif transform == "neg_exp":
+                t = -t.exp()
             out[gguf_name] = t
     return out
 
@@ -77,7 +83,19 @@ def _split_hf(name: str, t: torch.Tensor, config, split_kv_b: bool) -> list[tupl
         nope, v = config.qk_nope_head_dim, config.v_head_dim
         kv = t.reshape(config.num_attention_heads, nope + v, t.shape[-1])
         return [(base + "k_b_proj.weight", kv[:, :nope].transpose(1, 2)), (base + "v_b_proj.weight", kv[:, nope:])]
+    if name.endswith(".linear_attn.in_proj_qkvz.weight"):  # -> all q, k, v (attn_qkv) and all z (attn_gate)
+        base = name[: -len("qkvz.weight")]
+        stored = t[torch.argsort(_qkvz_rows(config))]
+        qkv = stored.shape[0] - config.linear_num_value_heads * config.linear_value_head_dim
+        return [(base + "qkv.weight", stored[:qkv]), (base + "z.weight", stored[qkv:])]
+    if name.endswith(".linear_attn.conv1d.weight"):
+        return [(name, t.squeeze(1))]
     return [(name, t)]
+
+
+def _qkvz_rows(config) -> torch.Tensor:
+    return qkvz_rows(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                     config.linear_value_head_dim)
 
 
 def join_hf(name: str, pieces: list[torch.Tensor], config, shape: tuple[int, ...], split_kv_b: bool = True) -> torch.Tensor:
@@ -96,6 +114,8 @@ def join_hf(name: str, pieces: list[torch.Tensor], config, shape: tuple[int, ...
     if name.endswith(".self_attn.kv_b_proj.weight") and split_kv_b:
         k_b, v_b = pieces
         return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)
+    if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+        return torch.cat(pieces)[_qkvz_rows(config)].reshape(shape)
     (piece,) = pieces
     return piece.reshape(shape)
 

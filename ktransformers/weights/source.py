@@ -7,6 +7,8 @@ tensors that files keep in pieces are composed here, once for every format:
                                        (and gate_proj / up_proj as halves of a stored gate_up_proj)
   experts.<p>_proj        [E, ...]   = stack of experts.<e>.<p>_proj.weight over e (per-expert files)
   self_attn.kv_b_proj     [N*(D+V), R] from k_b_proj [N, R, D] and v_b_proj [N, V, R] (newer GGUF)
+  linear_attn.in_proj_qkvz  rows of in_proj_qkv (all q, all k, all v) and in_proj_z (all z),
+                          regrouped per key head as transformers' Qwen3-Next keeps them (GGUF)
 """
 from __future__ import annotations
 
@@ -101,6 +103,11 @@ class WeightSource(ABC):
             parts = [base + "k_b_proj.weight", base + "v_b_proj.weight"]
             if all(self.stored(p) for p in parts):
                 return parts
+        if name.endswith(_QKVZ):
+            base = name[: -len("qkvz.weight")]
+            parts = [base + "qkv.weight", base + "z.weight"]
+            if all(self.stored(p) for p in parts):
+                return parts
         raise MissingTensorError(f"{self.path}: no tensor for {name!r}{self._hint(name)}")
 
     def _hint(self, name: str) -> str:
@@ -145,6 +152,9 @@ class WeightSource(ABC):
             return self._gate_up(name[: -len("gate_up_proj")], dtype)
         if name.endswith(".self_attn.kv_b_proj.weight"):
             return _kv_b_from_parts(self._load_stored(parts[0], dtype), self._load_stored(parts[1], dtype))
+        if name.endswith(_QKVZ):
+            stored = torch.cat([self._load_stored(p, dtype) for p in parts])
+            return stored[self._qkvz_rows(stored.shape[0])]
         return torch.stack([self._load_stored(p, dtype) for p in parts])
 
     def _gate_up(self, base: str, dtype: torch.dtype | None) -> torch.Tensor:
@@ -158,8 +168,25 @@ class WeightSource(ABC):
         return out
 
     def stored_row_order(self, name: str) -> torch.Tensor | None:
-        """For a tensor stored with its rows reordered: stored row i is HF row order[i]; else None."""
+        """For a tensor stored with its rows reordered: stored row i is HF row order[i]; else None
+        (raw_stacked's rows are in stored order)."""
+        if name.endswith(_QKVZ) and self._plan(name) != [name]:
+            rows = sum(self.info(p).shape[0] for p in self._plan(name))
+            return torch.argsort(self._qkvz_rows(rows))
         return None
+
+    def linear_attention_heads(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key head dim, value head dim) of gated DeltaNet layers, for
+        sources that store their projections split (GGUF)."""
+        raise WeightError(f"{self.path}: cannot tell the gated DeltaNet heads of this file")
+
+    def _qkvz_rows(self, rows: int) -> torch.Tensor:
+        """HF row j of in_proj_qkvz is row idx[j] of cat(in_proj_qkv, in_proj_z)."""
+        hk, hv, dk, dv = self.linear_attention_heads()
+        if rows != 2 * hk * dk + 2 * hv * dv:
+            raise WeightError(f"{self.path}: in_proj_qkv and in_proj_z have {rows} rows together; heads "
+                              f"({hk} key x {dk}, {hv} value x {dv}) make {2 * hk * dk + 2 * hv * dv}")
+        return qkvz_rows(hk, hv, dk, dv)
 
     def fp8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(float8_e4m3fn weight, float32 block scale_inv) when `name` is stored that way (DeepSeek-V3's
@@ -174,6 +201,9 @@ class WeightSource(ABC):
         if parts == [name] and name not in self.aliases:
             return self.raw(name), self.info(name)
         infos = [self.info(p) for p in parts]
+        if name.endswith(_QKVZ) and len({i.ggml_type for i in infos}) == 1 and not any(i.transform for i in infos):
+            data = np.concatenate([np.asarray(self.raw(p)).reshape(-1) for p in parts])  # (whole rows of blocks)
+            return data, TensorInfo(infos[0].ggml_type, (sum(i.shape[0] for i in infos), *infos[0].shape[1:]))
         is_stack = _EXPERT_PART.match(name) is not None and len(parts) > 1
         if not is_stack or len({(i.ggml_type, i.shape, i.transform) for i in infos}) != 1:
             return None
@@ -182,6 +212,21 @@ class WeightSource(ABC):
 
     def unconsumed(self) -> list[str]:
         return sorted(self._key_set() - self.consumed)
+
+
+_QKVZ = ".linear_attn.in_proj_qkvz.weight"
+
+
+def qkvz_rows(hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
+    """The row order of transformers' in_proj_qkvz (per key head g: q_g, k_g, then v and z of its
+    hv / hk value heads) as indices into [all q; all k; all v; all z] (llama.cpp's attn_qkv, then
+    attn_gate)."""
+    r = hv // hk
+    q = torch.arange(hk * dk).reshape(hk, dk)
+    k = q + hk * dk
+    v = torch.arange(hv * dv).reshape(hk, r * dv) + 2 * hk * dk
+    z = v + hv * dv
+    return torch.cat([q, k, v, z], dim=1).reshape(-1)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,0 +1,188 @@
+"""KGatedDeltaNet: the gated DeltaNet (linear attention) layer of Qwen3-Next, over the recurrent
+states of cache.recurrent.HybridCache.
+
+Per token: in_proj_qkvz gives q, k [Hk, Dk], v [Hv, Dv] and the output gate z [Hv, Dv];
+in_proj_ba gives beta (sigmoid) and the decay g = -exp(A_log) * softplus(a + dt_bias) per value
+head. q, k and v pass a short causal depthwise convolution (kernel K, SiLU) whose last K - 1
+inputs are the conv state; then the gated delta rule runs over the state S [Hv, Dk, Dv]:
+
+    S = S * exp(g);  S = S + k ⊗ beta * (v - Sᵀk);  out = Sᵀq / sqrt(Dk)   (q, k L2-normed)
+
+and the output is RMSNorm(out) * SiLU(z) through out_proj. The children (in_proj_qkvz,
+in_proj_ba, conv1d, norm, out_proj) are transformers' own, so linear rules still match them.
+
+When the engine has set a ForwardBatch, the input is the step's packed tokens [1, N, H] of several
+sequences: each reads its states from the batch's `state_read` rows (zeros where
+`state_fresh`) and writes them to its `state_write` rows. With no batch, each row of [B, S, H]
+is one sequence from zero states. On the CPU the delta rule runs on the C++ kernel
+(kernels.cpu.gated_delta_rule); elsewhere on transformers' own torch functions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BaseInjectedModule, adopt_children
+from .registry import OPERATORS
+
+
+def _hf_functions():
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
+
+
+def delta_rule_torch(q, k, v, g, beta, state):
+    """The gated delta rule by transformers' torch functions: q, k [n, T, Hk, Dk], v [n, T, Hv, Dv],
+    g, beta [n, T, Hv], state [n, Hv, Dk, Dv] float32 -> (out [n, T, Hv, Dv] float32, the final
+    state). Key heads are repeated for the value heads they serve first (as transformers does)."""
+    chunk, recurrent = _hf_functions()
+    r = v.shape[2] // q.shape[2]
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    fn = recurrent if q.shape[1] == 1 else chunk
+    out, final = fn(q.float(), k.float(), v.float(), g=g.float(), beta=beta.float(), initial_state=state,
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out.float(), final.float()
+
+
+class KGatedDeltaNet(BaseInjectedModule):
+    def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
+        super().__init__(key, weights, config, orig_module, **kwargs)
+        missing = [c for c in ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj") if not hasattr(orig_module, c)]
+        if missing:
+            raise ValueError(f"{key}: {type(orig_module).__name__} is not a gated DeltaNet layer "
+                             f"(no {', '.join(missing)})")
+        adopt_children(self, orig_module)
+        o = orig_module
+        self.layer_idx = o.layer_idx
+        self.Hk, self.Hv, self.Dk, self.Dv = o.num_k_heads, o.num_v_heads, o.head_k_dim, o.head_v_dim
+        if self.Hv % self.Hk:
+            raise ValueError(f"{key}: value heads ({self.Hv}) must be a multiple of key heads ({self.Hk})")
+        self.kernel_size = o.conv_kernel_size
+        self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.triton = False  # (the engine's CUDA graphs ask every token mixer; none here yet)
+        self.dt_bias: torch.Tensor | None = None  # [Hv] float32, loaded
+        self.neg_A: torch.Tensor | None = None  # -exp(A_log) [Hv] float32, loaded
+        self._conv_w: torch.Tensor | None = None  # [conv_dim, K] float32
+        self._runtime = None  # the CPU runtime: the C++ delta rule
+
+    def load(self) -> None:
+        dev = self.device
+        self.dt_bias = self.weights.load(f"{self.key}.dt_bias", dev, torch.float32, (self.Hv,)).contiguous()
+        A_log = self.weights.load(f"{self.key}.A_log", dev, torch.float32, (self.Hv,))
+        self.neg_A = -A_log.exp()
+        self._conv_w = None
+        self._runtime = self.run_context().cpu_runtime() if dev.type == "cpu" else None
+
+    def unload(self) -> None:
+        self.dt_bias = self.neg_A = self._conv_w = self._runtime = None
+
+    def _conv_weight(self) -> torch.Tensor:
+        if self._conv_w is None:
+            self._conv_w = self.conv1d.weight.detach().float().reshape(self.conv_dim, self.kernel_size).contiguous()
+        return self._conv_w
+
+    # -- the layer ----------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+        B, S, _ = hidden_states.shape
+        qkvz = self.in_proj_qkvz(hidden_states)
+        ba = self.in_proj_ba(hidden_states)
+        mixed, z, beta, g = self._split(qkvz, ba)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
+        batch = self.context.batch if self.context is not None else None
+        if batch is None:  # no cache: each row one sequence from zero states
+            outs = [self._sequence(mixed[b], beta[b], g[b], None, None) for b in range(B)]
+            out = torch.stack(outs)
+        else:
+            if B != 1 or S != batch.num_tokens:
+                raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of "
+                                 f"shape [1, {batch.num_tokens}, H], got {list(hidden_states.shape)}")
+            if batch.state_read is None:
+                raise ValueError(f"{self.key}: the engine's cache keeps no recurrent states (a HybridCache is needed)")
+            out = self._batch(mixed[0], beta[0], g[0], batch)[None]
+        out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.Dv), z.reshape(-1, self.Dv))
+        return self.out_proj(out.reshape(B, S, self.value_dim))
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """transformers' layout of the projections: per key head, its q, k, then the v and z of the
+        value heads it serves; per key head, their b then their a."""
+        B, S, _ = qkvz.shape
+        r = self.Hv // self.Hk
+        qkvz = qkvz.view(B, S, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
+        q, k, v, z = torch.split(qkvz, [self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
+        b, a = torch.split(ba.view(B, S, self.Hk, 2 * r), [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        beta = b.reshape(B, S, self.Hv).float().sigmoid()
+        g = self.neg_A.to(a.device) * F.softplus(a.reshape(B, S, self.Hv).float() + self.dt_bias.to(a.device))
+        return mixed, z.reshape(B, S, self.Hv, self.Dv), beta, g
+
+    def _batch(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch) -> torch.Tensor:
+        """The step's packed tokens [N, ...] -> [N, Hv, Dv] float32, each sequence from its states."""
+        cache = self.context.cache
+        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
+        dev = conv.device
+        reads = torch.tensor(batch.state_read, device=dev)
+        writes = torch.tensor(batch.state_write, device=dev)
+        conv_in, ssm_in = conv.index_select(0, reads), ssm.index_select(0, reads)
+        fresh = [i for i, f in enumerate(batch.state_fresh) if f]
+        if fresh:
+            conv_in[fresh] = 0
+            ssm_in[fresh] = 0
+        if all(q == 1 for q in batch.q_lens):  # decode: every sequence at once
+            x, conv_out = self._conv_step(mixed.to(dev), conv_in)
+            out, ssm_out = self._delta(x[:, None], beta.to(dev)[:, None], g.to(dev)[:, None], ssm_in)
+            conv.index_copy_(0, writes, conv_out)
+            ssm.index_copy_(0, writes, ssm_out)
+            return out[:, 0]
+        outs = []
+        for i, first, q_len, _ in batch.spans():
+            rows = slice(first, first + q_len)
+            state = (conv_in[i:i + 1], ssm_in[i:i + 1])
+            outs.append(self._sequence(mixed[rows].to(dev), beta[rows].to(dev), g[rows].to(dev), state,
+                                       (conv, ssm, writes[i:i + 1])))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _sequence(self, mixed, beta, g, state, store) -> torch.Tensor:
+        """One sequence's T tokens [T, ...] from `state` (conv [1, C, K-1], ssm [1, Hv, Dk, Dv]; None:
+        zeros), its final states written to `store` (conv, ssm, row) where given -> [T, Hv, Dv]."""
+        T = mixed.shape[0]
+        if state is None:
+            dev = mixed.device
+            state = (torch.zeros(1, self.conv_dim, self.kernel_size - 1, device=dev),
+                     torch.zeros(1, self.Hv, self.Dk, self.Dv, device=dev))
+        conv_in, ssm_in = state
+        window = torch.cat([conv_in[0], mixed.float().t()], dim=1)  # [C, K-1+T]
+        x = F.silu(F.conv1d(window[None], self._conv_weight()[:, None], groups=self.conv_dim)[0]).t()  # [T, C]
+        x = x.to(mixed.dtype)  # (rounded as transformers rounds the conv's output)
+        out, ssm_out = self._delta(x[None], beta[None], g[None], ssm_in)
+        if store is not None:
+            conv, ssm, row = store
+            conv.index_copy_(0, row, window[None, :, T:])
+            ssm.index_copy_(0, row, ssm_out)
+        return out[0]
+
+    def _conv_step(self, x: torch.Tensor, conv_in: torch.Tensor):
+        """One token of n sequences: x [n, C], conv_in [n, C, K-1] -> (SiLU(conv) [n, C] in x's dtype,
+        the new conv states)."""
+        window = torch.cat([conv_in, x.float()[:, :, None]], dim=2)  # [n, C, K]
+        y = F.silu((window * self._conv_weight()[None]).sum(dim=-1))
+        return y.to(x.dtype), window[:, :, 1:]
+
+    def _delta(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: torch.Tensor):
+        """x [n, T, C] (q, k, v after the conv), beta, g [n, T, Hv], state [n, Hv, Dk, Dv] float32
+        -> (out [n, T, Hv, Dv] float32, the final states)."""
+        n, T, _ = x.shape
+        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, T, self.Hk, self.Dk), k.reshape(n, T, self.Hk, self.Dk)
+        v = v.reshape(n, T, self.Hv, self.Dv)
+        if self._runtime is not None and x.device.type == "cpu":
+            from ..kernels.cpu import gated_delta_rule
+            state = state.contiguous()
+            out = gated_delta_rule(self._runtime, *(t.float().contiguous() for t in (q, k, v, g, beta)), state)
+            return out, state
+        return delta_rule_torch(q, k, v, g, beta, state)
+
+
+OPERATORS.register("KGatedDeltaNet")(KGatedDeltaNet)
+OPERATORS.register("KQwen3NextGatedDeltaNet")(KGatedDeltaNet)
