@@ -73,10 +73,11 @@ def check_parity(family, path, types, model, split_kv_b=True, seq=13, rules=None
     quantized = rules is None and any(t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) for t in types.values())
     bf16 = rules is None and GGMLType.BF16 in types.values()
     tol = TOL_INT8 if quantized else TOL_BF16 if bf16 else TOL
-    if quantized and err >= tol:
+    if (quantized or bf16) and err >= tol:
         # where one flip moves the logits past the bound (tiny DeepSeek-V2-Lite with Q2_K/Q6_K's
         # 256-value activation blocks: 1e-2 from one flip), the bound is how far the reference
         # itself moves when its embeddings are jittered by 1e-6: as close to it as it is to itself
+        # (bf16 activations round too: the tiny Qwen3-Next, whose DeltaNet norms amplify, needs this)
         spread = _jitter_spread(reference, ids, want)
         assert err < max(tol, 1.5 * spread) and spread < 5e-2, \
             f"{family}: relative error {err:.2e}, the reference's own spread {spread:.2e}"

@@ -88,11 +88,20 @@ def tiny_model(family: str, seed: int = 0, **kw) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=torch.float32).eval()
     with torch.no_grad():  # HF inits some weights to zero/one; make every tensor random and non-trivial
         for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if name.endswith("norm.weight") else 0))
+            one = name.endswith("norm.weight") and not _zero_centred(model.config, name)
+            # (a DeltaNet's convolution as strong as a trained one's: q and k of a tiny norm would
+            # make their L2 norms, and so the model, hypersensitive)
+            scale = 0.5 if name.endswith("conv1d.weight") else 0.02 if p.dim() > 1 else 0.1
+            p.copy_(torch.randn_like(p) * scale + (1.0 if one else 0))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.01)
     return model
+
+
+def _zero_centred(config, name: str) -> bool:
+    """A norm weight the model uses as 1 + w (Qwen3-Next's, but for its DeltaNet's gated norm)."""
+    return config.model_type == "qwen3_next" and name.endswith("norm.weight") and ".linear_attn." not in name
 
 
 def _roundtrip(t: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
@@ -133,7 +142,7 @@ def reference_state_dict(model, types: dict[str, GGMLType] | None = None, split_
             out[name] = join_hf(name, list(back.values()), config, tuple(tensor.shape), split_kv_b)
         if config.model_type == "qwen3_next" and name.endswith("A_log"):  # stored as -exp(A_log)
             out[name] = torch.log(-out[name])
-        elif config.model_type == "qwen3_next" and name.endswith("norm.weight") and ".linear_attn." not in name:
+        elif _zero_centred(config, name):
             out[name] = out[name] - 1  # zero-centred norms are stored as 1 + w
     return out
 
@@ -164,7 +173,8 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType] | GGMLType) -> 
     def block_of(hf_name: str):
         if isinstance(types, GGMLType):
             return ACTIVATION_BLOCK.get(int(types))
-        gguf = table.to_gguf(hf_name)
+        # (Qwen3-Next's in_proj_qkvz is stored as attn_qkv and attn_gate, which share a type in these files)
+        gguf = table.to_gguf(hf_name.replace("in_proj_qkvz.", "in_proj_qkv."))
         return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
 
     for name, module in reference.named_modules():
@@ -219,7 +229,7 @@ def reference_rules(family: str, tmp_path) -> Path:
 
 GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "deepseek_v2": "DeepSeek-V2-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
              "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml", "gpt_oss": "GptOss.yaml",
-             "minimax_m2": "MiniMaxM2.yaml"}
+             "minimax_m2": "MiniMaxM2.yaml", "qwen3_next": "Qwen3Next.yaml"}
 
 
 def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:

@@ -125,6 +125,9 @@ class PagedCache:
     """Pages shared by all sequences; per layer one buffer per entry of shape
     `[num_pages * page_size, *entry_shape]` (a flat slot index addresses one token)."""
 
+    # a sequence's pages alone hold all it needs to resume (the prefix cache may keep and reuse them)
+    reuses_prefixes = True
+
     def __init__(self, num_layers: int, entry_shapes: list[tuple[int, ...]], cache_lens: int, page_size: int = 256,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                  layer_devices: list | None = None):

@@ -32,6 +32,8 @@ class HybridCache(KGQACache):
     recurrent states of the linear ones (`conv[layer]`, `ssm[layer]`, float32, indexed by a
     step's `state_read` / `state_write` rows: slot * RING + copy)."""
 
+    reuses_prefixes = False  # (pages hold no recurrent states)
+
     def __init__(self, config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
                  layer_devices: list | None = None, max_seqs: int = 8):
         super().__init__(config, cache_lens, page_size, device, dtype, layer_devices)

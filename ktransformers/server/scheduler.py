@@ -202,8 +202,14 @@ class Scheduler:
         the engine enqueues steps without waiting for them, Engine.decodes_ahead)."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
+        seqs = getattr(engine.cache, "max_seqs", max_batch)
+        if seqs < max_batch:
+            raise ValueError(f"the engine's cache keeps recurrent states for {seqs} sequences, fewer than max_batch "
+                             f"({max_batch}): make the Engine with max_batch >= {max_batch}")
         self.engine, self.tokenizer = engine, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
+        # (a hybrid model's pages hold no recurrent states: its prefixes are not reused)
+        prefix_cache = prefix_cache and engine.cache.reuses_prefixes
         self.pool = PrefixPool(engine, prefix_cache_seqs, prefix_store) if prefix_cache else None
         self.eos_ids = eos_token_ids(engine.model, tokenizer)
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()

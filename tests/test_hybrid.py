@@ -1,0 +1,140 @@
+"""Hybrid linear-attention models (Qwen3-Next): the recurrent-state cache, the gated DeltaNet operator
+against transformers' own layer, and the engine and server over both kinds of layer."""
+import time
+
+import pytest
+import torch
+from tiny import RULES, tiny_model, train_tokenizer
+
+from ktransformers import optimize_and_load_gguf
+from ktransformers.cache import CacheFullError, HybridCache
+from ktransformers.cache.recurrent import RING
+from ktransformers.engine.generate import Engine
+from ktransformers.engine.sampling import SamplingParams
+from ktransformers.loader import build_skeleton
+from ktransformers.optimize.skeleton import RULES_DIR
+from ktransformers.weights.ggml_quants import GGMLType
+from ktransformers.weights.gguf_write import write_gguf
+
+
+def _loaded(tmp_path, rules=None, seed=0):
+    hf = tiny_model("qwen3_next", seed=seed)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=lambda name, shape: GGMLType.F32)
+    model = build_skeleton(hf.config, torch.float32)
+    optimize_and_load_gguf(model, rules or RULES_DIR / RULES["qwen3_next"], tmp_path / "m.gguf", hf.config)
+    return hf, model
+
+
+def _forward_last(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+
+def test_hybrid_cache_keeps_states_for_the_last_lengths_only():
+    config = tiny_model("qwen3_next").config
+    cache = HybridCache(config, cache_lens=64, page_size=4, max_seqs=2)
+    assert cache.layers[0] == [] and len(cache.layers[3]) == 2  # K/V for the full-attention layer only
+    a, b = cache.new_sequence(), cache.new_sequence()
+    batch = cache.prepare([a, b], [5, 3])
+    assert batch.state_fresh == [True, True] and len(set(batch.state_read + batch.state_write)) == 4
+    for _ in range(4):  # lengths 6 .. 9 of a
+        cache.prepare([a], [1])
+    assert [cache.restorable(a, n) for n in (9, 8, 7, 6, 5)] == [9, 8, 7, 0, 0]
+    with pytest.raises(ValueError, match="cannot go back to 6"):
+        cache.truncate(a, 6)
+    cache.truncate(a, 7)
+    nxt = cache.prepare([a], [1])  # reads the copy of length 7, writes another
+    assert a.length == 8 and nxt.state_read[0] // RING == nxt.state_write[0] // RING
+    assert nxt.state_read[0] != nxt.state_write[0] and not nxt.state_fresh[0]
+    with pytest.raises(CacheFullError, match="recurrent states of 2 sequences"):
+        cache.prepare([cache.new_sequence()], [1])
+    cache.free(b)
+    assert cache.prepare([cache.new_sequence()], [2]).state_fresh == [True]
+    with pytest.raises(ValueError, match="pages hold no recurrent states"):
+        cache.export_pages(a, 1)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (3, 19)])
+def test_gated_deltanet_equals_transformers_layer(tmp_path, shape):
+    """The operator (C++ delta rule on the CPU) against transformers' Qwen3NextGatedDeltaNet on the
+    same weights, on random hidden states of several shapes, with no cache."""
+    hf, model = _loaded(tmp_path)
+    x = torch.randn(*shape, hf.config.hidden_size, generator=torch.Generator().manual_seed(sum(shape)))
+    with torch.no_grad():
+        want = hf.model.layers[1].linear_attn(x)
+        got = model.model.layers[1].linear_attn(x)
+    assert type(model.model.layers[1].linear_attn).__name__ == "KGatedDeltaNet"
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("torch_ops", [False, True])
+def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops):
+    """Three sequences of different lengths prefilled in chunks, then decoded together in batched
+    steps, give each one's own full forward; steps taken back (drop) and redone give them again."""
+    hf, model = _loaded(tmp_path)
+    if torch_ops:  # the delta rule by transformers' torch functions instead of the C++ kernel
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn._runtime = None
+    engine = Engine(model, cache_lens=256, page_size=8, chunk_size=6, max_batch=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (4, 11, 17)]
+    seqs = [engine.new_sequence() for _ in prompts]
+    nexts = [int(engine.prefill(s, p)[0].argmax()) for s, p in zip(seqs, prompts)]
+    histories = [p + [t] for p, t in zip(prompts, nexts)]
+    for step in range(4):
+        logits = engine.step(seqs, [[t] for t in nexts])
+        for i, h in enumerate(histories):
+            want = _forward_last(hf, h)
+            assert ((logits[i] - want).norm() / want.norm()).item() < 1e-4, (step, i)
+        nexts = [int(row.argmax()) for row in logits]
+        for h, t in zip(histories, nexts):
+            h.append(t)
+        if step == 1:  # issue two steps and take them back: the states return to where they were
+            first = engine.issue(seqs, nexts, [None] * 3, fed=list(nexts))
+            second = engine.issue(seqs, first.out, [None] * 3)
+            engine.drop([first, second])
+    for s in seqs:
+        engine.release(s)
+
+
+def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
+    """A second prompt that extends the first (a chat turn) computes only its new tokens; the
+    scheduler's batched answers (prefix cache off for this model) equal generate's one by one."""
+    from ktransformers.server.scheduler import Request, Scheduler
+    hf, model = _loaded(tmp_path)
+    hf.config.eos_token_id = None
+    engine = Engine(model, cache_lens=256, page_size=8, chunk_size=8, max_batch=4)
+    g = torch.Generator().manual_seed(4)
+    first = torch.randint(0, hf.config.vocab_size, (9,), generator=g).tolist()
+    seq = engine.new_sequence()
+    answer = list(engine.generate(first, max_new_tokens=5, seq=seq).token_ids())
+    turn = first + answer + torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+    again = list(engine.generate(turn, max_new_tokens=3, seq=seq).token_ids())
+    assert engine.last_prefill_tokens < len(turn) - len(first)  # the answer's states were kept
+    fresh = engine.new_sequence()
+    assert again == list(engine.generate(turn, max_new_tokens=3, seq=fresh).token_ids())
+    engine.release(seq)
+    engine.release(fresh)
+
+    tokenizer = train_tokenizer(hf.config.vocab_size)
+    tokenizer.eos_token = None
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 10, 21)]
+    params = [SamplingParams(do_sample=False), SamplingParams(temperature=0.8, seed=2), SamplingParams(do_sample=False)]
+    expected = [list(engine.generate(p, q, 8).token_ids()) for p, q in zip(prompts, params)]
+    sched = Scheduler(engine, tokenizer, max_batch=4)
+    assert sched.pool is None
+    try:
+        reqs = [Request(p, q, 8) for p, q in zip(prompts, params)]
+        for r in reqs:
+            sched.submit(r)
+        deadline = time.monotonic() + 120
+        while any(r.t_done is None for r in reqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.close()
+    assert [r.tokens for r in reqs] == expected
+    assert engine.cache.free_seqs == engine.cache.max_seqs
+    with pytest.raises(ValueError, match="recurrent states for 4 sequences"):
+        Scheduler(engine, tokenizer, max_batch=8)
