@@ -138,3 +138,55 @@ def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
     assert engine.cache.free_seqs == engine.cache.max_seqs
     with pytest.raises(ValueError, match="recurrent states for 4 sequences"):
         Scheduler(engine, tokenizer, max_batch=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 37), (2, 70)])
+def test_fla_delta_rule_equals_the_torch_functions(shape):
+    """flash-linear-attention's kernels (the GPU path) against transformers' torch functions on
+    random inputs with grouped value heads and a carried state."""
+    from ktransformers.operators.deltanet import delta_rule_fla, delta_rule_torch, fla_available
+    if not fla_available():
+        pytest.skip("flash-linear-attention is not installed")
+    n, T = shape
+    g = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(n, T, 2, 32, generator=g) for _ in range(2))
+    v = torch.randn(n, T, 4, 32, generator=g)
+    gate = -torch.rand(n, T, 4, generator=g)
+    beta = torch.rand(n, T, 4, generator=g)
+    state = torch.randn(n, 4, 32, 32, generator=g) * 0.1
+    want, want_state = delta_rule_torch(q, k, v, gate, beta, state.clone())
+    got, got_state = delta_rule_fla(*(t.cuda() for t in (q, k, v, gate, beta, state)))
+    assert ((got.cpu() - want).norm() / want.norm()).item() < 1e-3
+    assert ((got_state.cpu() - want_state).norm() / want_state.norm()).item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_rules_decode_with_cuda_graphs_over_the_states(tmp_path):
+    """The GPU rule file (float32) with CUDA graphs: batched decode steps replay graphs that read
+    and write the recurrent states by static rows, and give each sequence's own full forward;
+    steps issued ahead and dropped leave the states as they were."""
+    from tiny import gpu_rules
+    hf, model = _loaded(tmp_path, rules=gpu_rules("qwen3_next", tmp_path, "cuda"))
+    engine = Engine(model, cache_lens=256, page_size=16, chunk_size=8, use_cuda_graph=True, max_batch=4)
+    assert engine.graphs is not None and engine.decodes_ahead()
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    seqs = [engine.new_sequence() for _ in prompts]
+    nexts = [int(engine.prefill(s, p)[0].argmax()) for s, p in zip(seqs, prompts)]
+    histories = [p + [t] for p, t in zip(prompts, nexts)]
+    for step in range(4):
+        logits = engine.step(seqs, [[t] for t in nexts]).cpu()
+        for i, h in enumerate(histories):
+            want = _forward_last(hf, h)
+            assert ((logits[i] - want).norm() / want.norm()).item() < 1e-3, (step, i)
+        nexts = [int(row.argmax()) for row in logits]
+        for h, t in zip(histories, nexts):
+            h.append(t)
+        if step == 1:
+            first = engine.issue(seqs, nexts, [None] * 3, fed=list(nexts))
+            second = engine.issue(seqs, first.out, [None] * 3)
+            engine.drop([first, second])
+    assert 3 in engine.graphs.batch_sizes

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..loader import build_skeleton
-from ..weights.ggml_quants import FORMATS, GGMLType, ggml_type, random_blocks
+from ..weights.ggml_quants import FORMATS, GGMLType, ggml_type, quantize, random_blocks
 from ..weights.gguf_write import converter_type, write_gguf
 
 # Shapes of real models (from their published config.json), trimmed to what the skeleton needs.
@@ -59,6 +59,15 @@ PRESETS: dict[str, dict] = {
                         rms_norm_eps=1e-5, max_position_embeddings=131072,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+    # Qwen3-Next-80B-A3B: gated DeltaNet in three layers of four, gated attention in the fourth
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, num_hidden_layers=48,
+                               num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=512,
+                               num_experts_per_tok=10, norm_topk_prob=True, linear_num_key_heads=16,
+                               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                "partial_rotary_factor": 0.25}),
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                          num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768),
@@ -115,6 +124,8 @@ def random_encoder(seed: int = 0):
     pools: dict[GGMLType, torch.Tensor] = {}
 
     def encode(tensor: torch.Tensor, t: GGMLType) -> torch.Tensor:
+        if not tensor.is_meta:  # (values given: write_synthetic's vectors)
+            return quantize(tensor, t)
         n = tensor.numel() // FORMATS[t].block_elems
         if t not in pools:
             pools[t] = random_blocks(t, max(1, POOL_BYTES // FORMATS[t].block_bytes), gen)
@@ -178,7 +189,10 @@ def synthetic_vocab(size: int) -> dict:
 
 def write_synthetic(config: PretrainedConfig, out: str | Path, type_name: str = "Q4_K_M", seed: int = 0) -> dict:
     skeleton = build_skeleton(config, torch.float32)
-    return write_gguf(out, config, skeleton.state_dict(), types=type_chooser(type_name), encode=random_encoder(seed),
+    # vectors (norms, biases, a DeltaNet's A_log and dt_bias) of ones: values every family reads as
+    # valid (A_log is stored as -exp(A_log), which must be negative); matrices random
+    state = {name: torch.ones(t.shape) if t.dim() == 1 else t for name, t in skeleton.state_dict().items()}
+    return write_gguf(out, config, state, types=type_chooser(type_name), encode=random_encoder(seed),
                       extra_metadata=synthetic_vocab(config.vocab_size))
 
 

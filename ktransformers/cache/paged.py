@@ -109,6 +109,15 @@ class ForwardBatch:
             self._tables[key] = self.slots.to(device)
         return self._tables[key]
 
+    def state_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_read, state_write) as int64 tensors on `device`, made once per step and device
+        (a CUDA-graph step's are static buffers the graph reads)."""
+        key = ("states", str(device))
+        if key not in self._tables:
+            self._tables[key] = (torch.tensor(self.state_read, dtype=torch.long, device=device),
+                                 torch.tensor(self.state_write, dtype=torch.long, device=device))
+        return self._tables[key]
+
     @property
     def num_tokens(self) -> int:
         return int(self.positions.numel())

@@ -74,9 +74,10 @@ class DecodeGraphs:
         self.segments = [_Segment(d, r, k == 0, k == len(runs) - 1) for k, (d, r) in enumerate(runs)]
         cap = engine.cache.capacity
         # The step's small inputs, per device, in one buffer so that one copy from pinned host
-        # memory fills them: token ids, positions and new slots (int64: index_copy_ wants them
-        # so), then the lengths (int32, as the attention kernels read them).
-        self._bytes = max_batch * (3 * 8 + 4)
+        # memory fills them: token ids, positions, new slots and a hybrid model's recurrent-state
+        # rows read and written (int64: index_copy_ wants them so), then the lengths (int32, as
+        # the attention kernels read them).
+        self._bytes = max_batch * (5 * 8 + 4)
         self.static = {}  # device -> the step's ids, positions, new slots, slot table and lengths there
         for device in dict.fromkeys(d for d, _ in runs):
             small = torch.zeros(self._bytes, dtype=torch.uint8, device=device)
@@ -96,8 +97,9 @@ class DecodeGraphs:
 
     @staticmethod
     def _views(small: torch.Tensor, n: int) -> dict:
-        longs = small[:24 * n].view(torch.int64).view(3, n)
-        return dict(ids=longs[0], positions=longs[1], slots=longs[2], lens=small[24 * n:].view(torch.int32))
+        longs = small[:40 * n].view(torch.int64).view(5, n)
+        return dict(ids=longs[0], positions=longs[1], slots=longs[2], state_read=longs[3], state_write=longs[4],
+                    lens=small[40 * n:].view(torch.int32))
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -115,6 +117,10 @@ class DecodeGraphs:
             event.synchronize()  # (at once for an event not yet recorded)
         host = self._host_views[self._flip]
         host["ids"][:B] = tokens
+        if batch.state_read is not None:  # (a decode step never starts a sequence: no fresh states)
+            if any(batch.state_fresh):
+                raise ValueError("a decode step of a hybrid model needs every sequence's states (prefill first)")
+            host["state_read"][:B], host["state_write"][:B] = batch.state_read, batch.state_write
         for b, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             host["positions"][b] = start
             host["slots"][b] = cache.slot(seq, start)
@@ -142,6 +148,10 @@ class DecodeGraphs:
         for device, s in self.static.items():
             static._tables[("table", str(device))] = (s["table"][:B], s["lens"][:B])
             static._tables[("slots", str(device))] = s["slots"][:B]
+            static._tables[("states", str(device))] = (s["state_read"][:B], s["state_write"][:B])
+        if batch.state_read is not None:
+            static.state_read, static.state_write = batch.state_read, batch.state_write
+            static.state_fresh = [False] * B
         return static
 
     def _forward(self, seg: _Segment, B: int, inputs: tuple) -> tuple:

@@ -15,7 +15,8 @@ When the engine has set a ForwardBatch, the input is the step's packed tokens [1
 sequences: each reads its states from the batch's `state_read` rows (zeros where
 `state_fresh`) and writes them to its `state_write` rows. With no batch, each row of [B, S, H]
 is one sequence from zero states. On the CPU the delta rule runs on the C++ kernel
-(kernels.cpu.gated_delta_rule); elsewhere on transformers' own torch functions.
+(kernels.cpu.gated_delta_rule), on a GPU on flash-linear-attention's Triton kernels where that
+package is installed, else on transformers' own torch functions.
 """
 from __future__ import annotations
 
@@ -46,6 +47,32 @@ def delta_rule_torch(q, k, v, g, beta, state):
     return out.float(), final.float()
 
 
+def fla_available() -> bool:
+    """Whether flash-linear-attention's Triton kernels can be imported (the GPU's fast path)."""
+    global _FLA
+    if _FLA is None:
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+            _FLA = True
+        except Exception:  # (not installed, or its Triton cannot build here)
+            _FLA = False
+    return _FLA
+
+
+_FLA: bool | None = None
+
+
+def delta_rule_fla(q, k, v, g, beta, state):
+    """delta_rule_torch's contract by flash-linear-attention's kernels: the chunked one for a
+    prompt, the fused recurrent one for one token (both take grouped value heads as they are)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    fn = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+    out, final = fn(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g=g.float().contiguous(),
+                    beta=beta.float().contiguous(), initial_state=state.contiguous(), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+    return out.float(), final.float()
+
+
 class KGatedDeltaNet(BaseInjectedModule):
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
@@ -62,7 +89,9 @@ class KGatedDeltaNet(BaseInjectedModule):
         self.kernel_size = o.conv_kernel_size
         self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.triton = False  # (the engine's CUDA graphs ask every token mixer; none here yet)
+        # on a GPU the step's state rows come from the batch's static buffers, so CUDA graphs may
+        # capture it (the engine asks every token mixer this)
+        self.triton = False
         self.dt_bias: torch.Tensor | None = None  # [Hv] float32, loaded
         self.neg_A: torch.Tensor | None = None  # -exp(A_log) [Hv] float32, loaded
         self._conv_w: torch.Tensor | None = None  # [conv_dim, K] float32
@@ -75,6 +104,7 @@ class KGatedDeltaNet(BaseInjectedModule):
         self.neg_A = -A_log.exp()
         self._conv_w = None
         self._runtime = self.run_context().cpu_runtime() if dev.type == "cpu" else None
+        self.triton = dev.type == "cuda"
 
     def unload(self) -> None:
         self.dt_bias = self.neg_A = self._conv_w = self._runtime = None
@@ -122,11 +152,10 @@ class KGatedDeltaNet(BaseInjectedModule):
         cache = self.context.cache
         conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
         dev = conv.device
-        reads = torch.tensor(batch.state_read, device=dev)
-        writes = torch.tensor(batch.state_write, device=dev)
+        reads, writes = batch.state_rows(dev)
         conv_in, ssm_in = conv.index_select(0, reads), ssm.index_select(0, reads)
         fresh = [i for i, f in enumerate(batch.state_fresh) if f]
-        if fresh:
+        if fresh:  # (never in a CUDA-graph step: decode steps follow a prefill)
             conv_in[fresh] = 0
             ssm_in[fresh] = 0
         if all(q == 1 for q in batch.q_lens):  # decode: every sequence at once
@@ -181,6 +210,8 @@ class KGatedDeltaNet(BaseInjectedModule):
             state = state.contiguous()
             out = gated_delta_rule(self._runtime, *(t.float().contiguous() for t in (q, k, v, g, beta)), state)
             return out, state
+        if x.device.type == "cuda" and fla_available():
+            return delta_rule_fla(q, k, v, g, beta, state)
         return delta_rule_torch(q, k, v, g, beta, state)
 
 

@@ -295,6 +295,9 @@ class GGUFSource(WeightSource):
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
         if transform in VALUE_TRANSFORMS:  # (undone in float32, then cast)
             tensor = dequantize(t.data, t.ggml_type, t.shape, torch.float32)
+            if transform == "neg_exp" and not bool((tensor < 0).all()):
+                raise WeightError(f"{t.file}: tensor {t.name!r} holds -exp(A_log), so every value must be negative; "
+                                  f"it has {int((~(tensor < 0)).sum())} that are not")
             tensor = tensor - 1 if transform == "plus_one" else torch.log(-tensor)
             return tensor.to(dtype or torch.float32)
         if transform:
