@@ -288,15 +288,3 @@ class KGQACache(PagedCache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (config.num_key_value_heads, head_dim)
         super().__init__(config.num_hidden_layers, [shape, shape], cache_lens, page_size, device, dtype, layer_devices)
-
-
-def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
-               layer_devices: list | None = None, max_seqs: int = 8) -> PagedCache:
-    """The cache an architecture's attention reads: latent for MLA models, K/V and recurrent
-    states (for `max_seqs` sequences at once) for hybrid ones, K/V for the rest."""
-    from .recurrent import HybridCache, linear_layers
-    if linear_layers(config):
-        return HybridCache(config, cache_lens, page_size, device, dtype, layer_devices, max_seqs)
-    if getattr(config, "kv_lora_rank", None):
-        return KDeepSeekV3Cache(config, cache_lens, page_size, device, dtype, layer_devices)
-    return KGQACache(config, cache_lens, page_size, device, dtype, layer_devices)

@@ -29,8 +29,12 @@ from .registry import OPERATORS
 
 
 def _hf_functions():
+    """transformers' own torch functions, unwrapped: its wrappers may hand them to
+    flash-linear-attention where that is installed, whatever the inputs' device."""
+    import inspect
+
     from transformers.models.qwen3_next import modeling_qwen3_next as m
-    return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
+    return inspect.unwrap(m.torch_chunk_gated_delta_rule), inspect.unwrap(m.torch_recurrent_gated_delta_rule)
 
 
 def delta_rule_torch(q, k, v, g, beta, state):
