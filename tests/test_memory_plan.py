@@ -160,3 +160,17 @@ def test_calibrate_counts_routing_of_the_demo_model(tmp_path):
     assert len(totals) == 1 and totals.pop() % config["num_experts_per_tok"] == 0  # every token counted K times
     top = hot_experts(key, 2, len(per_expert), str(out))
     assert sorted(per_expert, reverse=True)[:2] == sorted((per_expert[e] for e in top), reverse=True)
+
+
+def test_hybrid_model_plans_its_kv_pages_and_recurrent_states(tmp_path):
+    """Qwen3-Next: K/V pages for its full-attention layers only, and each linear layer's recurrent
+    states for max_batch sequences, as many bytes as the cache the engine makes holds."""
+    from ktransformers.cache import make_cache
+    hf = tiny_model("qwen3_next")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), types=q4_k_m)
+    kinds = memory(path, hf.config, RULES["qwen3_next"], cache_lens=1000).per_device_kind()["cpu"]
+    cache = make_cache(hf.config, 1000, page_size=256, dtype=torch.bfloat16, max_seqs=8)
+    states = sum(t.numel() * t.element_size() for d in (cache.conv, cache.ssm) for t in d.values())
+    assert kinds["recurrent states"] == states > 0
+    assert kinds["KV cache"] == cache.bytes() - states > 0

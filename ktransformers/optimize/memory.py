@@ -145,6 +145,8 @@ def plan_memory(model, rows, weights, config, dtype: torch.dtype | None = None, 
         layer_devices = [r.device for r in planner.attention.values()] or ["cpu"] * config.num_hidden_layers
         _add_kv_cache(mem, config, layer_devices, dtype=dtype, cache_lens=cache_lens, page_size=page_size,
                       max_batch=max_batch)
+        for device in planner.linear_attention:
+            mem.add(device, "recurrent states", recurrent_state_bytes(config, max_batch))
     return mem
 
 
@@ -167,6 +169,8 @@ class _WeightsPlanner:
         self.ops = {r.name: r for r in rows if r.cls is not None}
         self.placed = {r.name: r for r in rows}
         self.attention = {r.name: r for r in rows if r.cls is not None and r.operator.endswith("Attention")}
+        # a hybrid model's linear-attention layers: each one's device (its recurrent states live there)
+        self.linear_attention = [r.device for r in rows if r.cls is not None and r.name.endswith(".linear_attn")]
         self.done_experts: set[str] = set()
         self.layerwise: dict[str, float] = {}  # device -> the largest layer's transient prefill buffers
         self.staging = 0.0  # pinned host chunks of layer-wise prefill
@@ -261,13 +265,22 @@ def _add_kv_cache(mem: MemoryPlan, config, layer_devices: list[str], *, dtype: t
     dbytes = torch.tensor([], dtype=dtype).element_size()
     capacity = -(-cache_lens // page_size) * page_size
     per_token = cache_values_per_token(config)
-    for device in layer_devices:
+    for device in layer_devices:  # (one per layer with attention: a hybrid model's linear layers keep no K/V)
         cache_dtype = 4 if torch.device(device).type == "cpu" and dtype == torch.float32 else dbytes
-        mem.add(device, "KV cache", per_token * capacity * cache_dtype * config.num_hidden_layers
-                / len(layer_devices))
+        mem.add(device, "KV cache", per_token * capacity * cache_dtype)
     for device in sorted(set(layer_devices)):
         if torch.device(device).type == "cuda":  # slot table + logits per batch size
             mem.add(device, "graph buffers", max_batch * (capacity * 4 + config.vocab_size * 4 * 2))
+
+
+def recurrent_state_bytes(config, max_batch: int) -> int:
+    """One linear-attention layer's recurrent states (cache.recurrent.HybridCache): conv and
+    delta-rule states, float32, RING copies for each of `max_batch` sequences."""
+    from ..cache.recurrent import RING
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1)
+    return 4 * RING * max_batch * (conv + hv * dk * dv)
 
 
 def cache_values_per_token(config) -> int:
