@@ -1,10 +1,10 @@
-"""Hybrid linear-attention models (Qwen3-Next): the recurrent-state cache, the gated DeltaNet operator
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5-MoE): the recurrent-state cache, the gated DeltaNet operator
 against transformers' own layer, and the engine and server over both kinds of layer."""
 import time
 
 import pytest
 import torch
-from tiny import RULES, tiny_model, train_tokenizer
+from tiny import HYBRID, RULES, tiny_model, train_tokenizer
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, HybridCache
@@ -17,11 +17,13 @@ from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import write_gguf
 
 
-def _loaded(tmp_path, rules=None, seed=0):
-    hf = tiny_model("qwen3_next", seed=seed)
+def _loaded(tmp_path, rules=None, seed=0, family="qwen3_next"):
+    """A tiny hybrid model and its GGUF (F32, in llama.cpp's layout: Qwen3.5's value heads tiled)
+    loaded through `rules` (default: the shipped CPU file)."""
+    hf = tiny_model(family, seed=seed)
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=lambda name, shape: GGMLType.F32)
     model = build_skeleton(hf.config, torch.float32)
-    optimize_and_load_gguf(model, rules or RULES_DIR / RULES["qwen3_next"], tmp_path / "m.gguf", hf.config)
+    optimize_and_load_gguf(model, rules or RULES_DIR / RULES[family], tmp_path / "m.gguf", hf.config)
     return hf, model
 
 
@@ -54,11 +56,12 @@ def test_hybrid_cache_keeps_states_for_the_last_lengths_only():
         cache.export_pages(a, 1)
 
 
+@pytest.mark.parametrize("family", HYBRID)
 @pytest.mark.parametrize("shape", [(1, 1), (2, 7), (3, 19)])
-def test_gated_deltanet_equals_transformers_layer(tmp_path, shape):
-    """The operator (C++ delta rule on the CPU) against transformers' Qwen3NextGatedDeltaNet on the
-    same weights, on random hidden states of several shapes, with no cache."""
-    hf, model = _loaded(tmp_path)
+def test_gated_deltanet_equals_transformers_layer(tmp_path, shape, family):
+    """The operator (C++ delta rule on the CPU) against transformers' own gated DeltaNet layer on
+    the same weights, on random hidden states of several shapes, with no cache."""
+    hf, model = _loaded(tmp_path, family=family)
     x = torch.randn(*shape, hf.config.hidden_size, generator=torch.Generator().manual_seed(sum(shape)))
     with torch.no_grad():
         want = hf.model.layers[1].linear_attn(x)
@@ -67,11 +70,12 @@ def test_gated_deltanet_equals_transformers_layer(tmp_path, shape):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("family", HYBRID)
 @pytest.mark.parametrize("torch_ops", [False, True])
-def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops):
+def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops, family):
     """Three sequences of different lengths prefilled in chunks, then decoded together in batched
     steps, give each one's own full forward; steps taken back (drop) and redone give them again."""
-    hf, model = _loaded(tmp_path)
+    hf, model = _loaded(tmp_path, family=family)
     if torch_ops:  # the delta rule by transformers' torch functions instead of the C++ kernel
         for layer in model.model.layers:
             if hasattr(layer, "linear_attn"):
@@ -164,12 +168,13 @@ def test_fla_delta_rule_equals_the_torch_functions(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_rules_decode_with_cuda_graphs_over_the_states(tmp_path):
+@pytest.mark.parametrize("family", HYBRID)
+def test_gpu_rules_decode_with_cuda_graphs_over_the_states(tmp_path, family):
     """The GPU rule file (float32) with CUDA graphs: batched decode steps replay graphs that read
     and write the recurrent states by static rows, and give each sequence's own full forward;
     steps issued ahead and dropped leave the states as they were."""
     from tiny import gpu_rules
-    hf, model = _loaded(tmp_path, rules=gpu_rules("qwen3_next", tmp_path, "cuda"))
+    hf, model = _loaded(tmp_path, rules=gpu_rules(family, tmp_path, "cuda"), family=family)
     engine = Engine(model, cache_lens=256, page_size=16, chunk_size=8, use_cuda_graph=True, max_batch=4)
     assert engine.graphs is not None and engine.decodes_ahead()
     g = torch.Generator().manual_seed(8)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from tiny import (
     FAMILIES,
+    HYBRID,
     RULES,
     reference_rules,
     reference_state_dict,
@@ -79,7 +80,8 @@ def check_parity(family, path, types, model, split_kv_b=True, seq=13, rules=None
         # itself moves when its embeddings are jittered by 1e-6: as close to it as it is to itself
         # (bf16 activations round too: the tiny Qwen3-Next, whose DeltaNet norms amplify, needs this)
         spread = _jitter_spread(reference, ids, want)
-        assert err < max(tol, 1.5 * spread) and spread < 5e-2, \
+        # (the tiny hybrid models, whose DeltaNet norms amplify, move up to 8e-2 of themselves)
+        assert err < max(tol, 1.5 * spread) and spread < (1e-1 if family in HYBRID else 5e-2), \
             f"{family}: relative error {err:.2e}, the reference's own spread {spread:.2e}"
         return ours
     assert err < tol, f"{family}: relative error {err:.2e}"
@@ -142,7 +144,7 @@ def test_config_from_gguf_metadata(tmp_path, family):
     assert config.model_type == model.config.model_type
     for attr in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok",
                  "intermediate_size", "rms_norm_eps", "num_key_value_heads"):
-        assert getattr(config, attr) == pytest.approx(getattr(model.config, attr)), attr
+        assert getattr(config, attr, None) == pytest.approx(getattr(model.config, attr, None)), attr
     loaded = load_model(path, dtype=torch.float32, progress=False, tokenizer=False)  # config from GGUF, shipped CPU rules
     reference = tiny_model(family, seed=99)
     reference.load_state_dict(reference_state_dict(model, types))

@@ -23,15 +23,17 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
+from transformers import Qwen3_5MoeTextConfig
 
 from ktransformers.weights.ggml_quants import GGMLType, quantize
 from ktransformers.weights.gguf_write import converter_tensors, join_hf
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2",
-            "qwen3_next")
+            "qwen3_next", "qwen3_5_moe_text")
 RULES = {"deepseek_v3": "DeepSeek-V3-Chat-cpu.yaml", "deepseek_v2": "DeepSeek-V2-Chat-cpu.yaml", "qwen3_moe": "Qwen3Moe-cpu.yaml",
          "qwen2_moe": "Qwen2Moe-cpu.yaml", "mixtral": "Mixtral-cpu.yaml", "glm4_moe": "Glm4Moe-cpu.yaml",
-         "gpt_oss": "GptOss-cpu.yaml", "minimax_m2": "MiniMaxM2-cpu.yaml", "qwen3_next": "Qwen3Next-cpu.yaml"}
+         "gpt_oss": "GptOss-cpu.yaml", "minimax_m2": "MiniMaxM2-cpu.yaml", "qwen3_next": "Qwen3Next-cpu.yaml",
+         "qwen3_5_moe_text": "Qwen35Moe-cpu.yaml"}
 
 
 def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedConfig:
@@ -80,6 +82,14 @@ def tiny_config(family: str, hidden: int = 256, layers: int = 3) -> PretrainedCo
                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, linear_num_key_heads=2,
                                linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
                                linear_conv_kernel_dim=4)
+    if family == "qwen3_5_moe_text":  # Qwen3.5-MoE's text model: the DeltaNet's four projections, MRoPE
+        return Qwen3_5MoeTextConfig(**{**common, "num_hidden_layers": max(layers, 4)}, num_key_value_heads=2,
+                                    head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                    num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                                    linear_conv_kernel_dim=4,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2]})
     raise ValueError(family)
 
 
@@ -99,9 +109,12 @@ def tiny_model(family: str, seed: int = 0, **kw) -> torch.nn.Module:
     return model
 
 
+HYBRID = ("qwen3_next", "qwen3_5_moe_text")  # gated DeltaNet beside attention
+
+
 def _zero_centred(config, name: str) -> bool:
     """A norm weight the model uses as 1 + w (Qwen3-Next's, but for its DeltaNet's gated norm)."""
-    return config.model_type == "qwen3_next" and name.endswith("norm.weight") and ".linear_attn." not in name
+    return config.model_type in HYBRID and name.endswith("norm.weight") and ".linear_attn." not in name
 
 
 def _roundtrip(t: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
@@ -140,7 +153,7 @@ def reference_state_dict(model, types: dict[str, GGMLType] | None = None, split_
             out[name] = _unpermute(next(iter(back.values())), heads)
         else:
             out[name] = join_hf(name, list(back.values()), config, tuple(tensor.shape), split_kv_b)
-        if config.model_type == "qwen3_next" and name.endswith("A_log"):  # stored as -exp(A_log)
+        if config.model_type in HYBRID and name.endswith("A_log"):  # stored as -exp(A_log)
             out[name] = torch.log(-out[name])
         elif _zero_centred(config, name):
             out[name] = out[name] - 1  # zero-centred norms are stored as 1 + w
@@ -229,7 +242,8 @@ def reference_rules(family: str, tmp_path) -> Path:
 
 GPU_RULES = {"deepseek_v3": "DeepSeek-V3-Chat.yaml", "deepseek_v2": "DeepSeek-V2-Chat.yaml", "qwen3_moe": "Qwen3Moe.yaml", "qwen2_moe": "Qwen2Moe.yaml",
              "mixtral": "Mixtral.yaml", "glm4_moe": "Glm4Moe.yaml", "gpt_oss": "GptOss.yaml",
-             "minimax_m2": "MiniMaxM2.yaml", "qwen3_next": "Qwen3Next.yaml"}
+             "minimax_m2": "MiniMaxM2.yaml", "qwen3_next": "Qwen3Next.yaml",
+             "qwen3_5_moe_text": "Qwen35Moe.yaml"}
 
 
 def with_experts_kwargs(rules: Path, tmp_path, **kwargs) -> Path:

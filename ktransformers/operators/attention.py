@@ -484,5 +484,6 @@ class KGQAAttention(_CachedAttention):
 OPERATORS.register("KDeepseekV2Attention")(KDeepseekV2Attention)
 OPERATORS.register("KDeepseekV3Attention")(KDeepseekV2Attention)
 for _name in ("KGQAAttention", "KQwen3MoeAttention", "KQwen2MoeAttention", "KMixtralAttention", "KLlamaAttention",
-              "KGlm4MoeAttention", "KGptOssAttention", "KMiniMaxM2Attention", "KQwen3NextAttention"):
+              "KGlm4MoeAttention", "KGptOssAttention", "KMiniMaxM2Attention", "KQwen3NextAttention",
+              "KQwen35MoeAttention"):
     OPERATORS.register(_name)(KGQAAttention)

@@ -3,13 +3,19 @@ states of cache.recurrent.HybridCache.
 
 Per token: in_proj_qkvz gives q, k [Hk, Dk], v [Hv, Dv] and the output gate z [Hv, Dv];
 in_proj_ba gives beta (sigmoid) and the decay g = -exp(A_log) * softplus(a + dt_bias) per value
-head. q, k and v pass a short causal depthwise convolution (kernel K, SiLU) whose last K - 1
+head (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a give the same, one each). q, k and v pass a short causal depthwise convolution (kernel K, SiLU) whose last K - 1
 inputs are the conv state; then the gated delta rule runs over the state S [Hv, Dk, Dv]:
 
     S = S * exp(g);  S = S + k ⊗ beta * (v - Sᵀk);  out = Sᵀq / sqrt(Dk)   (q, k L2-normed)
 
-and the output is RMSNorm(out) * SiLU(z) through out_proj. The children (in_proj_qkvz,
-in_proj_ba, conv1d, norm, out_proj) are transformers' own, so linear rules still match them.
+and the output is RMSNorm(out) * SiLU(z) through out_proj. The children (the projections,
+conv1d, norm, out_proj) are transformers' own, so linear rules still match them.
+
+Each key head serves Hv / Hk value heads. transformers orders the value heads by key head
+(grouped: value head j reads key head j // (Hv / Hk)); llama.cpp's qwen35moe files order them
+tiled (value head j reads key head j % Hk), in every tensor with a value-head dimension. The
+operator computes in the order its weights are stored (`WeightSource.value_heads_tiled`), so
+no tensor is reordered at load.
 
 When the engine has set a ForwardBatch, the input is the step's packed tokens [1, N, H] of several
 sequences: each reads its states from the batch's `state_read` rows (zeros where
@@ -80,7 +86,11 @@ def delta_rule_fla(q, k, v, g, beta, state):
 class KGatedDeltaNet(BaseInjectedModule):
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
-        missing = [c for c in ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj") if not hasattr(orig_module, c)]
+        # Qwen3-Next fuses the projections in two, Qwen3.5 keeps four
+        self.fused = hasattr(orig_module, "in_proj_qkvz")
+        projections = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                         "in_proj_a")
+        missing = [c for c in (*projections, "conv1d", "norm", "out_proj") if not hasattr(orig_module, c)]
         if missing:
             raise ValueError(f"{key}: {type(orig_module).__name__} is not a gated DeltaNet layer "
                              f"(no {', '.join(missing)})")
@@ -100,6 +110,7 @@ class KGatedDeltaNet(BaseInjectedModule):
         self.neg_A: torch.Tensor | None = None  # -exp(A_log) [Hv] float32, loaded
         self._conv_w: torch.Tensor | None = None  # [conv_dim, K] float32
         self._runtime = None  # the CPU runtime: the C++ delta rule
+        self.tiled = False  # value heads stored tiled (set by load from the weights)
 
     def load(self) -> None:
         dev = self.device
@@ -109,6 +120,7 @@ class KGatedDeltaNet(BaseInjectedModule):
         self._conv_w = None
         self._runtime = self.run_context().cpu_runtime() if dev.type == "cpu" else None
         self.triton = dev.type == "cuda"
+        self.tiled = bool(getattr(self.weights, "value_heads_tiled", False))
 
     def unload(self) -> None:
         self.dt_bias = self.neg_A = self._conv_w = self._runtime = None
@@ -121,9 +133,7 @@ class KGatedDeltaNet(BaseInjectedModule):
     # -- the layer ----------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         B, S, _ = hidden_states.shape
-        qkvz = self.in_proj_qkvz(hidden_states)
-        ba = self.in_proj_ba(hidden_states)
-        mixed, z, beta, g = self._split(qkvz, ba)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
+        mixed, z, beta, g = self._project(hidden_states)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
         batch = self.context.batch if self.context is not None else None
         if batch is None:  # no cache: each row one sequence from zero states
             outs = [self._sequence(mixed[b], beta[b], g[b], None, None) for b in range(B)]
@@ -138,10 +148,17 @@ class KGatedDeltaNet(BaseInjectedModule):
         out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.Dv), z.reshape(-1, self.Dv))
         return self.out_proj(out.reshape(B, S, self.value_dim))
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """transformers' layout of the projections: per key head, its q, k, then the v and z of the
-        value heads it serves; per key head, their b then their a."""
-        B, S, _ = qkvz.shape
+    def _project(self, x: torch.Tensor):
+        """(q, k and v side by side, z, beta, g). Qwen3-Next's layout of the fused projections: per
+        key head, its q, k, then the v and z of the value heads it serves; per key head, their b
+        then their a."""
+        B, S, _ = x.shape
+        if not self.fused:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+            beta = b.float().sigmoid()
+            g = self.neg_A.to(a.device) * F.softplus(a.float() + self.dt_bias.to(a.device))
+            return self.in_proj_qkv(x), self.in_proj_z(x).reshape(B, S, self.Hv, self.Dv), beta, g
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
         r = self.Hv // self.Hk
         qkvz = qkvz.view(B, S, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
         q, k, v, z = torch.split(qkvz, [self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
@@ -209,6 +226,8 @@ class KGatedDeltaNet(BaseInjectedModule):
         q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, T, self.Hk, self.Dk), k.reshape(n, T, self.Hk, self.Dk)
         v = v.reshape(n, T, self.Hv, self.Dv)
+        if self.tiled and self.Hv != self.Hk:  # value head j reads key head j % Hk: give each its own
+            q, k = q.repeat(1, 1, self.Hv // self.Hk, 1), k.repeat(1, 1, self.Hv // self.Hk, 1)
         if self._runtime is not None and x.device.type == "cpu":
             from ..kernels.cpu import gated_delta_rule
             state = state.contiguous()
@@ -221,3 +240,4 @@ class KGatedDeltaNet(BaseInjectedModule):
 
 OPERATORS.register("KGatedDeltaNet")(KGatedDeltaNet)
 OPERATORS.register("KQwen3NextGatedDeltaNet")(KGatedDeltaNet)
+OPERATORS.register("KQwen35MoeGatedDeltaNet")(KGatedDeltaNet)

@@ -151,7 +151,8 @@ class KMoEGateSoftmax(_Router):
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.norm = getattr(orig_module, "norm_topk_prob", True)  # Mixtral always renormalizes
-        self.cast_back = hasattr(orig_module, "norm_topk_prob")  # Qwen casts weights to the logits' dtype
+        # Qwen's routers cast the weights to the logits' dtype (Qwen3.5's, with no norm_topk_prob, too)
+        self.cast_back = hasattr(orig_module, "norm_topk_prob") or type(orig_module).__name__.startswith("Qwen")
         self.triton_route = None  # set by load() where Triton runs: kernels.triton.router.softmax_topk
 
     def load(self) -> None:

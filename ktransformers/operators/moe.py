@@ -15,7 +15,8 @@ from .registry import OPERATORS
 
 # Upstream's per-family names for the same operator; all route through this one class.
 BLOCK_NAMES = ("KDeepseekV3MoE", "KDeepseekV2MoE", "KQwen3MoeSparseMoeBlock", "KQwen2MoeSparseMoeBlock",
-               "KMixtralSparseMoeBlock", "KGlm4MoeMoE", "KMiniMaxM2SparseMoeBlock", "KQwen3NextSparseMoeBlock")
+               "KMixtralSparseMoeBlock", "KGlm4MoeMoE", "KMiniMaxM2SparseMoeBlock", "KQwen3NextSparseMoeBlock",
+               "KQwen35MoeSparseMoeBlock")
 
 
 class KMoEBlock(BaseInjectedModule):
@@ -67,7 +68,7 @@ class KMoEBlock(BaseInjectedModule):
     def _shared(self, x: torch.Tensor) -> torch.Tensor | int:
         if hasattr(self, "shared_experts"):  # DeepSeek
             return self.shared_experts(x)
-        if hasattr(self, "shared_expert"):  # Qwen2-MoE, Qwen3-Next: sigmoid-gated shared expert
+        if hasattr(self, "shared_expert"):  # Qwen2-MoE, Qwen3-Next, Qwen3.5: sigmoid-gated shared expert
             return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return 0
 

@@ -16,7 +16,8 @@ from ..weights.gguf_config import config_from_metadata
 RULES_DIR = Path(__file__).parents[1] / "optimize_rules"
 # model_type -> rule file stem; "-cpu" is appended when no GPU is used.
 DEFAULT_RULES = {"deepseek_v3": "DeepSeek-V3-Chat", "deepseek_v2": "DeepSeek-V2-Chat", "glm4_moe": "Glm4Moe", "gpt_oss": "GptOss", "minimax_m2": "MiniMaxM2", "qwen3_moe": "Qwen3Moe",
-                 "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "qwen3_next": "Qwen3Next"}
+                 "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "qwen3_next": "Qwen3Next",
+                 "qwen3_5_moe_text": "Qwen35Moe"}
 
 
 def load_config(model_path: str | os.PathLike | None, gguf_path: str | os.PathLike | None,

@@ -19,7 +19,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 
 from .ggml_quants import GGMLType, dequantize, tensor_nbytes
-from .gguf_names import DERIVED_HF, IGNORABLE_GGUF, VALUE_TRANSFORMS, GGUFNameTable
+from .gguf_names import DERIVED_HF, IGNORABLE_GGUF, TILED_VALUE_HEADS, VALUE_TRANSFORMS, GGUFNameTable
 from .source import MissingTensorError, TensorInfo, WeightError, WeightSource
 
 GGUF_MAGIC = b"GGUF"
@@ -307,6 +307,11 @@ class GGUFSource(WeightSource):
     def _heads(self, transform: str) -> int:
         key = "attention.head_count" if transform == "unpermute_q" else "attention.head_count_kv"
         return int(self.files.get("{arch}." + key) or self.files.get("{arch}.attention.head_count"))
+
+    @property
+    def value_heads_tiled(self) -> bool:
+        """The DeltaNet value heads are stored tiled, not grouped by key head (operators.deltanet)."""
+        return self.arch in TILED_VALUE_HEADS
 
     def linear_attention_heads(self) -> tuple[int, int, int, int]:
         """(key heads, value heads, key head dim, value head dim) of the gated DeltaNet layers."""

@@ -81,6 +81,16 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("attention.value_length", "head_dim"),
     ),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
+    "qwen35moe": _QWEN_MOE + (
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ("attention.key_length", "head_dim"),
+        ("attention.value_length", "head_dim"),
+        ("ssm.conv_kernel", "linear_conv_kernel_dim"),
+        ("ssm.state_size", "linear_key_head_dim"),
+        ("ssm.group_count", "linear_num_key_heads"),
+        ("ssm.time_step_rank", "linear_num_value_heads"),
+        ("full_attention_interval", "full_attention_interval"),
+    ),
     "qwen3next": _QWEN_MOE + (
         ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
         ("attention.key_length", "head_dim"),
@@ -96,7 +106,8 @@ GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # HF model_type -> the GGUF architecture llama.cpp's converter writes for it
 GGUF_ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe",
              "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
-             "minimax_m2": "minimax-m2", "qwen3_next": "qwen3next"}
+             "minimax_m2": "minimax-m2", "qwen3_next": "qwen3next",
+             "qwen3_5_moe_text": "qwen35moe"}
 
 
 def arch_of(config: PretrainedConfig) -> str:
@@ -198,7 +209,7 @@ _INT_RANGES = {
     "nextn_predict_layers": (0, 64), "attention.sliding_window": (1, 1 << 31), "expert_gating_func": (0, 3),
     "rope.scaling.original_context_length": (1, 1 << 31), "ssm.conv_kernel": (2, 64), "ssm.state_size": (1, 1 << 12),
     "ssm.group_count": (1, 1024), "ssm.time_step_rank": (1, 1024), "ssm.inner_size": (1, 1 << 20),
-    "full_attention_interval": (1, 4096),
+    "full_attention_interval": (1, 4096), "rope.dimension_sections": (0, 1 << 16),
 }
 # float keys that must be finite and positive (yarn_log_multiplier: finite and >= 0)
 _POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "expert_weights_scale",
@@ -348,42 +359,63 @@ def _minimax_m2_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pre
     return MiniMaxM2Config(**kw)
 
 
-def _qwen3next_metadata(config: PretrainedConfig) -> dict[str, Any]:
-    """The converter writes the value heads' total width and the rotated part of each head."""
+def _hybrid_metadata(arch: str, config: PretrainedConfig) -> dict[str, Any]:
+    """The converter writes the value heads' total width, the rotated part of each head and the
+    interval of the full-attention layers (Qwen3.5: also the MRoPE sections, padded to 4)."""
     types = list(config.layer_types)
     interval = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
     if types != ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
-        raise ValueError(f"qwen3next files say where full attention is by one interval; layer_types {types} has none")
-    return {"qwen3next.ssm.inner_size": config.linear_value_head_dim * config.linear_num_value_heads,
-            "qwen3next.rope.dimension_count": _rotary_dims(config, 0.25),
-            "qwen3next.full_attention_interval": interval}
+        raise ValueError(f"{arch} files say where full attention is by one interval; layer_types {types} has none")
+    meta = {f"{arch}.ssm.inner_size": config.linear_value_head_dim * config.linear_num_value_heads,
+            f"{arch}.rope.dimension_count": _rotary_dims(config, 0.25),
+            f"{arch}.full_attention_interval": interval}
+    if arch == "qwen35moe":
+        sections = list((getattr(config, "rope_parameters", None) or {}).get("mrope_section") or [11, 11, 10])
+        meta[f"{arch}.rope.dimension_sections"] = (sections + [0] * 4)[:4]
+    return meta
 
 
-def _qwen3next_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+def _hybrid_config(arch: str, meta: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
     """Layer i is full attention where (i + 1) % full_attention_interval == 0, linear otherwise (as
-    llama.cpp reads the files); the value heads' width is inner_size over their count. llama.cpp
-    always normalizes the top-k weights and runs every layer's MoE."""
-    from transformers import Qwen3NextConfig
-    inner, v_heads = meta.get("qwen3next.ssm.inner_size"), kw.get("linear_num_value_heads")
+    llama.cpp reads the files); the value heads' width is inner_size over their count."""
+    inner, v_heads = meta.get(f"{arch}.ssm.inner_size"), kw.get("linear_num_value_heads")
     if inner is None or not v_heads or inner % v_heads:
-        raise WeightError(f"GGUF metadata qwen3next.ssm.inner_size = {inner!r} is not a multiple of "
-                          f"qwen3next.ssm.time_step_rank = {v_heads!r}")
+        raise WeightError(f"GGUF metadata {arch}.ssm.inner_size = {inner!r} is not a multiple of "
+                          f"{arch}.ssm.time_step_rank = {v_heads!r}")
     if v_heads % kw.get("linear_num_key_heads", 1):
-        raise WeightError(f"GGUF metadata qwen3next.ssm.time_step_rank = {v_heads} is not a multiple of "
-                          f"qwen3next.ssm.group_count = {kw['linear_num_key_heads']}")
+        raise WeightError(f"GGUF metadata {arch}.ssm.time_step_rank = {v_heads} is not a multiple of "
+                          f"{arch}.ssm.group_count = {kw['linear_num_key_heads']}")
     kw["linear_value_head_dim"] = inner // v_heads
     interval = kw.pop("full_attention_interval", 4)
     kw["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                          for i in range(kw["num_hidden_layers"])]
-    _set_partial_rotary("qwen3next", meta, kw, lambda head_dim: head_dim // 4)
+    _set_partial_rotary(arch, meta, kw, lambda head_dim: head_dim // 4)
+    return kw
+
+
+def _qwen3next_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    """llama.cpp always normalizes the top-k weights and runs every layer's MoE."""
+    from transformers import Qwen3NextConfig
+    kw = _hybrid_config("qwen3next", meta, kw)
     kw.setdefault("intermediate_size", kw.get("moe_intermediate_size"))
     return Qwen3NextConfig(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **kw)
 
 
-_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "qwen3next": _qwen3next_metadata, "glm4moe": _glm4moe_metadata,
+def _qwen35moe_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> PretrainedConfig:
+    from transformers import Qwen3_5MoeTextConfig
+    kw = _hybrid_config("qwen35moe", meta, kw)
+    sections = meta.get("qwen35moe.rope.dimension_sections")
+    if sections:
+        kw["rope_parameters"]["mrope_section"] = [int(s) for s in sections[:3]]
+    kw.pop("intermediate_size", None)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
+_EXTRA_METADATA = {"deepseek2": _deepseek_metadata, "qwen3next": lambda config: _hybrid_metadata("qwen3next", config),
+                   "qwen35moe": lambda config: _hybrid_metadata("qwen35moe", config), "glm4moe": _glm4moe_metadata,
                    "gpt-oss": lambda config: _yarn_metadata("gpt-oss", config), "minimax-m2": _minimax_m2_metadata}
 _BUILDERS = {"deepseek2": _deepseek_config, "glm4moe": _glm4moe_config, "gpt-oss": _gpt_oss_config,
-             "minimax-m2": _minimax_m2_config, "qwen3next": _qwen3next_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
+             "minimax-m2": _minimax_m2_config, "qwen3next": _qwen3next_config, "qwen35moe": _qwen35moe_config, "qwen3moe": _qwen3_config, "qwen2moe": _qwen2_config, "llama": _llama_config}
 
 
 def routed_experts(config) -> int:

@@ -145,7 +145,18 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
                                                        _BLOCK_POST_ATTENTION_NORM[2]))
     + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED + _mlp("mlp.shared_expert", "_shexp")
     + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),) + _DELTANET,
+    # Qwen3.5-MoE (text): the DeltaNet's projections one each, value heads stored tiled (TILED_VALUE_HEADS)
+    "qwen35moe": (_GLOBAL[0], _GLOBAL[2]) + _plus_one((_GLOBAL[1], _BLOCK_POST_ATTENTION_NORM[0],
+                                                       _BLOCK_POST_ATTENTION_NORM[2]))
+    + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED + _mlp("mlp.shared_expert", "_shexp")
+    + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),
+       _m(L + "linear_attn.in_proj_b.weight", B + "ssm_beta.weight"),
+       _m(L + "linear_attn.in_proj_a.weight", B + "ssm_alpha.weight"))
+    + tuple(m for m in _DELTANET if "in_proj_ba" not in m.hf),
 }
+# architectures whose converter reorders a DeltaNet's value heads from transformers' grouped order
+# (by key head) to tiled (value head j reads key head j % key heads), in every tensor that has them
+TILED_VALUE_HEADS = frozenset({"qwen35moe"})
 # transforms that change values, not row order (undone by load(); raw bytes are never used for them)
 VALUE_TRANSFORMS = ("plus_one", "neg_exp")
 

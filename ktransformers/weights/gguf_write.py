@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from .ggml_quants import FORMATS, GGMLType, quantize
 from .gguf_config import arch_of, metadata_from_config
-from .gguf_names import GGUFNameTable
+from .gguf_names import TILED_VALUE_HEADS, GGUFNameTable
 from .source import qkvz_rows
 
 TypeChooser = Callable[[str, tuple[int, ...]], GGMLType]
@@ -38,6 +38,8 @@ def converter_tensors(state_dict: dict[str, torch.Tensor], config: PretrainedCon
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         tensor = tensor.detach().float()  # (a meta tensor stays meta: shapes only)
+        if arch in TILED_VALUE_HEADS:
+            tensor = _value_heads(name, tensor, config, tiled=True)
         for hf_name, t in _split_hf(name, tensor, config, split_kv_b):
             gguf_name = table.to_gguf(hf_name)
             if gguf_name is None:
@@ -93,6 +95,32 @@ def _split_hf(name: str, t: torch.Tensor, config, split_kv_b: bool) -> list[tupl
     return [(name, t)]
 
 
+def _value_heads(name: str, t: torch.Tensor, config, tiled: bool) -> torch.Tensor:
+    """A DeltaNet tensor with its value heads reordered from transformers' grouped order to tiled
+    (value head j*Hk + g was head g*r + j), as qwen35moe's converter writes them, or back."""
+    if ".linear_attn." not in name or config.linear_num_value_heads == config.linear_num_key_heads:
+        return t
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    order = torch.arange(hv).reshape(hk, hv // hk).t().reshape(-1)  # tiled position -> grouped head
+    if not tiled:
+        order = torch.argsort(order)
+
+    def rows(width: int, offset: int = 0) -> torch.Tensor:
+        heads = (order[:, None] * width + torch.arange(width)).reshape(-1) + offset
+        return torch.cat([torch.arange(offset), heads])
+
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return t[rows(dv, 2 * hk * dk)]
+    if name.endswith("in_proj_z.weight"):
+        return t[rows(dv)]
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return t[order]
+    if name.endswith("out_proj.weight"):
+        return t[:, rows(dv)]
+    return t
+
+
 def _qkvz_rows(config) -> torch.Tensor:
     return qkvz_rows(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                      config.linear_value_head_dim)
@@ -117,6 +145,8 @@ def join_hf(name: str, pieces: list[torch.Tensor], config, shape: tuple[int, ...
     if name.endswith(".linear_attn.in_proj_qkvz.weight"):
         return torch.cat(pieces)[_qkvz_rows(config)].reshape(shape)
     (piece,) = pieces
+    if arch_of(config) in TILED_VALUE_HEADS:
+        return _value_heads(name, piece.reshape(shape), config, tiled=False)
     return piece.reshape(shape)
 
 
