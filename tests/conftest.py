@@ -29,15 +29,21 @@ def pytest_runtest_setup(item):
         pytest.skip(f"needs Triton for its kernels: {TRITON_MISSING}; pip install 'triton>=3.9'")
 
 
-def _pure_torch_qwen3_next() -> None:
-    """transformers' Qwen3-Next, the reference of the hybrid tests, on its own torch functions:
-    some releases hand them to flash-linear-attention wherever it is installed, whatever the
-    inputs' device (CPU tensors then fail in Triton)."""
+def _pure_torch_hybrids() -> None:
+    """transformers' Qwen3-Next and Qwen3.5-MoE, the references of the hybrid tests, on their own
+    torch functions: some releases hand them to flash-linear-attention wherever it is installed,
+    whatever the inputs' device (CPU tensors then fail in Triton)."""
+    import importlib
+    for module in ("transformers.models.qwen3_next.modeling_qwen3_next",
+                   "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"):
+        try:
+            _pure_torch(importlib.import_module(module))
+        except ImportError:
+            pass
+
+
+def _pure_torch(m) -> None:
     import inspect
-    try:
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
-    except ImportError:
-        return
     for name, value in list(vars(m).items()):
         if callable(value) and name.startswith("torch_"):
             setattr(m, name, inspect.unwrap(value))
@@ -49,4 +55,4 @@ def _pure_torch_qwen3_next() -> None:
         m.is_fast_path_available = False
 
 
-_pure_torch_qwen3_next()
+_pure_torch_hybrids()

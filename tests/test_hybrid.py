@@ -162,8 +162,9 @@ def test_fla_delta_rule_equals_the_torch_functions(shape):
     state = torch.randn(n, 4, 32, 32, generator=g) * 0.1
     want, want_state = delta_rule_torch(q, k, v, gate, beta, state.clone())
     got, got_state = delta_rule_fla(*(t.cuda() for t in (q, k, v, gate, beta, state)))
-    assert ((got.cpu() - want).norm() / want.norm()).item() < 1e-3
-    assert ((got_state.cpu() - want_state).norm() / want_state.norm()).item() < 1e-3
+    # (the chunked kernel's dots run on TF32 tensor cores: 1.5e-3 seen on an H100)
+    assert ((got.cpu() - want).norm() / want.norm()).item() < 5e-3
+    assert ((got_state.cpu() - want_state).norm() / want_state.norm()).item() < 5e-3
 
 
 @pytest.mark.gpu
@@ -186,7 +187,9 @@ def test_gpu_rules_decode_with_cuda_graphs_over_the_states(tmp_path, family):
         logits = engine.step(seqs, [[t] for t in nexts]).cpu()
         for i, h in enumerate(histories):
             want = _forward_last(hf, h)
-            assert ((logits[i] - want).norm() / want.norm()).item() < 1e-3, (step, i)
+            # (the GPU file's linears keep F32 weights as bf16, fla's chunked prefill runs on TF32:
+            # 2.7e-3 seen on an H100; a state read or written wrong gives ~1)
+            assert ((logits[i] - want).norm() / want.norm()).item() < 2e-2, (step, i)
         nexts = [int(row.argmax()) for row in logits]
         for h, t in zip(histories, nexts):
             h.append(t)

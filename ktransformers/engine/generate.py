@@ -26,6 +26,7 @@ from ..operators.base import set_phase
 from ..operators.context import RunContext
 from ..operators.experts import link_expert_deferral, link_layerwise_prefill
 from ..operators.layer import KDecoderLayer, link_decoder_layers
+from ..operators.rope import rotary_tables
 from .sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from .devices import indexed_device, module_device
 from .streaming import StopMatcher, StreamDecoder
@@ -404,7 +405,7 @@ class Engine:
         causal-mask building (the attention operators mask by the batch's positions)."""
         base = self.model.model
         hidden = base.embed_tokens(ids)
-        position_embeddings = base.rotary_emb(hidden, positions)
+        position_embeddings = rotary_tables(base.rotary_emb, hidden, positions)
         hidden = self.run_layers(hidden, positions, position_embeddings, range(self.config.num_hidden_layers))
         return base.norm(hidden.to(module_device(base.norm, hidden.device)))
 

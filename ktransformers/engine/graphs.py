@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import ForwardBatch
+from ..operators.rope import rotary_tables
 from .devices import module_device
 
 
@@ -160,7 +161,7 @@ class DecodeGraphs:
         positions = self.static[seg.device]["positions"][:B][None]
         if seg.first:
             hidden = base.embed_tokens(self.ids[:B][None])
-            rope = base.rotary_emb(hidden, positions)
+            rope = rotary_tables(base.rotary_emb, hidden, positions)
         else:
             hidden, rope = inputs[0], tuple(inputs[1:])
         with torch.cuda.device(seg.device):

@@ -1,7 +1,8 @@
 """Rotary embeddings: upstream rule files replace them with their own classes; transformers'
 modules already compute the right cos/sin (default, YaRN, ...), so these operators keep the HF
 module and only place its buffers on the operator's device. DeepSeek-V2's module gives complex
-factors instead; they become the (cos, sin) tables every attention operator and the engine take."""
+factors instead; they become the (cos, sin) tables every attention operator and the engine take.
+`rotary_tables` is how the engine calls a model's rotary module (MRoPE's too)."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +41,12 @@ class KRotaryEmbedding(BaseInjectedModule):
 
 for _name in UPSTREAM_NAMES:
     OPERATORS.register(_name)(KRotaryEmbedding)
+
+
+def rotary_tables(rotary: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """(cos, sin) of the model's rotary module at `positions` [1, N]. An MRoPE module (Qwen3.5's:
+    a position per section) takes them as [3, 1, N], every section at the token's position, as
+    a text prompt has them (some transformers releases expand [1, N] themselves, some do not)."""
+    if hasattr(rotary, "mrope_section"):
+        positions = positions.expand(3, *positions.shape)
+    return rotary(hidden, positions)
