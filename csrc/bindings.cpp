@@ -76,6 +76,17 @@ PYBIND11_MODULE(KT_MODULE, m) {
                                       B, T, Hk, Hv, Dk, Dv, l2norm);
                  });
              }, py::call_guard<py::gil_scoped_release>(), "the gated delta rule over T tokens of B sequences (deltanet.h)")
+        .def("gated_delta_rule_rows", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t g,
+                                         uintptr_t beta, uintptr_t states, int64_t n_rows, uintptr_t rows_in,
+                                         uintptr_t rows_out, uintptr_t out, int B, int T, int Hk, int Hv, int Dk,
+                                         int Dv, bool l2norm) {
+                 r.run_inline([&] {
+                     gated_delta_rule_rows(r.pool(), cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(g),
+                                           cptr<float>(beta), reinterpret_cast<float*>(states), n_rows,
+                                           cptr<int64_t>(rows_in), cptr<int64_t>(rows_out),
+                                           reinterpret_cast<float*>(out), B, T, Hk, Hv, Dk, Dv, l2norm);
+                 });
+             }, py::call_guard<py::gil_scoped_release>(), "the gated delta rule over rows of a state table (deltanet.h)")
         .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,
                                      uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
                                      uintptr_t sinks) {

@@ -19,4 +19,13 @@ void gated_delta_rule(ThreadPool& pool, const float* q, const float* k, const fl
                       const float* beta, float* state, float* out, int B, int T, int Hk, int Hv, int Dk, int Dv,
                       bool l2norm);
 
+// The same over rows of a state table `states` [n_rows, Hv, Dk, Dv] (a cache's ring of copies):
+// sequence b starts from row rows_in[b] (-1: zero states) and leaves its state in row rows_out[b]
+// (the same row: in place), so no state is copied outside the kernel. Rows out of range, or two
+// sequences writing one row, throw before anything is touched.
+void gated_delta_rule_rows(ThreadPool& pool, const float* q, const float* k, const float* v, const float* g,
+                           const float* beta, float* states, int64_t n_rows, const int64_t* rows_in,
+                           const int64_t* rows_out, float* out, int B, int T, int Hk, int Hv, int Dk, int Dv,
+                           bool l2norm);
+
 }  // namespace kt

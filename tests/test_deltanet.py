@@ -72,3 +72,39 @@ def test_bad_inputs_name_the_tensor(runtime):
         gated_delta_rule(runtime, q, k, v, g, beta.double(), state)
     with pytest.raises(ValueError, match="v must be a contiguous"):
         gated_delta_rule(runtime, q, k, v.transpose(2, 3).contiguous().transpose(2, 3), g, beta, state)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2, 16, 16), (3, 1, 2, 4, 32, 16), (2, 9, 1, 3, 64, 48)],
+                         ids=lambda s: "B{}T{}Hk{}Hv{}Dk{}Dv{}".format(*s))
+def test_rows_of_a_state_table_match_transformers(runtime, shape):
+    """gated_delta_rule_rows (the hybrid cache's ring of states): each sequence reads one row (or
+    zeros, row -1) and writes another, or the same; rows not written stay as they were."""
+    from ktransformers.kernels.cpu import gated_delta_rule_rows
+    B, T, Hk, Hv, Dk, Dv = shape
+    q, k, v, g, beta, _ = inputs(*shape, seed=sum(shape))
+    table = torch.randn(2 * B + 1, Hv, Dk, Dv, generator=torch.Generator().manual_seed(7)) * 0.1
+    rows_in = torch.tensor([-1] + [2 * b for b in range(1, B)])  # the first starts from zeros
+    rows_out = torch.tensor([2 * b + 1 for b in range(B)])
+    if B > 1:
+        rows_out[-1] = rows_in[-1]  # the last one in place
+    start = torch.stack([torch.zeros(Hv, Dk, Dv) if r < 0 else table[r] for r in rows_in.tolist()])
+    want, want_state = reference(q, k, v, g, beta, start, True)
+    got_table = table.clone()
+    got = gated_delta_rule_rows(runtime, q, k, v, g, beta, got_table, rows_in, rows_out)
+    assert rel_err(got, want) < 5e-5
+    assert rel_err(got_table[rows_out], want_state) < 5e-5
+    untouched = [r for r in range(table.shape[0]) if r not in rows_out.tolist()]
+    assert torch.equal(got_table[untouched], table[untouched])
+
+
+def test_rows_out_of_the_table_are_refused(runtime):
+    from ktransformers.kernels.cpu import gated_delta_rule_rows
+    q, k, v, g, beta, _ = inputs(2, 1, 1, 2, 16, 16, seed=3)
+    table = torch.zeros(4, 2, 16, 16)
+    with pytest.raises(IndexError, match="reads state row 4 and writes row 1 of 4"):
+        gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 4]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="two sequences write state row 2"):
+        gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 1]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="rows_in must be a contiguous torch.int64"):
+        gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 1], dtype=torch.int32),
+                              torch.tensor([2, 3]))

@@ -717,6 +717,38 @@ def gated_delta_rule(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: t
     return out
 
 
+def gated_delta_rule_rows(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, states: torch.Tensor, rows_in: torch.Tensor,
+                          rows_out: torch.Tensor) -> torch.Tensor:
+    """gated_delta_rule over rows of a state table `states` [R, Hv, Dk, Dv] (float32, contiguous):
+    sequence b starts from row rows_in[b] (-1: zero states) and leaves its state in row
+    rows_out[b] (int64 [B] each; the same row: in place). Returns out [B, T, Hv, Dv]."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"gated_delta_rule_rows: q and k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule_rows: value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    if states.dim() != 4 or tuple(states.shape[1:]) != (Hv, Dk, Dv):
+        raise ValueError(f"gated_delta_rule_rows: states must be [R, {Hv}, {Dk}, {Dv}], got {list(states.shape)}")
+    for name, t, shape in (("g", g, (B, T, Hv)), ("beta", beta, (B, T, Hv)), ("rows_in", rows_in, (B,)),
+                           ("rows_out", rows_out, (B,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"gated_delta_rule_rows: {name} must be {list(shape)}, got {list(t.shape)}")
+    for name, t, dtype in (("q", q, torch.float32), ("k", k, torch.float32), ("v", v, torch.float32),
+                           ("g", g, torch.float32), ("beta", beta, torch.float32), ("states", states, torch.float32),
+                           ("rows_in", rows_in, torch.int64), ("rows_out", rows_out, torch.int64)):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"gated_delta_rule_rows: {name} must be a contiguous {dtype} CPU tensor, got {t.dtype} "
+                             f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    out = torch.empty(B, T, Hv, Dv, dtype=torch.float32)
+    runtime._rt.gated_delta_rule_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                      states.data_ptr(), states.shape[0], rows_in.data_ptr(), rows_out.data_ptr(),
+                                      out.data_ptr(), B, T, Hk, Hv, Dk, Dv, True)
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | str | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; BF16_ACTIVATIONS rounds each value to the nearest

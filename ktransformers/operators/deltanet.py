@@ -169,47 +169,55 @@ class KGatedDeltaNet(BaseInjectedModule):
         return mixed, z.reshape(B, S, self.Hv, self.Dv), beta, g
 
     def _batch(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch) -> torch.Tensor:
-        """The step's packed tokens [N, ...] -> [N, Hv, Dv] float32, each sequence from its states."""
+        """The step's packed tokens [N, ...] -> [N, Hv, Dv] float32, each sequence from its states.
+        On the CPU the kernel reads and writes the delta-rule states in their rows of the cache
+        (no copy of them here); elsewhere they are gathered, computed on, and put back."""
         cache = self.context.cache
         conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
         dev = conv.device
         reads, writes = batch.state_rows(dev)
-        conv_in, ssm_in = conv.index_select(0, reads), ssm.index_select(0, reads)
         fresh = [i for i, f in enumerate(batch.state_fresh) if f]
+        conv_in = conv.index_select(0, reads)
+        if self._in_rows(dev):
+            ssm_in = torch.tensor([-1 if f else r for r, f in zip(batch.state_read, batch.state_fresh)])
+        else:
+            ssm_in = ssm.index_select(0, reads)
+            if fresh:
+                ssm_in[fresh] = 0
         if fresh:  # (never in a CUDA-graph step: decode steps follow a prefill)
             conv_in[fresh] = 0
-            ssm_in[fresh] = 0
         if all(q == 1 for q in batch.q_lens):  # decode: every sequence at once
             x, conv_out = self._conv_step(mixed.to(dev), conv_in)
-            out, ssm_out = self._delta(x[:, None], beta.to(dev)[:, None], g.to(dev)[:, None], ssm_in)
+            out = self._delta(x[:, None], beta.to(dev)[:, None], g.to(dev)[:, None], ssm, ssm_in, writes)
             conv.index_copy_(0, writes, conv_out)
-            ssm.index_copy_(0, writes, ssm_out)
             return out[:, 0]
         outs = []
         for i, first, q_len, _ in batch.spans():
             rows = slice(first, first + q_len)
-            state = (conv_in[i:i + 1], ssm_in[i:i + 1])
-            outs.append(self._sequence(mixed[rows].to(dev), beta[rows].to(dev), g[rows].to(dev), state,
-                                       (conv, ssm, writes[i:i + 1])))
+            outs.append(self._sequence(mixed[rows].to(dev), beta[rows].to(dev), g[rows].to(dev), conv_in[i:i + 1],
+                                       (conv, ssm, ssm_in[i:i + 1], writes[i:i + 1])))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _sequence(self, mixed, beta, g, state, store) -> torch.Tensor:
-        """One sequence's T tokens [T, ...] from `state` (conv [1, C, K-1], ssm [1, Hv, Dk, Dv]; None:
-        zeros), its final states written to `store` (conv, ssm, row) where given -> [T, Hv, Dv]."""
+    def _in_rows(self, device: torch.device) -> bool:
+        """Whether the delta rule runs on the C++ kernel over the cache's state rows."""
+        return self._runtime is not None and device.type == "cpu"
+
+    def _sequence(self, mixed, beta, g, conv_in, store) -> torch.Tensor:
+        """One sequence's T tokens [T, ...] from its conv state conv_in [1, C, K-1] (None: zeros)
+        and, with `store` = (conv, ssm, its delta-rule state or row, its row to write), from and
+        into the cache's states (else from zero states, into none) -> [T, Hv, Dv]."""
         T = mixed.shape[0]
-        if state is None:
-            dev = mixed.device
-            state = (torch.zeros(1, self.conv_dim, self.kernel_size - 1, device=dev),
-                     torch.zeros(1, self.Hv, self.Dk, self.Dv, device=dev))
-        conv_in, ssm_in = state
+        if conv_in is None:
+            conv_in = torch.zeros(1, self.conv_dim, self.kernel_size - 1, device=mixed.device)
         window = torch.cat([conv_in[0], mixed.float().t()], dim=1)  # [C, K-1+T]
         x = F.silu(F.conv1d(window[None], self._conv_weight()[:, None], groups=self.conv_dim)[0]).t()  # [T, C]
         x = x.to(mixed.dtype)  # (rounded as transformers rounds the conv's output)
-        out, ssm_out = self._delta(x[None], beta[None], g[None], ssm_in)
-        if store is not None:
-            conv, ssm, row = store
-            conv.index_copy_(0, row, window[None, :, T:])
-            ssm.index_copy_(0, row, ssm_out)
+        if store is None:
+            zeros = torch.zeros(1, self.Hv, self.Dk, self.Dv, device=mixed.device)
+            return self._delta(x[None], beta[None], g[None], zeros, zeros, None)[0]
+        conv, ssm, ssm_in, row = store
+        out = self._delta(x[None], beta[None], g[None], ssm, ssm_in, row)
+        conv.index_copy_(0, row, window[None, :, T:])
         return out[0]
 
     def _conv_step(self, x: torch.Tensor, conv_in: torch.Tensor):
@@ -219,23 +227,33 @@ class KGatedDeltaNet(BaseInjectedModule):
         y = F.silu((window * self._conv_weight()[None]).sum(dim=-1))
         return y.to(x.dtype), window[:, :, 1:]
 
-    def _delta(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: torch.Tensor):
-        """x [n, T, C] (q, k, v after the conv), beta, g [n, T, Hv], state [n, Hv, Dk, Dv] float32
-        -> (out [n, T, Hv, Dv] float32, the final states)."""
+    def _delta(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, ssm: torch.Tensor, ssm_in: torch.Tensor,
+               rows: torch.Tensor | None) -> torch.Tensor:
+        """x [n, T, C] (q, k, v after the conv), beta, g [n, T, Hv] -> out [n, T, Hv, Dv] float32.
+        The states: where the C++ kernel runs on the cache's rows, ssm_in holds each sequence's row
+        to read (-1: zeros) and `rows` those to write in `ssm`; else ssm_in holds the states
+        themselves [n, Hv, Dk, Dv] and the final ones go to `rows` of `ssm` (None: nowhere)."""
         n, T, _ = x.shape
         q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, T, self.Hk, self.Dk), k.reshape(n, T, self.Hk, self.Dk)
         v = v.reshape(n, T, self.Hv, self.Dv)
         if self.tiled and self.Hv != self.Hk:  # value head j reads key head j % Hk: give each its own
             q, k = q.repeat(1, 1, self.Hv // self.Hk, 1), k.repeat(1, 1, self.Hv // self.Hk, 1)
+        if rows is not None and self._in_rows(x.device):
+            from ..kernels.cpu import gated_delta_rule_rows
+            return gated_delta_rule_rows(self._runtime, *(t.float().contiguous() for t in (q, k, v, g, beta)), ssm,
+                                         ssm_in, rows.contiguous())
         if self._runtime is not None and x.device.type == "cpu":
             from ..kernels.cpu import gated_delta_rule
-            state = state.contiguous()
+            state = ssm_in.clone()
             out = gated_delta_rule(self._runtime, *(t.float().contiguous() for t in (q, k, v, g, beta)), state)
-            return out, state
-        if x.device.type == "cuda" and fla_available():
-            return delta_rule_fla(q, k, v, g, beta, state)
-        return delta_rule_torch(q, k, v, g, beta, state)
+        elif x.device.type == "cuda" and fla_available():
+            out, state = delta_rule_fla(q, k, v, g, beta, ssm_in)
+        else:
+            out, state = delta_rule_torch(q, k, v, g, beta, ssm_in)
+        if rows is not None:
+            ssm.index_copy_(0, rows, state)
+        return out
 
 
 OPERATORS.register("KGatedDeltaNet")(KGatedDeltaNet)
