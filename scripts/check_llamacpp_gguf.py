@@ -59,6 +59,10 @@ assert llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) == 0
 # config.json fields the converter reads that transformers no longer writes (MiniMax-M2's rotary_dim)
 EXTRA_CONFIG = {"minimax_m2": lambda c: {"rotary_dim": int(c.head_dim * c.rope_parameters["partial_rotary_factor"])}}
 
+# converter flags a family needs (the hybrids' converter expects multi-token-prediction layers
+# unless told there are none)
+CONVERT_ARGS = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe_text": ["--no-mtp"]}
+
 # Added tokens the converter looks up by name for a family (past the trained vocabulary)
 SPECIAL_TOKENS = {"glm4_moe": ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]}
 
@@ -112,7 +116,7 @@ def check_family(family: str, work: Path, args) -> list[str]:
     for outtype in ("f32", "bf16"):
         path = work / f"{family}-{outtype}.gguf"
         subprocess.run([sys.executable, "-c", CONVERT, str(args.llama_src), str(hf_dir), "--outfile", str(path),
-                        "--outtype", outtype], check=True, capture_output=True)
+                        "--outtype", outtype, *CONVERT_ARGS.get(family, [])], check=True, capture_output=True)
         lines.append(f"{family:12} {outtype:7} vs original model: rel err {rel(logits(ours(family, model.config, path), ids), expect):.2e}")
     lines.append(f"{family:12} tokenizer from GGUF metadata: {check_tokenizer(hf_dir, work / f'{family}-f32.gguf')}")
     for name, ftype in ({} if args.no_quantize else QUANTS | FAMILY_QUANTS.get(family, {})).items():
