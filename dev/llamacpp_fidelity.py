@@ -5,14 +5,14 @@ file's rounding (the torch reference ops on the same weights) rather than the ke
     PYTHONPATH=. python dev/llamacpp_fidelity.py deepseek_v3 [LLAMA_VENV/bin/python]
     (ONE_GROUP=1: DeepSeek-V3's router with one expert group)
 
-Needs the llama-cpp-python sdist's vendored llama.cpp under /tmp/llsrc and a venv with llama_cpp
+Needs the llama-cpp-python sdist's vendored llama.cpp under /tmp/llsrc (or LLAMA_SRC) and a venv with llama_cpp
 (../shared/PEERS.md). KL(transformers fp32 || engine) per position, averaged.
 """
 import sys, subprocess, json, torch, numpy as np
 from pathlib import Path
 sys.path.insert(0, "tests"); sys.path.insert(0, "scripts")
 from tiny import tiny_model, RULES
-from check_llamacpp_gguf import CONVERT, make_tokenizer
+from check_llamacpp_gguf import CONVERT, CONVERT_ARGS, make_tokenizer
 from ktransformers import optimize_and_load_gguf
 from ktransformers.loader import RULES_DIR, build_skeleton
 fam = sys.argv[1] if len(sys.argv) > 1 else "deepseek_v3"
@@ -30,7 +30,7 @@ if os.environ.get("ONE_GROUP"):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"): b.copy_(torch.randn_like(b) * 0.01)
 model.save_pretrained(work); make_tokenizer(work, model.config.vocab_size, fam)
-L = "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"
+L = os.environ.get("LLAMA_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
 ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
@@ -40,7 +40,8 @@ def kl(lp):  # KL(ref || ours), mean over positions
 out = {}
 for outtype in ("f32", "bf16"):
     path = work / f"m-{outtype}.gguf"
-    subprocess.run([sys.executable, "-c", CONVERT, L, str(work), "--outfile", str(path), "--outtype", outtype], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", CONVERT, L, str(work), "--outfile", str(path), "--outtype", outtype,
+                    *CONVERT_ARGS.get(fam, [])], check=True, capture_output=True)
     for rules in ("cpu", "torch"):
         ours = build_skeleton(model.config, torch.float32)
         rf = RULES_DIR / RULES[fam]

@@ -190,9 +190,11 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType] | GGMLType) -> 
         gguf = table.to_gguf(hf_name.replace("in_proj_qkvz.", "in_proj_qkv."))
         return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
 
+    # the router runs in torch; MLA folds kv_b_proj's dequantized weight into its attention math;
+    # the hybrids' CPU rule files keep the one-row shared_expert_gate in torch
+    in_torch = ("mlp.gate", "kv_b_proj") + (("shared_expert_gate",) if reference.config.model_type in HYBRID else ())
     for name, module in reference.named_modules():
-        # the router runs in torch; MLA folds kv_b_proj's dequantized weight into its attention math
-        if isinstance(module, torch.nn.Linear) and not name.endswith(("mlp.gate", "kv_b_proj")):
+        if isinstance(module, torch.nn.Linear) and not name.endswith(in_torch):
             block = block_of(f"{name}.weight")
             if block:
                 module.register_forward_pre_hook(lambda m, args, b=block: (round_activations(args[0], b),))

@@ -35,6 +35,7 @@ from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_p
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
+          "qwen3next": dict(hidden=2048, intermediate=512, experts=512, top_k=10),
           "tiny": dict(hidden=256, intermediate=256, experts=8, top_k=2)}  # a smoke test of the benchmark itself
 # format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors
 FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
