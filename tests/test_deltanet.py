@@ -105,6 +105,6 @@ def test_rows_out_of_the_table_are_refused(runtime):
         gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 4]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="two sequences write state row 2"):
         gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 1]), torch.tensor([2, 2]))
-    with pytest.raises(ValueError, match="rows_in must be a contiguous torch.int64"):
+    with pytest.raises(ValueError, match="rows_in must be a contiguous int64"):
         gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 1], dtype=torch.int32),
                               torch.tensor([2, 3]))

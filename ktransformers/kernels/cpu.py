@@ -691,26 +691,42 @@ def rope_write_attend_gqa(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
+def _delta_shapes(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """(B, T, Hk, Hv, Dk, Dv) of the delta rule's q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"{what}: q and k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(f"{what}: value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    return B, T, Hk, Hv, Dk, Dv
+
+
+def _qkv(q, k, v) -> tuple:
+    return tuple((name, t, tuple(t.shape), torch.float32) for name, t in (("q", q), ("k", k), ("v", v)))
+
+
+def _check_tensors(what: str, specs) -> None:
+    """Each (name, tensor, shape, dtype): that shape, that dtype, contiguous, on the CPU."""
+    for name, t, shape, dtype in specs:
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{what}: {name} must be {list(shape)}, got {list(t.shape)}")
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            short = str(dtype).removeprefix("torch.")
+            raise ValueError(f"{what}: {name} must be a contiguous {short} CPU tensor, got {t.dtype} on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
 def gated_delta_rule(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, l2norm: bool = True) -> torch.Tensor:
     """The gated delta rule of gated-DeltaNet layers over T tokens of B sequences, as transformers'
     torch_recurrent_gated_delta_rule with [B, T, ...] inputs: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv],
     g, beta [B, T, Hv] -> out [B, T, Hv, Dv]; `state` [B, Hv, Dk, Dv] is the recurrent state,
     updated in place (all float32 and contiguous; Hv a multiple of Hk)."""
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"gated_delta_rule: q and k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    if Hv % Hk:
-        raise ValueError(f"gated_delta_rule: value heads ({Hv}) must be a multiple of key heads ({Hk})")
-    for name, t, shape in (("g", g, (B, T, Hv)), ("beta", beta, (B, T, Hv)), ("state", state, (B, Hv, Dk, Dv))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"gated_delta_rule: {name} must be {list(shape)}, got {list(t.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"gated_delta_rule: {name} must be a contiguous float32 CPU tensor, got {t.dtype} on "
-                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    B, T, Hk, Hv, Dk, Dv = _delta_shapes("gated_delta_rule", q, k, v)
+    _check_tensors("gated_delta_rule", (("g", g, (B, T, Hv), torch.float32), ("beta", beta, (B, T, Hv), torch.float32),
+                                        ("state", state, (B, Hv, Dk, Dv), torch.float32)) + _qkv(q, k, v))
     out = torch.empty(B, T, Hv, Dv, dtype=torch.float32)
     runtime._rt.gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                  state.data_ptr(), out.data_ptr(), B, T, Hk, Hv, Dk, Dv, bool(l2norm))
@@ -723,25 +739,12 @@ def gated_delta_rule_rows(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     """gated_delta_rule over rows of a state table `states` [R, Hv, Dk, Dv] (float32, contiguous):
     sequence b starts from row rows_in[b] (-1: zero states) and leaves its state in row
     rows_out[b] (int64 [B] each; the same row: in place). Returns out [B, T, Hv, Dv]."""
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"gated_delta_rule_rows: q and k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    if Hv % Hk:
-        raise ValueError(f"gated_delta_rule_rows: value heads ({Hv}) must be a multiple of key heads ({Hk})")
-    if states.dim() != 4 or tuple(states.shape[1:]) != (Hv, Dk, Dv):
-        raise ValueError(f"gated_delta_rule_rows: states must be [R, {Hv}, {Dk}, {Dv}], got {list(states.shape)}")
-    for name, t, shape in (("g", g, (B, T, Hv)), ("beta", beta, (B, T, Hv)), ("rows_in", rows_in, (B,)),
-                           ("rows_out", rows_out, (B,))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"gated_delta_rule_rows: {name} must be {list(shape)}, got {list(t.shape)}")
-    for name, t, dtype in (("q", q, torch.float32), ("k", k, torch.float32), ("v", v, torch.float32),
-                           ("g", g, torch.float32), ("beta", beta, torch.float32), ("states", states, torch.float32),
-                           ("rows_in", rows_in, torch.int64), ("rows_out", rows_out, torch.int64)):
-        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"gated_delta_rule_rows: {name} must be a contiguous {dtype} CPU tensor, got {t.dtype} "
-                             f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    B, T, Hk, Hv, Dk, Dv = _delta_shapes("gated_delta_rule_rows", q, k, v)
+    rows = states.shape[0] if states.dim() == 4 else -1
+    _check_tensors("gated_delta_rule_rows", (
+        ("g", g, (B, T, Hv), torch.float32), ("beta", beta, (B, T, Hv), torch.float32),
+        ("states", states, (rows, Hv, Dk, Dv), torch.float32), ("rows_in", rows_in, (B,), torch.int64),
+        ("rows_out", rows_out, (B,), torch.int64)) + _qkv(q, k, v))
     out = torch.empty(B, T, Hv, Dv, dtype=torch.float32)
     runtime._rt.gated_delta_rule_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                       states.data_ptr(), states.shape[0], rows_in.data_ptr(), rows_out.data_ptr(),

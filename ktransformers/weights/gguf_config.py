@@ -36,6 +36,17 @@ _COMMON = (
     ("expert_used_count", "num_experts_per_tok"),
 )
 _QWEN_MOE = _COMMON + (("expert_count", "num_experts"), ("expert_feed_forward_length", "moe_intermediate_size"))
+# Qwen3-Next's and Qwen3.5-MoE's: the gated DeltaNet's heads beside Qwen2-MoE's keys
+_HYBRID = _QWEN_MOE + (
+    ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+    ("attention.key_length", "head_dim"),
+    ("attention.value_length", "head_dim"),
+    ("ssm.conv_kernel", "linear_conv_kernel_dim"),
+    ("ssm.state_size", "linear_key_head_dim"),
+    ("ssm.group_count", "linear_num_key_heads"),
+    ("ssm.time_step_rank", "linear_num_value_heads"),
+    ("full_attention_interval", "full_attention_interval"),
+)
 KEYS: dict[str, tuple[tuple[str, str], ...]] = {
     "deepseek2": tuple(k for k in _COMMON if k[0] != "attention.head_count_kv") + (
         ("leading_dense_block_count", "first_k_dense_replace"),
@@ -81,26 +92,8 @@ KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("attention.value_length", "head_dim"),
     ),
     "llama": _COMMON + (("expert_count", "num_local_experts"), ("vocab_size", "vocab_size")),
-    "qwen35moe": _QWEN_MOE + (
-        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
-        ("attention.key_length", "head_dim"),
-        ("attention.value_length", "head_dim"),
-        ("ssm.conv_kernel", "linear_conv_kernel_dim"),
-        ("ssm.state_size", "linear_key_head_dim"),
-        ("ssm.group_count", "linear_num_key_heads"),
-        ("ssm.time_step_rank", "linear_num_value_heads"),
-        ("full_attention_interval", "full_attention_interval"),
-    ),
-    "qwen3next": _QWEN_MOE + (
-        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
-        ("attention.key_length", "head_dim"),
-        ("attention.value_length", "head_dim"),
-        ("ssm.conv_kernel", "linear_conv_kernel_dim"),
-        ("ssm.state_size", "linear_key_head_dim"),
-        ("ssm.group_count", "linear_num_key_heads"),
-        ("ssm.time_step_rank", "linear_num_value_heads"),
-        ("full_attention_interval", "full_attention_interval"),
-    ),
+    "qwen35moe": _HYBRID,
+    "qwen3next": _HYBRID,
 }
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # HF model_type -> the GGUF architecture llama.cpp's converter writes for it

@@ -123,6 +123,16 @@ _DELTANET = (
     _m(L + "linear_attn.out_proj.weight", B + "ssm_out.weight"),
 )
 
+def _hybrid(deltanet: tuple[NameMap, ...]) -> tuple[NameMap, ...]:
+    """Qwen3-Next's and Qwen3.5-MoE's maps: every RMSNorm but the DeltaNet's gated one is
+    zero-centred; q_proj keeps each head's query and output gate together; Qwen2-MoE's routed and
+    sigmoid-gated shared experts; the DeltaNet's tensors."""
+    norms = _plus_one((_GLOBAL[1], _BLOCK_POST_ATTENTION_NORM[0], _BLOCK_POST_ATTENTION_NORM[2]))
+    return ((_GLOBAL[0], _GLOBAL[2]) + norms + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED
+            + _mlp("mlp.shared_expert", "_shexp")
+            + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),) + deltanet)
+
+
 ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "deepseek2": _GLOBAL + _BLOCK + _MLA + _ROUTED + _mlp("mlp", "") + _mlp("mlp.shared_experts", "_shexp") + (
         _m(L + "mlp.gate.e_score_correction_bias", B + "exp_probs_b.bias"),),
@@ -139,20 +149,11 @@ ARCH_NAMES: dict[str, tuple[NameMap, ...]] = {
     "minimax-m2": _GLOBAL + _BLOCK + _gqa(qk_norm=True) + _ROUTED + (
         _m(L + "mlp.e_score_correction_bias", B + "exp_probs_b.bias"),),
     "llama": _GLOBAL + _BLOCK + _gqa(permute=True) + _ROUTED + _PER_EXPERT + _mlp("mlp", ""),
-    # Qwen3-Next: every RMSNorm but the DeltaNet's gated one is zero-centred; q_proj keeps each
-    # head's query and output gate together
-    "qwen3next": (_GLOBAL[0], _GLOBAL[2]) + _plus_one((_GLOBAL[1], _BLOCK_POST_ATTENTION_NORM[0],
-                                                       _BLOCK_POST_ATTENTION_NORM[2]))
-    + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED + _mlp("mlp.shared_expert", "_shexp")
-    + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),) + _DELTANET,
+    "qwen3next": _hybrid(_DELTANET),
     # Qwen3.5-MoE (text): the DeltaNet's projections one each, value heads stored tiled (TILED_VALUE_HEADS)
-    "qwen35moe": (_GLOBAL[0], _GLOBAL[2]) + _plus_one((_GLOBAL[1], _BLOCK_POST_ATTENTION_NORM[0],
-                                                       _BLOCK_POST_ATTENTION_NORM[2]))
-    + (_BLOCK[2],) + _gqa() + _plus_one(_gqa(qk_norm=True)[3:]) + _ROUTED + _mlp("mlp.shared_expert", "_shexp")
-    + (_m(L + "mlp.shared_expert_gate.weight", B + "ffn_gate_inp_shexp.weight"),
-       _m(L + "linear_attn.in_proj_b.weight", B + "ssm_beta.weight"),
-       _m(L + "linear_attn.in_proj_a.weight", B + "ssm_alpha.weight"))
-    + tuple(m for m in _DELTANET if "in_proj_ba" not in m.hf),
+    "qwen35moe": _hybrid(tuple(m for m in _DELTANET if "in_proj_ba" not in m.hf) + (
+        _m(L + "linear_attn.in_proj_b.weight", B + "ssm_beta.weight"),
+        _m(L + "linear_attn.in_proj_a.weight", B + "ssm_alpha.weight"))),
 }
 # architectures whose converter reorders a DeltaNet's value heads from transformers' grouped order
 # (by key head) to tiled (value head j reads key head j % key heads), in every tensor that has them
