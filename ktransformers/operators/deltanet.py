@@ -1,10 +1,11 @@
-"""KGatedDeltaNet: the gated DeltaNet (linear attention) layer of Qwen3-Next, over the recurrent
-states of cache.recurrent.HybridCache.
+"""KGatedDeltaNet: the gated DeltaNet (linear attention) layer of Qwen3-Next and Qwen3.5-MoE,
+over the recurrent states of cache.recurrent.HybridCache.
 
 Per token: in_proj_qkvz gives q, k [Hk, Dk], v [Hv, Dv] and the output gate z [Hv, Dv];
 in_proj_ba gives beta (sigmoid) and the decay g = -exp(A_log) * softplus(a + dt_bias) per value
-head (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a give the same, one each). q, k and v pass a short causal depthwise convolution (kernel K, SiLU) whose last K - 1
-inputs are the conv state; then the gated delta rule runs over the state S [Hv, Dk, Dv]:
+head (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a give the same, one each). q, k
+and v pass a short causal depthwise convolution (kernel K, SiLU) whose last K - 1 inputs are the
+conv state; then the gated delta rule runs over the state S [Hv, Dk, Dv]:
 
     S = S * exp(g);  S = S + k ⊗ beta * (v - Sᵀk);  out = Sᵀq / sqrt(Dk)   (q, k L2-normed)
 
@@ -20,8 +21,8 @@ no tensor is reordered at load.
 When the engine has set a ForwardBatch, the input is the step's packed tokens [1, N, H] of several
 sequences: each reads its states from the batch's `state_read` rows (zeros where
 `state_fresh`) and writes them to its `state_write` rows. With no batch, each row of [B, S, H]
-is one sequence from zero states. On the CPU the delta rule runs on the C++ kernel
-(kernels.cpu.gated_delta_rule), on a GPU on flash-linear-attention's Triton kernels where that
+is one sequence from zero states. On the CPU the delta rule runs on the C++ kernel, over the
+cache's state rows (kernels.cpu.gated_delta_rule_rows), on a GPU on flash-linear-attention's Triton kernels where that
 package is installed, else on transformers' own torch functions.
 """
 from __future__ import annotations
