@@ -5,7 +5,8 @@ import torch
 from .paged import CacheFullError, ForwardBatch, KDeepSeekV3Cache, KGQACache, PagedCache, Sequence
 from .recurrent import HybridCache, linear_layers
 
-__all__ = ["CacheFullError", "ForwardBatch", "HybridCache", "KDeepSeekV3Cache", "KGQACache", "PagedCache", "Sequence", "make_cache"]
+__all__ = ["CacheFullError", "ForwardBatch", "HybridCache", "KDeepSeekV3Cache", "KGQACache", "PagedCache", "Sequence",
+           "make_cache"]
 
 
 def make_cache(config, cache_lens: int, page_size: int = 256, device="cpu", dtype=torch.bfloat16,
