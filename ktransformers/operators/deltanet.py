@@ -224,9 +224,9 @@ class KGatedDeltaNet(BaseInjectedModule):
     def _conv_step(self, x: torch.Tensor, conv_in: torch.Tensor):
         """One token of n sequences: x [n, C], conv_in [n, C, K-1] -> (SiLU(conv) [n, C] in x's dtype,
         the new conv states)."""
-        window = torch.cat([conv_in, x.float()[:, :, None]], dim=2)  # [n, C, K]
-        y = F.silu((window * self._conv_weight()[None]).sum(dim=-1))
-        return y.to(x.dtype), window[:, :, 1:]
+        w, xf = self._conv_weight(), x.float()
+        y = F.silu(torch.addcmul((conv_in * w[:, :-1]).sum(dim=-1), xf, w[:, -1]))
+        return y.to(x.dtype), torch.cat([conv_in[:, :, 1:], xf[:, :, None]], dim=2)  # (contiguous: a cheap store)
 
     def _delta(self, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, ssm: torch.Tensor, ssm_in: torch.Tensor,
                rows: torch.Tensor | None) -> torch.Tensor:
