@@ -104,7 +104,8 @@ def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops
 
 def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
     """A second prompt that extends the first (a chat turn) computes only its new tokens; the
-    scheduler's batched answers (prefix cache off for this model) equal generate's one by one."""
+    scheduler's batched answers (prefix cache off for this model) equal generate's one by one; a
+    request cancelled mid-answer gives its pages and state slot back."""
     from ktransformers.server.scheduler import Request, Scheduler
     hf, model = _loaded(tmp_path)
     hf.config.eos_token_id = None
@@ -140,6 +141,23 @@ def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
         sched.close()
     assert [r.tokens for r in reqs] == expected
     assert engine.cache.free_seqs == engine.cache.max_seqs
+    sched = Scheduler(engine, tokenizer, max_batch=4)  # a client gone mid-answer gives its state slot back
+    try:
+        gone, stays = Request(prompts[1], params[0], 200), Request(prompts[2], params[0], 6)
+        sched.submit(gone)
+        sched.submit(stays)
+        deadline = time.monotonic() + 120
+        while len(gone.tokens) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        gone.cancel()
+        while gone.t_done is None or stays.t_done is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.close()
+    assert gone.finish_reason == "cancelled" and len(gone.tokens) < 200 and stays.tokens == expected[2][:6]
+    assert engine.cache.free_seqs == engine.cache.max_seqs and len(engine.cache._free) == engine.cache.num_pages
     with pytest.raises(ValueError, match="recurrent states for 4 sequences"):
         Scheduler(engine, tokenizer, max_batch=8)
 
