@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from test_models import mxfp4_moe, q4_k_m
-from tiny import gpu_rules, tiny_model, with_experts_kwargs
+from tiny import gpu_rules, tiny_model, wait_all, with_experts_kwargs
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.engine.generate import Engine
@@ -307,10 +307,7 @@ def test_scheduler_runs_batches_ahead_with_the_answers_of_generate(tmp_path):
         reqs[0].stop_ids = frozenset({stop})
         for r in reqs:
             sched.submit(r)
-        deadline = time.monotonic() + 120
-        while any(r.t_done is None for r in reqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_all(reqs, 120)
     finally:
         sched.close()
     assert reqs[0].tokens == expected[0][:expected[0].index(stop) + 1]

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from tiny import HYBRID, RULES, tiny_model, train_tokenizer
+from tiny import HYBRID, RULES, tiny_model, train_tokenizer, wait_all
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, HybridCache
@@ -133,10 +133,7 @@ def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
         reqs = [Request(p, q, 8) for p, q in zip(prompts, params)]
         for r in reqs:
             sched.submit(r)
-        deadline = time.monotonic() + 120
-        while any(r.t_done is None for r in reqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_all(reqs, 120)
     finally:
         sched.close()
     assert [r.tokens for r in reqs] == expected
@@ -151,9 +148,7 @@ def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.005)
         gone.cancel()
-        while gone.t_done is None or stays.t_done is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_all([gone, stays], 120)
     finally:
         sched.close()
     assert gone.finish_reason == "cancelled" and len(gone.tokens) < 200 and stays.tokens == expected[2][:6]

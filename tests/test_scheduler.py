@@ -7,6 +7,7 @@ between the running requests' decode steps."""
 import time
 
 import pytest
+from tiny import wait_all
 
 from ktransformers.demo import DEMO_GGUF, DEMO_HF_DIR
 from ktransformers.engine.generate import Engine
@@ -21,13 +22,6 @@ GREEDY = SamplingParams(do_sample=False)
 def engine():
     lm = load_model(DEMO_GGUF, DEMO_HF_DIR, cpu_infer=2, progress=False)
     return Engine(lm.model, lm.tokenizer, cache_lens=2048, page_size=16, chunk_size=24)
-
-
-def wait_all(requests, timeout=300):
-    deadline = time.monotonic() + timeout  # (a hang guard)
-    while any(r.t_done is None for r in requests):
-        assert time.monotonic() < deadline, "the scheduler did not finish"
-        time.sleep(0.01)
 
 
 def prompts_of(engine, n):

@@ -3,6 +3,7 @@ GGUF of them should load as: each tensor in GGUF layout, quantized by us, dequan
 `gguf` package's numpy code (an independent decoder), then put back into HF layout."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -291,3 +292,11 @@ def gpu_rules(family: str, tmp_path, device: str, experts_extra: str = "") -> Pa
     path = tmp_path / f"{family}-gpu.yaml"
     path.write_text(text)
     return path
+
+
+def wait_all(requests, timeout: float = 300) -> None:
+    """Wait until every scheduler request has ended (a hang guard: a failure past `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while any(r.t_done is None for r in requests):
+        assert time.monotonic() < deadline, "the scheduler did not finish"
+        time.sleep(0.01)
