@@ -154,17 +154,15 @@ class KGatedDeltaNet(BaseInjectedModule):
         key head, its q, k, then the v and z of the value heads it serves; per key head, their b
         then their a."""
         B, S, _ = x.shape
-        if not self.fused:
-            b, a = self.in_proj_b(x), self.in_proj_a(x)
-            beta = b.float().sigmoid()
-            g = self.neg_A.to(a.device) * F.softplus(a.float() + self.dt_bias.to(a.device))
-            return self.in_proj_qkv(x), self.in_proj_z(x).reshape(B, S, self.Hv, self.Dv), beta, g
-        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
-        r = self.Hv // self.Hk
-        qkvz = qkvz.view(B, S, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
-        q, k, v, z = torch.split(qkvz, [self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
-        b, a = torch.split(ba.view(B, S, self.Hk, 2 * r), [r, r], dim=-1)
-        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        if self.fused:
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+            r = self.Hv // self.Hk
+            qkvz = qkvz.view(B, S, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
+            q, k, v, z = torch.split(qkvz, [self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
+            b, a = torch.split(ba.view(B, S, self.Hk, 2 * r), [r, r], dim=-1)
+            mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         beta = b.reshape(B, S, self.Hv).float().sigmoid()
         g = self.neg_A.to(a.device) * F.softplus(a.reshape(B, S, self.Hv).float() + self.dt_bias.to(a.device))
         return mixed, z.reshape(B, S, self.Hv, self.Dv), beta, g

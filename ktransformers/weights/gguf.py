@@ -289,12 +289,12 @@ class GGUFSource(WeightSource):
     def _load_stored(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t, transform = self._tensor(name)
         self.files.check_unchanged(t.file)
+        valued = transform in VALUE_TRANSFORMS  # (undone in float32, then cast)
         try:  # dequantize checks the byte count and the block size against the shape
-            tensor = dequantize(t.data, t.ggml_type, t.shape, dtype or torch.float32)
+            tensor = dequantize(t.data, t.ggml_type, t.shape, torch.float32 if valued else dtype or torch.float32)
         except (ValueError, NotImplementedError) as e:
             raise WeightError(f"{t.file}: tensor {t.name!r}: {e}") from None
-        if transform in VALUE_TRANSFORMS:  # (undone in float32, then cast)
-            tensor = dequantize(t.data, t.ggml_type, t.shape, torch.float32)
+        if valued:
             if transform == "neg_exp" and not bool((tensor < 0).all()):
                 raise WeightError(f"{t.file}: tensor {t.name!r} holds -exp(A_log), so every value must be negative; "
                                   f"it has {int((~(tensor < 0)).sum())} that are not")
