@@ -14,6 +14,8 @@
 #include "deltanet.h"
 #include "checked.h"
 #include "moe.h"
+#include "moe_grad.h"
+#include "dequant.h"
 
 #ifndef KT_MODULE
 #error "KT_MODULE (the extension's name) must be defined by the build"
@@ -204,6 +206,51 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def("set_deferral", &MoE::set_deferral, py::arg("defer"), py::arg("next"),
              "leave each token's `defer` lowest-weight experts to be added to `next`'s following call (0: off)")
         .def("set_deferring", &MoE::set_deferring, py::arg("on"), "defer from now on (decode), or not (prefill)");
+
+    py::class_<MoEGrad, std::shared_ptr<MoEGrad>>(m, "MoEGrad", py::module_local())
+        .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
+                         int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
+                         size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple biases, float swiglu_limit,
+                         float swiglu_alpha) {
+                 MoEConfig c;
+                 c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
+                 c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
+                 c.gate = cptr<void>(gate), c.up = cptr<void>(up), c.down = cptr<void>(down);
+                 c.gate_bytes = gate_bytes, c.up_bytes = up_bytes, c.down_bytes = down_bytes;
+                 if (biases.size()) {  // gate, up, down float32 addresses; shapes checked in Python
+                     if (biases.size() != 3) throw std::invalid_argument("MoEGrad: biases needs 3 addresses");
+                     c.gate_bias = cptr<float>(biases[0].cast<uintptr_t>());
+                     c.up_bias = cptr<float>(biases[1].cast<uintptr_t>());
+                     c.down_bias = cptr<float>(biases[2].cast<uintptr_t>());
+                 }
+                 c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
+                 return std::make_shared<MoEGrad>(rt, c);
+             }),
+             py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
+             py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
+             py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"),
+             py::arg("biases") = py::tuple(), py::arg("swiglu_limit") = 0.f, py::arg("swiglu_alpha") = 1.f)
+        .def("backward", [](MoEGrad& g, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t dy,
+                            uintptr_t dx, uintptr_t dw) {
+                 g.backward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<float>(x), cptr<float>(dy),
+                            reinterpret_cast<float*>(dx), reinterpret_cast<float*>(dw));
+             }, py::call_guard<py::gil_scoped_release>(),
+             "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K] (shapes checked in Python)");
+
+    m.def("dequantize", [](int type, uintptr_t src, size_t src_bytes, size_t values, uintptr_t out) {
+              const int elems = dequant_block_elems(type), block = dequant_block_bytes(type);
+              if (elems == 0) throw std::invalid_argument("dequantize: no decoder for ggml type " + std::to_string(type));
+              if (values % elems)
+                  throw std::invalid_argument("dequantize: " + std::to_string(values) + " values are not whole blocks of " +
+                                              std::to_string(elems));
+              const size_t blocks = values / elems;
+              if (src_bytes < checked_product("dequantize: bytes", {blocks, (size_t)block}))
+                  throw std::invalid_argument("dequantize: " + std::to_string(src_bytes) + " bytes hold fewer than " +
+                                              std::to_string(blocks) + " blocks");
+              if (blocks > (size_t)INT32_MAX) throw std::invalid_argument("dequantize: too many blocks for one call");
+              dequant_blocks(type, cptr<void>(src), (int)blocks, reinterpret_cast<float*>(out));
+          }, py::call_guard<py::gil_scoped_release>(), py::arg("type"), py::arg("src"), py::arg("src_bytes"),
+          py::arg("values"), py::arg("out"), "`values` float32 values of ggml blocks at src into out");
 
     py::class_<MoEHostCall, std::shared_ptr<MoEHostCall>>(m, "MoEHostCall", py::module_local())
         .def(py::init([](std::shared_ptr<MoE> moe, std::shared_ptr<Runtime> rt, int tokens, uintptr_t ids,

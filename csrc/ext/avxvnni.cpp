@@ -7,6 +7,8 @@
 #include "../bf16.cpp"
 #include "../pool.cpp"
 #include "../moe.cpp"
+#include "../dequant.cpp"
+#include "../moe_grad.cpp"
 #include "../linear.cpp"
 #include "../stream.cpp"
 #include "../attention.cpp"

@@ -443,6 +443,15 @@ class Int4Rows:
         return self.q.data_ptr(), self.scale.data_ptr(), self.corr.data_ptr()
 
 
+def dequantize_cpu(runtime: CPURuntime, raw, ggml_type: int, values: int) -> torch.Tensor:
+    """float32 [values] of the GGML blocks in `raw` (the C++ decoders the experts' backward reads
+    its weights through)."""
+    src, nbytes = _address(raw)
+    out = torch.empty(values, dtype=torch.float32)
+    runtime.ext.dequantize(int(ggml_type), src, nbytes, values, out.data_ptr())
+    return out
+
+
 def round_activations_rows(x: torch.Tensor) -> torch.Tensor:
     """How the int8 prefill path rounds activations: int8 steps of amax/127 per whole row."""
     return round_activations(x, x.shape[-1])
@@ -503,7 +512,8 @@ class MoEKernel:
             int8_min_tokens = 1
         elif gate is None or up is None or down is None:
             raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
-        elif tiles:
+        stored = None if self.copies_only or any(w.tiled for w in (gate, up, down)) else (gate, up, down)
+        if tiles and not self.copies_only:
             if intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
                 gate = tile_weights(runtime, gate, experts * intermediate, hidden)
                 up = tile_weights(runtime, up, experts * intermediate, hidden)
@@ -511,6 +521,7 @@ class MoEKernel:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
         _check_tilings(name, (gate, up, down), experts, hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
+        self._grad, self._grad_args = None, (experts, top_k, hidden, intermediate, max_tokens, stored)
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
@@ -529,6 +540,7 @@ class MoEKernel:
             raise ValueError(f"{name}: swiglu_limit must be finite and positive (None: plain SwiGLU), swiglu_alpha "
                              f"finite; got {swiglu_limit}, {swiglu_alpha}")
         self.deferral = 0  # set_deferral's
+        self._moe_limit, self._moe_alpha = limit, float(swiglu_alpha)
         self._moe = runtime.ext.MoE(runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                                     *(-1 if w is None else w.kernel_type(runtime.ext) for w in self._weights),
                                     g, gb, u, ub, d, db,
@@ -556,6 +568,33 @@ class MoEKernel:
         x, ids, weights, y = self._args(x, ids, weights)
         self._moe.forward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
         return y
+
+    def backward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients (dx [T, H], dw [T, K], float32) of a forward call on (x, ids, weights)
+        whose output's gradient is dy, the experts frozen (the C++ MoEGrad: the stored rows, as
+        the GGUF holds them, decoded in place; g and u recomputed from x)."""
+        x, ids, weights, _ = self._args(x.float(), ids, weights)
+        if dy.shape != x.shape:
+            raise ValueError(f"{self.name}: dy must be [{x.shape[0]}, {self.hidden}] like x, got {tuple(dy.shape)}")
+        dy = dy.to("cpu", torch.float32).contiguous()
+        dx, dw = torch.empty_like(x), torch.empty_like(weights)
+        self._grad_kernel().backward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), dy.data_ptr(),
+                                     dx.data_ptr(), dw.data_ptr())
+        return dx, dw
+
+    def _grad_kernel(self):
+        if self._grad is None:
+            experts, top_k, hidden, intermediate, max_tokens, stored = self._grad_args
+            if stored is None:
+                raise ValueError(f"{self.name}: the backward reads the experts' stored GGML rows, and this kernel "
+                                 "keeps none (int4_decode copies only, or weights passed as tiles)")
+            (g, gb), (u, ub), (d, db) = (_address(w.data) for w in stored)
+            self._grad = self.runtime.ext.MoEGrad(
+                self.runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
+                *(w.ggml_type for w in stored), g, gb, u, ub, d, db,
+                tuple(b.data_ptr() for b in self._biases), float(self._moe_limit), float(self._moe_alpha))
+        return self._grad
 
     def last_seconds(self) -> float:
         """How long the last call took inside the kernel (from its first phase to its output)."""

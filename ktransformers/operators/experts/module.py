@@ -192,6 +192,9 @@ class KTransformersExperts(BaseInjectedModule):
         stream: `packed`, the pinned inputs (stage_inputs) a launch before stored already, and
         `epilogue`, what the caller does next with y (kernels.cuda_host.MoEEpilogue)."""
         op = self.ops[self.phase]
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+            y = self._trainable(op, hidden_states, top_k_index, top_k_weights)
+            return lambda: y
         threshold = self._threshold() if self.layerwise is not None else 0
         if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
             y = self.layerwise.forward(hidden_states, top_k_index, top_k_weights)
@@ -232,6 +235,19 @@ class KTransformersExperts(BaseInjectedModule):
             y = pending().to(out, dtype)
             return y if gpu_y is None else y + gpu_y.to(out, dtype)
         return wait
+
+
+    def _trainable(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A training step's experts: every expert on `op` (no hot-expert split, no layer-wise
+        prefill: their GPU kernels have no backward), differentiable with respect to the hidden
+        states and the routing weights."""
+        check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+        out = torch.device(self.options.out_device)
+        if hasattr(op, "trainable_forward"):
+            return op.trainable_forward(hidden_states, top_k_index, top_k_weights).to(out, hidden_states.dtype)
+        raise ValueError(f"{self.key}: {type(op).__name__} has no backward; training needs KExpertsCPU or KExpertsTorch "
+                         "as the experts op")
 
 
 def set_prefill_gpu_threshold(model: nn.Module, tokens: int) -> None:

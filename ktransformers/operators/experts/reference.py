@@ -117,6 +117,11 @@ class KExpertsTorch:
                              bias=self.bias)
 
 
+    def trainable_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward on the op's device, differentiable (torch ops) with respect to x and the weights."""
+        return self.forward(x.to(self.device), ids.to(self.device), weights.to(self.device))
+
+
 def load_biases(weights, spec: ExpertSpec, device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up bias [E, 2I], down bias [E, H]) of the experts `spec` describes."""
     E, H, I, key, dtype = spec.experts, spec.hidden, spec.intermediate, spec.key, dtype or spec.dtype

@@ -1,0 +1,207 @@
+#include "moe_grad.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "checked.h"
+#include "dequant.h"
+#include "simd.h"
+
+namespace kt {
+namespace {
+
+// Bytes of one stored row of n values of `type` (whole blocks), or invalid_argument naming `which`.
+size_t grad_row_bytes(int type, int n, const char* which, int& elems, int& block) {
+    elems = dequant_block_elems(type), block = dequant_block_bytes(type);
+    if (elems == 0)
+        throw std::invalid_argument(std::string("MoEGrad: ") + which + " weights of ggml type " + std::to_string(type) +
+                                    " have no decoder here (the backward reads stored rows, not tiled layouts)");
+    if (n % elems)
+        throw std::invalid_argument(std::string("MoEGrad: ") + which + " rows of " + std::to_string(n) +
+                                    " values are not whole blocks of " + std::to_string(elems));
+    return checked_product("MoEGrad: row bytes", {(size_t)(n / elems), (size_t)block});
+}
+
+int round_up(int n, int step) { return (n + step - 1) / step * step; }
+
+inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+
+}  // namespace
+
+MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
+    if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
+        throw std::invalid_argument("MoEGrad: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
+    if (!c.gate || !c.up || !c.down)
+        throw std::invalid_argument("MoEGrad: the stored gate, up and down weights are needed (not int8/int4 copies alone)");
+    const int biases = (c.gate_bias != nullptr) + (c.up_bias != nullptr) + (c.down_bias != nullptr);
+    if (biases != 0 && biases != 3) throw std::invalid_argument("MoEGrad: pass the gate, up and down biases together, or none");
+    if (!(c.swiglu_limit >= 0.f) || !std::isfinite(c.swiglu_limit) || !std::isfinite(c.swiglu_alpha))
+        throw std::invalid_argument("MoEGrad: swiglu_limit must be finite and >= 0 (0: plain SwiGLU), swiglu_alpha finite");
+    const size_t E = c.experts, H = c.hidden, I = c.intermediate;
+    gate_row_ = grad_row_bytes(c.gate_type, c.hidden, "gate", gate_elems_, gate_blk_);
+    up_row_ = grad_row_bytes(c.up_type, c.hidden, "up", up_elems_, up_blk_);
+    down_row_ = grad_row_bytes(c.down_type, c.intermediate, "down", down_elems_, down_blk_);
+    auto need = [](size_t got, size_t want, const char* which) {
+        if (got < want)
+            throw std::invalid_argument(std::string("MoEGrad: ") + which + " holds " + std::to_string(got) + " bytes, needs " +
+                                        std::to_string(want));
+    };
+    need(c.gate_bytes, checked_product("MoEGrad: gate", {gate_row_, I, E}), "gate");
+    need(c.up_bytes, checked_product("MoEGrad: up", {up_row_, I, E}), "up");
+    need(c.down_bytes, checked_product("MoEGrad: down", {down_row_, H, E}), "down");
+    // tasks: runs of whole blocks, at least 128 columns of I and 256 of H
+    i_step_ = round_up(128, down_elems_);
+    const int gate_up = std::lcm(gate_elems_, up_elems_);
+    h_step_ = round_up(256, gate_up);
+    const size_t P = checked_product("MoEGrad: max_tokens * top_k", {(size_t)c.max_tokens, (size_t)c.top_k});
+    const size_t chunks_i = (I + i_step_ - 1) / i_step_;
+    const size_t pi = checked_product("MoEGrad: scratch", {P, I});
+    g_.resize(pi), u_.resize(pi), dhr_.resize(pi);
+    dxp_.resize(checked_product("MoEGrad: scratch", {P, H}));
+    dwp_.resize(checked_product("MoEGrad: scratch", {P, chunks_i}));
+    const size_t per_thread = std::max({2 * H, (size_t)i_step_, 2 * (size_t)h_step_});
+    rows_.resize(checked_product("MoEGrad: scratch", {(size_t)rt_->pool().size(), per_thread}));
+    pair_token_.resize(P), pair_slot_.resize(P), slot_pair_.resize(P);
+    expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
+}
+
+void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
+                       float* dw) {
+    if (tokens < 0) throw std::invalid_argument("MoEGrad: tokens must be >= 0");
+    const size_t K = cfg_.top_k, H = cfg_.hidden;
+    for (size_t i = 0, n = (size_t)tokens * K; i < n; i++)
+        if (ids[i] < -1 || ids[i] >= cfg_.experts)
+            throw std::invalid_argument("MoEGrad: expert id " + std::to_string(ids[i]) + " at [" + std::to_string(i / K) +
+                                        ", " + std::to_string(i % K) + "] is outside [-1, " +
+                                        std::to_string(cfg_.experts) + ")");
+    rt_->run_inline([&] {
+        for (int t0 = 0; t0 < tokens; t0 += cfg_.max_tokens) {
+            const int n = std::min(cfg_.max_tokens, tokens - t0);
+            chunk(n, ids + t0 * K, w + t0 * K, x + t0 * H, dy + t0 * H, dx + t0 * H, dw + t0 * K);
+        }
+    });
+}
+
+void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
+    const size_t at = (size_t)p * cfg_.intermediate;
+    float *g = g_.data() + at, *u = u_.data() + at, *dr = dhr_.data() + at;
+    const float limit = cfg_.swiglu_limit, alpha = cfg_.swiglu_alpha;
+    float part = 0.f;
+    for (int i = i0; i < i1; i++) {
+        const float gv = g[i], uv = u[i], dh = wt * dr[i];
+        if (limit > 0.f) {  // gpt-oss: g' = min(g, L), u' = clamp(u, -L, L), h = g' sigmoid(alpha g') (u' + 1)
+            const float gc = std::min(gv, limit), uc = std::min(std::max(uv, -limit), limit);
+            const float s = sigmoid(alpha * gc), glu = gc * s;
+            part += dr[i] * glu * (uc + 1.f);
+            g[i] = gv <= limit ? dh * (uc + 1.f) * (s + gc * alpha * s * (1.f - s)) : 0.f;
+            u[i] = (uv >= -limit && uv <= limit) ? dh * glu : 0.f;
+        } else {  // h = silu(g) u
+            const float s = sigmoid(gv), silu = gv * s;
+            part += dr[i] * silu * uv;
+            g[i] = dh * uv * s * (1.f + gv * (1.f - s));
+            u[i] = dh * silu;
+        }
+    }
+    const int chunks_i = (cfg_.intermediate + i_step_ - 1) / i_step_;
+    dwp_[(size_t)p * chunks_i + i0 / i_step_] = part;
+}
+
+void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
+                    float* dw) {
+    const int E = cfg_.experts, K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
+    // group the (token, expert) pairs by expert
+    std::fill(expert_start_.begin(), expert_start_.end(), 0);
+    for (int s = 0; s < tokens * K; s++)
+        if (ids[s] >= 0) expert_start_[ids[s] + 1]++;
+    std::partial_sum(expert_start_.begin(), expert_start_.end(), expert_start_.begin());
+    std::copy(expert_start_.begin(), expert_start_.end() - 1, fill_.begin());
+    active_.clear();
+    for (int e = 0; e < E; e++)
+        if (expert_start_[e + 1] > expert_start_[e]) active_.push_back(e);
+    for (int s = 0; s < tokens * K; s++) {
+        if (ids[s] < 0) {
+            slot_pair_[s] = -1;
+            continue;
+        }
+        const int p = fill_[ids[s]]++;
+        pair_token_[p] = s / K, pair_slot_[p] = s, slot_pair_[s] = p;
+    }
+    const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up),
+                  *down = static_cast<const uint8_t*>(cfg_.down);
+    const size_t per_thread = rows_.size() / rt_->pool().size();
+    ThreadPool& pool = rt_->pool();
+
+    // g, u recomputed; D^T dy; then dw's parts and dg, du, by column runs of I
+    const int chunks_i = (I + i_step_ - 1) / i_step_;
+    pool.parallel_for((int)active_.size() * chunks_i, [&](int task, int thread) {
+        const int e = active_[task / chunks_i], c = task % chunks_i;
+        const int i0 = c * i_step_, i1 = std::min(I, i0 + i_step_), p0 = expert_start_[e], p1 = expert_start_[e + 1];
+        float* buf = rows_.data() + thread * per_thread;
+        for (int i = i0; i < i1; i++) {
+            const size_t row = (size_t)e * I + i;
+            dequant_blocks(cfg_.gate_type, gate + row * gate_row_, H / gate_elems_, buf);
+            dequant_blocks(cfg_.up_type, up + row * up_row_, H / up_elems_, buf + H);
+            const float bg = cfg_.gate_bias ? cfg_.gate_bias[row] : 0.f, bu = cfg_.up_bias ? cfg_.up_bias[row] : 0.f;
+            for (int p = p0; p < p1; p++) {
+                const float* xt = x + (size_t)pair_token_[p] * H;
+                g_[(size_t)p * I + i] = fdot(buf, xt, H) + bg;
+                u_[(size_t)p * I + i] = fdot(buf + H, xt, H) + bu;
+            }
+        }
+        for (int p = p0; p < p1; p++) std::fill_n(dhr_.data() + (size_t)p * I + i0, i1 - i0, 0.f);
+        for (int r = 0; r < H; r++) {
+            dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_ + (size_t)(i0 / down_elems_) * down_blk_,
+                           (i1 - i0) / down_elems_, buf);
+            for (int p = p0; p < p1; p++) {
+                const float a = dy[(size_t)pair_token_[p] * H + r];
+                float* out = dhr_.data() + (size_t)p * I + i0;
+                for (int j = 0; j < i1 - i0; j++) out[j] += a * buf[j];
+            }
+        }
+        for (int p = p0; p < p1; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
+    });
+
+    // each pair's dx = G^T dg + U^T du, by column runs of H
+    const int chunks_h = (H + h_step_ - 1) / h_step_;
+    pool.parallel_for((int)active_.size() * chunks_h, [&](int task, int thread) {
+        const int e = active_[task / chunks_h], c = task % chunks_h;
+        const int c0 = c * h_step_, c1 = std::min(H, c0 + h_step_), n = c1 - c0, p0 = expert_start_[e],
+                  p1 = expert_start_[e + 1];
+        float *bg = rows_.data() + thread * per_thread, *bu = bg + h_step_;
+        for (int p = p0; p < p1; p++) std::fill_n(dxp_.data() + (size_t)p * H + c0, n, 0.f);
+        for (int i = 0; i < I; i++) {
+            const size_t row = (size_t)e * I + i;
+            dequant_blocks(cfg_.gate_type, gate + row * gate_row_ + (size_t)(c0 / gate_elems_) * gate_blk_, n / gate_elems_, bg);
+            dequant_blocks(cfg_.up_type, up + row * up_row_ + (size_t)(c0 / up_elems_) * up_blk_, n / up_elems_, bu);
+            for (int p = p0; p < p1; p++) {
+                const float a = g_[(size_t)p * I + i], b = u_[(size_t)p * I + i];
+                float* out = dxp_.data() + (size_t)p * H + c0;
+                for (int j = 0; j < n; j++) out[j] += a * bg[j] + b * bu[j];
+            }
+        }
+    });
+
+    // per token: the sum of its pairs' dx, and each slot's dw
+    pool.parallel_for(tokens, [&](int t, int) {
+        float* out = dx + (size_t)t * H;
+        std::fill_n(out, H, 0.f);
+        for (int k = 0; k < K; k++) {
+            const int s = t * K + k, p = slot_pair_[s];
+            if (p < 0) {
+                dw[s] = 0.f;
+                continue;
+            }
+            const float* src = dxp_.data() + (size_t)p * H;
+            for (int j = 0; j < H; j++) out[j] += src[j];
+            float sum = 0.f;
+            for (int c = 0; c < chunks_i; c++) sum += dwp_[(size_t)p * chunks_i + c];
+            if (cfg_.down_bias) sum += fdot(dy + (size_t)t * H, cfg_.down_bias + (size_t)ids[s] * H, H);
+            dw[s] = sum;
+        }
+    });
+}
+
+}  // namespace kt

@@ -1,0 +1,155 @@
+"""The routed experts' backward (csrc/moe_grad.cpp, for training with frozen experts) against
+torch autograd through the plain-torch MoE formula on the weights the `gguf` package decodes:
+dx and the routing weights' dw, at every ISA level this CPU runs, for every format the experts
+are stored in, at several token counts (across the kernel's max_tokens chunks), with empty
+slots (-1), biases and gpt-oss's clamped SwiGLU. The C++ block decoders it reads the weights
+through are checked against the gguf package bit for bit."""
+import numpy as np
+import pytest
+import torch
+from gguf import quants as gguf_quants
+from gguf.constants import GGMLQuantizationType
+
+from ktransformers.kernels.cpu import CPURuntime, ExpertWeights, MoEKernel, dequantize_cpu, supported_isas
+from ktransformers.operators.experts.reference import Activation, moe_reference
+from ktransformers.weights.ggml_quants import random_blocks, tensor_nbytes
+
+# ggml type ids: F32, F16, BF16, Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4
+TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14, "IQ4_XS": 23, "MXFP4": 39}
+BLOCK = {0: 1, 1: 1, 30: 1, 2: 32, 8: 32, 39: 32}  # else 256
+
+
+@pytest.fixture(scope="module", params=supported_isas())
+def runtime(request):
+    return CPURuntime(threads=2, isa=request.param)
+
+
+def blocks_of(t: int, values: int, gen: torch.Generator) -> torch.Tensor:
+    n = values // BLOCK.get(t, 256)
+    return random_blocks(t, n, gen).reshape(-1).contiguous()
+
+
+def gguf_values(raw: torch.Tensor, t: int, shape) -> torch.Tensor:
+    out = gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType(t))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_decoders_equal_the_gguf_package(runtime, name):
+    t = TYPES[name]
+    raw = blocks_of(t, 4 * 512, torch.Generator().manual_seed(t))
+    got = dequantize_cpu(runtime, raw, t, raw.numel() and 4 * 512)
+    assert torch.equal(got, gguf_values(raw, t, (-1,)))
+    with pytest.raises(ValueError, match="bytes hold fewer"):
+        dequantize_cpu(runtime, raw[:-1], t, 4 * 512)
+
+
+def experts(types, E, H, I, seed):
+    """(kernel weights, dense gate_up [E, 2I, H], down [E, H, I]) of random blocks per projection."""
+    gen = torch.Generator().manual_seed(seed)
+    raws = [blocks_of(t, E * rows * cols, gen) for t, (rows, cols) in zip(types, ((I, H), (I, H), (H, I)))]
+    gate, up = (gguf_values(r, t, (E, I, H)) for r, t in zip(raws[:2], types[:2]))
+    down = gguf_values(raws[2], types[2], (E, H, I))
+    return [ExpertWeights(r, t) for r, t in zip(raws, types)], torch.cat([gate, up], dim=1), down
+
+
+def routing(T, K, E, gen, empty=False):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    if empty:  # some slots computed elsewhere (hot experts on a GPU): -1
+        ids[torch.rand(T, K, generator=gen) < 0.25] = -1
+    w = torch.rand(T, K, generator=gen)
+    return ids, w
+
+
+def torch_grads(x, ids, w, gate_up, down, dy, act, bias):
+    """dx, dw by autograd through moe_reference (a -1 slot contributes nothing)."""
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    keep = ids >= 0
+    safe_ids = ids.clamp(min=0)
+    y = moe_reference(x, safe_ids, w * keep, gate_up, down, act=act, bias=bias)
+    y.backward(dy)
+    return x.grad, w.grad * keep
+
+
+CASES = [  # (gate, up, down types), E, K, H, I, T, max_tokens
+    (("Q4_K", "Q4_K", "Q6_K"), 8, 2, 256, 512, 5, 512),
+    (("Q8_0", "Q8_0", "Q8_0"), 6, 3, 288, 160, 37, 16),
+    (("Q5_K", "Q5_K", "Q4_K"), 4, 2, 512, 256, 1, 512),
+    (("IQ4_XS", "IQ4_XS", "Q2_K"), 5, 2, 256, 256, 19, 8),
+    (("Q3_K", "Q4_0", "Q8_0"), 4, 2, 256, 256, 9, 512),
+    (("BF16", "BF16", "F16"), 4, 2, 96, 64, 11, 4),
+    (("F32", "F32", "F32"), 3, 1, 64, 32, 3, 512),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c[0]) + f"-T{c[5]}")
+def test_backward_matches_autograd(runtime, case):
+    types, E, K, H, I, T, max_tokens = case
+    types = tuple(TYPES[n] for n in types)
+    gen = torch.Generator().manual_seed(E * 100 + T)
+    weights, gate_up, down = experts(types, E, H, I, seed=T)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], max_tokens=max_tokens, name="grad-test")
+    x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    ids, w = routing(T, K, E, gen, empty=T > 8)
+    dx, dw = kernel.backward(x, ids, w, dy)
+    want_dx, want_dw = torch_grads(x, ids, w, gate_up, down, dy, Activation(), None)
+    scale_x, scale_w = want_dx.abs().max(), want_dw.abs().max()
+    assert scale_x > 0 and scale_w > 0
+    assert (dx - want_dx).abs().max() <= 1e-4 * scale_x, runtime.isa
+    assert (dw - want_dw).abs().max() <= 1e-4 * scale_w
+
+
+@pytest.mark.parametrize("T", [1, 13])
+def test_backward_with_biases_and_the_clamped_swiglu(runtime, T):
+    """gpt-oss's experts: MXFP4, biases on all three projections, the clamped SwiGLU (limit 7);
+    inputs large enough that some g and u fall beyond the limit."""
+    E, K, H, I = 4, 2, 128, 64
+    gen = torch.Generator().manual_seed(T)
+    weights, gate_up, down = experts((39, 39, 39), E, H, I, seed=3)
+    bias = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen))
+    act = Activation(7.0, 1.702)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], name="grad-test", biases=(*bias[0].chunk(2, dim=1), bias[1]),
+                       swiglu_limit=7.0, swiglu_alpha=1.702)
+    x, dy = 40 * torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    ids, w = routing(T, K, E, gen)
+    g = torch.einsum("th,eih->tei", x, gate_up[:, :I]) + bias[0][:, :I]
+    assert (g > 7).any() and (g.abs() < 7).any()  # (both sides of the clamp are exercised)
+    dx, dw = kernel.backward(x, ids, w, dy)
+    want_dx, want_dw = torch_grads(x, ids, w, gate_up, down, dy, act, bias)
+    assert (dx - want_dx).abs().max() <= 1e-4 * want_dx.abs().max()
+    assert (dw - want_dw).abs().max() <= 1e-4 * want_dw.abs().max()
+
+
+def test_backward_reads_tiled_kernels_stored_rows(runtime):
+    """A kernel that tiled its weights for the forward still backs up on the stored rows."""
+    E, K, H, I, T = 4, 2, 256, 256, 6
+    weights, gate_up, down = experts((12, 12, 14), E, H, I, seed=9)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], tiles=True, name="grad-test")
+    gen = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    ids, w = routing(T, K, E, gen)
+    dx, _ = kernel.backward(x, ids, w, dy)
+    want_dx, _ = torch_grads(x, ids, w, gate_up, down, dy, Activation(), None)
+    assert (dx - want_dx).abs().max() <= 1e-4 * want_dx.abs().max()
+
+
+def test_backward_bad_inputs_are_value_errors(runtime):
+    E, K, H, I = 4, 2, 64, 32
+    weights, _, _ = experts((0, 0, 0), E, H, I, seed=1)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], name="grad-test")
+    x, ids, w = torch.randn(3, H), torch.tensor([[0, 1], [2, 4], [3, -1]]), torch.rand(3, K)
+    with pytest.raises(ValueError, match=r"expert id 4 at \[1, 1\]"):
+        kernel.backward(x, ids, w, torch.randn(3, H))
+    with pytest.raises(ValueError, match="dy must be"):
+        kernel.backward(x, ids.clamp(max=3), w, torch.randn(2, H))
+    short = ExpertWeights(weights[2].data[:-4], 0)
+    bad = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                    down=weights[2], name="grad-test")
+    bad._grad_args = (*bad._grad_args[:5], (weights[0], weights[1], short))
+    with pytest.raises(ValueError, match="down holds"):
+        bad.backward(x, ids.clamp(max=3), w, torch.randn(3, H))

@@ -1,0 +1,151 @@
+"""Fine-tuning with the routed experts frozen on the CPU kernels: a LoRA step through the training
+rule file (KExpertsCPU forward and backward) against the same step in plain transformers + peft
+on the same weights; adapters saved and loaded by peft give the same logits; the chat data's
+labels keep exactly the assistant's tokens; a short run lowers the loss it trains on."""
+import json
+
+import pytest
+import torch
+from tiny import reference_state_dict, tiny_model, train_tokenizer
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("peft")
+
+from ktransformers.kernels.cpu import MoEKernel  # noqa: E402
+from ktransformers.operators.experts import KTransformersExperts  # noqa: E402
+from ktransformers.train import add_lora, load_adapter, load_examples, load_for_training, mean_loss, train  # noqa: E402
+from ktransformers.train.data import IGNORE, Example, render  # noqa: E402
+from ktransformers.weights.ggml_quants import GGMLType  # noqa: E402
+from ktransformers.weights.gguf_write import write_gguf  # noqa: E402
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss")
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def pair(tmp_path, family, seed=0):
+    """(ours: the GGUF through MoE-sft-cpu.yaml, reference: transformers on the same weights), each
+    with LoRA adapters on the attention projections, ours' random A and B copied to the reference."""
+    model = tiny_model(family, seed=seed)
+    path = tmp_path / f"{family}.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
+    ours = load_for_training(path, device="cpu", progress=False, cpu_infer=2, tokenizer=False).model
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    reference.load_state_dict(reference_state_dict(model, types))
+    reference.train()
+    torch.manual_seed(seed)
+    ours = add_lora(ours, rank=4, alpha=8, init=False)
+    reference = add_lora(reference, rank=4, alpha=8, init=False)
+    state = lora_state(ours)
+    assert state and state.keys() == lora_state(reference).keys()
+    reference.load_state_dict(state, strict=False)
+    return ours, reference, model.config
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_step_equals_transformers_and_peft(tmp_path, family, monkeypatch):
+    ours, reference, config = pair(tmp_path, family)
+    calls = []
+    backward = MoEKernel.backward
+    monkeypatch.setattr(MoEKernel, "backward", lambda self, *a: calls.append(self.name) or backward(self, *a))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (2, 11), generator=gen)
+    labels = ids.clone()
+    labels[:, :4] = IGNORE  # (a prompt part, as the chat data has)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # a padded row
+    labels[1, -3:] = IGNORE
+    for model in (ours, reference):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    moe_layers = sum(1 for m in ours.modules() if isinstance(m, KTransformersExperts))
+    assert moe_layers and len(calls) == moe_layers  # (every MoE layer backed up through the C++ kernel)
+    with torch.no_grad():
+        loss_ours = float(ours(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        loss_ref = float(reference(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert abs(loss_ours - loss_ref) < 1e-4 * abs(loss_ref)
+    g_ours, g_ref = grads(ours), grads(reference)
+    assert g_ours.keys() == g_ref.keys() and len(g_ours) >= 8
+    for name, want in g_ref.items():
+        assert want.abs().max() > 0, name
+        err = ((g_ours[name] - want).norm() / want.norm()).item()
+        assert err < 1e-3, f"{family} {name}: relative error {err:.2e}"
+    # the same optimizer step on both: the next losses agree too
+    for model in (ours, reference):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        opt.step()
+    with torch.no_grad():
+        after_ours = float(ours(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        after_ref = float(reference(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert abs(after_ours - after_ref) < 1e-3 * abs(after_ref)
+    assert abs(after_ref - loss_ref) > 1e-5  # (the step moved something)
+
+
+def test_saved_adapter_loads_with_the_same_logits(tmp_path):
+    ours, _, config = pair(tmp_path, "qwen3_moe", seed=2)
+    ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+    ours.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    fresh = load_for_training(tmp_path / "qwen3_moe.gguf", device="cpu", progress=False, cpu_infer=2, tokenizer=False).model
+    with torch.no_grad():
+        base = fresh(input_ids=ids).logits
+        got = load_adapter(fresh, str(tmp_path / "adapter"))(input_ids=ids).logits
+    assert not torch.allclose(base, want, atol=1e-4)  # (the adapter changes the logits)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tok = train_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]})
+    return tok
+
+
+def test_labels_keep_exactly_the_assistant_tokens(chat_tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "and the sea?"},
+                {"role": "assistant", "content": "it is wide and deep"}]
+    e = render(chat_tokenizer, messages, "test", 512)
+    learned = chat_tokenizer.decode([t for t, label in zip(e.input_ids, e.labels) if label != IGNORE])
+    assert learned == "hi<|end|>it is wide and deep<|end|>"
+    assert all(label in (IGNORE, t) for t, label in zip(e.input_ids, e.labels))
+    short = render(chat_tokenizer, messages, "test", 6)
+    assert len(short.input_ids) == 6
+
+
+def test_bad_records_name_the_line(tmp_path, chat_tokenizer):
+    path = tmp_path / "data.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    for bad, message in ((good | {"messages": [{"role": "user", "content": "a"}]}, "no assistant message"),
+                         ({"text": "x"}, "expected 'messages'"), ("[1, 2", "not JSON")):
+        line = bad if isinstance(bad, str) else json.dumps(bad)
+        path.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=rf"data.jsonl:2: {message}"):
+            load_examples(path, chat_tokenizer, 64)
+    path.write_text(json.dumps({"prompt": "2+2?", "completion": "4"}) + "\n" +
+                    json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}))
+    assert [e.learned for e in load_examples(path, chat_tokenizer, 64)] == [
+        len(chat_tokenizer("4<|end|>", add_special_tokens=False).input_ids),
+        len(chat_tokenizer("yo<|end|>", add_special_tokens=False).input_ids)]
+
+
+def test_a_short_run_lowers_its_loss(tmp_path):
+    ours, _, config = pair(tmp_path, "qwen3_moe", seed=4)
+    gen = torch.Generator().manual_seed(5)
+    examples = []
+    for _ in range(4):
+        ids = torch.randint(0, config.vocab_size, (12,), generator=gen).tolist()
+        examples.append(Example(ids, [IGNORE] * 4 + ids[4:]))
+    before = mean_loss(ours, examples, "cpu")
+    reports = train(ours, examples, steps=12, lr=3e-3, batch_size=2, device="cpu", progress=False)
+    assert len(reports) == 12 and all(r.tokens == 24 for r in reports)
+    assert mean_loss(ours, examples, "cpu") < 0.9 * before
