@@ -53,6 +53,7 @@ SHRINK = {
     "ktransformers.bench.serve": "--concurrency 1 2 --requests 1 --max_tokens 4 --cache_lens 512 --cpu_infer 2",
     "ktransformers.server": "--cpu_infer 2 --port {port}",
     "ktransformers.calibrate": "--cpu_infer 2",
+    "ktransformers.sft": "--cpu_infer 2",
 }
 
 
