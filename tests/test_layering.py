@@ -17,7 +17,7 @@ RANKS = {
     "operators": 2,
     "optimize": 3,
     "loader": 4, "engine": 4, "upstream": 4,
-    "server": 5, "local_chat": 5, "calibrate": 5, "cli": 5, "demo": 5, "bench": 5,
+    "server": 5, "local_chat": 5, "calibrate": 5, "cli": 5, "demo": 5, "bench": 5, "train": 5, "sft": 5,
 }
 
 
