@@ -211,7 +211,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def(py::init([](std::shared_ptr<Runtime> rt, int experts, int top_k, int hidden, int intermediate, int max_tokens,
                          int gate_type, int up_type, int down_type, uintptr_t gate, size_t gate_bytes, uintptr_t up,
                          size_t up_bytes, uintptr_t down, size_t down_bytes, py::tuple biases, float swiglu_limit,
-                         float swiglu_alpha) {
+                         float swiglu_alpha, py::tuple int8) {
                  MoEConfig c;
                  c.experts = experts, c.top_k = top_k, c.hidden = hidden, c.intermediate = intermediate;
                  c.max_tokens = max_tokens, c.gate_type = gate_type, c.up_type = up_type, c.down_type = down_type;
@@ -224,12 +224,25 @@ PYBIND11_MODULE(KT_MODULE, m) {
                      c.down_bias = cptr<float>(biases[2].cast<uintptr_t>());
                  }
                  c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
-                 return std::make_shared<MoEGrad>(rt, c);
+                 MoEGradInt8 q;
+                 if (int8.size()) {  // (w, scale, row_sum, amx) addresses of gate, up, D^T, G^T, U^T; sizes checked in Python
+                     if (int8.size() != 20) throw std::invalid_argument("MoEGrad: int8 needs 20 addresses");
+                     Int8Weights* dst[5] = {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t};
+                     for (int i = 0; i < 5; i++) {
+                         dst[i]->w = cptr<int8_t>(int8[4 * i].cast<uintptr_t>());
+                         dst[i]->scale = cptr<float>(int8[4 * i + 1].cast<uintptr_t>());
+                         dst[i]->row_sum = cptr<int32_t>(int8[4 * i + 2].cast<uintptr_t>());
+                         dst[i]->amx = cptr<int8_t>(int8[4 * i + 3].cast<uintptr_t>());  // 0: none
+                     }
+                 }
+                 return std::make_shared<MoEGrad>(rt, c, q);
              }),
              py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("max_tokens"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("gate"),
              py::arg("gate_bytes"), py::arg("up"), py::arg("up_bytes"), py::arg("down"), py::arg("down_bytes"),
-             py::arg("biases") = py::tuple(), py::arg("swiglu_limit") = 0.f, py::arg("swiglu_alpha") = 1.f)
+             py::arg("biases") = py::tuple(), py::arg("swiglu_limit") = 0.f, py::arg("swiglu_alpha") = 1.f,
+             py::arg("int8") = py::tuple())
+        .def_property_readonly("int8", &MoEGrad::int8, "the products run on int8 copies")
         .def("backward", [](MoEGrad& g, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t dy,
                             uintptr_t dx, uintptr_t dw) {
                  g.backward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<float>(x), cptr<float>(dy),

@@ -31,7 +31,8 @@ inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
 }  // namespace
 
-MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(runtime)), cfg_(c) {
+MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoEGradInt8& int8)
+    : rt_(std::move(runtime)), cfg_(c), q_(int8) {
     if (c.experts <= 0 || c.top_k <= 0 || c.top_k > c.experts || c.hidden <= 0 || c.intermediate <= 0 || c.max_tokens <= 0)
         throw std::invalid_argument("MoEGrad: experts, top_k (<= experts), hidden, intermediate and max_tokens must be positive");
     if (!c.gate || !c.up || !c.down)
@@ -62,9 +63,22 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std
     g_.resize(pi), u_.resize(pi), dhr_.resize(pi);
     dxp_.resize(checked_product("MoEGrad: scratch", {P, H}));
     dwp_.resize(checked_product("MoEGrad: scratch", {P, chunks_i}));
-    const size_t per_thread = std::max({2 * H, (size_t)i_step_, 2 * (size_t)h_step_});
+    const size_t per_thread = std::max({2 * H, 2 * I, (size_t)i_step_, 2 * (size_t)h_step_});
     rows_.resize(checked_product("MoEGrad: scratch", {(size_t)rt_->pool().size(), per_thread}));
     pair_token_.resize(P), pair_slot_.resize(P), slot_pair_.resize(P);
+    if (int8.gate.w || int8.up.w || int8.down_t.w || int8.gate_t.w || int8.up_t.w) {
+        if (!int8.set()) throw std::invalid_argument("MoEGrad: pass all five int8 copies (gate, up, D^T, G^T, U^T) or none");
+        if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)");
+        if (H % 64 || I % 64)
+            throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
+        for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})
+            if (!w->scale || !w->row_sum) throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
+        const size_t T = c.max_tokens;
+        x8_.resize(checked_product("MoEGrad: scratch", {T, H})), dy8_.resize(x8_.size());
+        x8s_.resize(T), dy8s_.resize(T);
+        dg8_.resize(pi), du8_.resize(pi), dg8s_.resize(P), du8s_.resize(P);
+        dxp_up_.resize(dxp_.size());
+    }
     expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
 }
 
@@ -109,10 +123,35 @@ void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
     dwp_[(size_t)p * chunks_i + i0 / i_step_] = part;
 }
 
-void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
-                    float* dw) {
-    const int E = cfg_.experts, K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
-    // group the (token, expert) pairs by expert
+void MoEGrad::int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0, int r1, int p0, int p1,
+                         const uint8_t* act, const float* scale, bool by_token, float* out, size_t stride) const {
+    constexpr int kGroup = 64;  // pairs whose activations stay in L2 while a block of rows passes
+    const size_t at = (size_t)e * rows;
+    Int8Weights w;
+    w.w = all.w + at * k, w.scale = all.scale + at, w.row_sum = all.row_sum + at;
+    w.amx = all.amx ? all.amx + at * k : nullptr;
+    const uint8_t* xs[kGroup];
+    float sx[kGroup];
+    for (int g0 = p0; g0 < p1; g0 += kGroup) {
+        const int m = std::min(kGroup, p1 - g0);
+        for (int i = 0; i < m; i++) {
+            const int row = by_token ? pair_token_[g0 + i] : g0 + i;
+            xs[i] = act + (size_t)row * k, sx[i] = scale[row];
+        }
+        int8_rows(w, k, r0, r1, xs, sx, m, out + (size_t)g0 * stride, stride);
+    }
+}
+
+void MoEGrad::quantize_inputs(int tokens, const float* x, const float* dy) {
+    const size_t H = cfg_.hidden;
+    rt_->pool().parallel_for(tokens, [&](int t, int) {
+        x8s_[t] = quantize_row_u8(x + t * H, x8_.data() + t * H, (int)H);
+        dy8s_[t] = quantize_row_u8(dy + t * H, dy8_.data() + t * H, (int)H);
+    });
+}
+
+void MoEGrad::group(int tokens, const int64_t* ids) {
+    const int E = cfg_.experts, K = cfg_.top_k;
     std::fill(expert_start_.begin(), expert_start_.end(), 0);
     for (int s = 0; s < tokens * K; s++)
         if (ids[s] >= 0) expert_start_[ids[s] + 1]++;
@@ -129,58 +168,101 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
         const int p = fill_[ids[s]]++;
         pair_token_[p] = s / K, pair_slot_[p] = s, slot_pair_[s] = p;
     }
+}
+
+void MoEGrad::inner_int8(int e, int i0, int i1, const float* w) {
+    const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
+    int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_.data(), x8s_.data(), true, g_.data(), I);
+    int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_.data(), x8s_.data(), true, u_.data(), I);
+    int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_.data(), dy8s_.data(), true, dhr_.data(), I);
+    for (int p = p0; p < p1; p++) {
+        if (cfg_.gate_bias) {
+            const size_t row = (size_t)e * I;
+            for (int i = i0; i < i1; i++) g_[(size_t)p * I + i] += cfg_.gate_bias[row + i];
+            for (int i = i0; i < i1; i++) u_[(size_t)p * I + i] += cfg_.up_bias[row + i];
+        }
+        activation_grad(p, i0, i1, w[pair_slot_[p]]);
+    }
+}
+
+void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf) {
+    const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
     const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up),
                   *down = static_cast<const uint8_t*>(cfg_.down);
+    for (int i = i0; i < i1; i++) {  // g, u: rows of G and U against x
+        const size_t row = (size_t)e * I + i;
+        dequant_blocks(cfg_.gate_type, gate + row * gate_row_, H / gate_elems_, buf);
+        dequant_blocks(cfg_.up_type, up + row * up_row_, H / up_elems_, buf + H);
+        const float bg = cfg_.gate_bias ? cfg_.gate_bias[row] : 0.f, bu = cfg_.up_bias ? cfg_.up_bias[row] : 0.f;
+        for (int p = p0; p < p1; p++) {
+            const float* xt = x + (size_t)pair_token_[p] * H;
+            g_[(size_t)p * I + i] = fdot(buf, xt, H) + bg;
+            u_[(size_t)p * I + i] = fdot(buf + H, xt, H) + bu;
+        }
+    }
+    for (int p = p0; p < p1; p++) std::fill_n(dhr_.data() + (size_t)p * I + i0, i1 - i0, 0.f);
+    for (int r = 0; r < H; r++) {  // D^T dy: each row of D's run [i0, i1) times dy[r]
+        dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_ + (size_t)(i0 / down_elems_) * down_blk_,
+                       (i1 - i0) / down_elems_, buf);
+        for (int p = p0; p < p1; p++) {
+            const float a = dy[(size_t)pair_token_[p] * H + r];
+            float* out = dhr_.data() + (size_t)p * I + i0;
+            for (int j = 0; j < i1 - i0; j++) out[j] += a * buf[j];
+        }
+    }
+    for (int p = p0; p < p1; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
+}
+
+void MoEGrad::outer_blocks(int e, int c0, int c1, float* buf) {
+    const int H = cfg_.hidden, I = cfg_.intermediate, n = c1 - c0, p0 = expert_start_[e], p1 = expert_start_[e + 1];
+    const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up);
+    float *bg = buf, *bu = buf + h_step_;
+    for (int p = p0; p < p1; p++) std::fill_n(dxp_.data() + (size_t)p * H + c0, n, 0.f);
+    for (int i = 0; i < I; i++) {  // each row of G's and U's run [c0, c1) times dg[i], du[i]
+        const size_t row = (size_t)e * I + i;
+        dequant_blocks(cfg_.gate_type, gate + row * gate_row_ + (size_t)(c0 / gate_elems_) * gate_blk_, n / gate_elems_, bg);
+        dequant_blocks(cfg_.up_type, up + row * up_row_ + (size_t)(c0 / up_elems_) * up_blk_, n / up_elems_, bu);
+        for (int p = p0; p < p1; p++) {
+            const float a = g_[(size_t)p * I + i], b = u_[(size_t)p * I + i];
+            float* out = dxp_.data() + (size_t)p * H + c0;
+            for (int j = 0; j < n; j++) out[j] += a * bg[j] + b * bu[j];
+        }
+    }
+}
+
+void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
+                    float* dw) {
+    const int K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
+    group(tokens, ids);
+    if (int8()) quantize_inputs(tokens, x, dy);
     const size_t per_thread = rows_.size() / rt_->pool().size();
     ThreadPool& pool = rt_->pool();
 
     // g, u recomputed; D^T dy; then dw's parts and dg, du, by column runs of I
     const int chunks_i = (I + i_step_ - 1) / i_step_;
     pool.parallel_for((int)active_.size() * chunks_i, [&](int task, int thread) {
-        const int e = active_[task / chunks_i], c = task % chunks_i;
-        const int i0 = c * i_step_, i1 = std::min(I, i0 + i_step_), p0 = expert_start_[e], p1 = expert_start_[e + 1];
-        float* buf = rows_.data() + thread * per_thread;
-        for (int i = i0; i < i1; i++) {
-            const size_t row = (size_t)e * I + i;
-            dequant_blocks(cfg_.gate_type, gate + row * gate_row_, H / gate_elems_, buf);
-            dequant_blocks(cfg_.up_type, up + row * up_row_, H / up_elems_, buf + H);
-            const float bg = cfg_.gate_bias ? cfg_.gate_bias[row] : 0.f, bu = cfg_.up_bias ? cfg_.up_bias[row] : 0.f;
-            for (int p = p0; p < p1; p++) {
-                const float* xt = x + (size_t)pair_token_[p] * H;
-                g_[(size_t)p * I + i] = fdot(buf, xt, H) + bg;
-                u_[(size_t)p * I + i] = fdot(buf + H, xt, H) + bu;
-            }
-        }
-        for (int p = p0; p < p1; p++) std::fill_n(dhr_.data() + (size_t)p * I + i0, i1 - i0, 0.f);
-        for (int r = 0; r < H; r++) {
-            dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_ + (size_t)(i0 / down_elems_) * down_blk_,
-                           (i1 - i0) / down_elems_, buf);
-            for (int p = p0; p < p1; p++) {
-                const float a = dy[(size_t)pair_token_[p] * H + r];
-                float* out = dhr_.data() + (size_t)p * I + i0;
-                for (int j = 0; j < i1 - i0; j++) out[j] += a * buf[j];
-            }
-        }
-        for (int p = p0; p < p1; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
+        const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
+        if (int8()) inner_int8(e, i0, i1, w);
+        else inner_blocks(e, i0, i1, w, x, dy, rows_.data() + thread * per_thread);
     });
 
     // each pair's dx = G^T dg + U^T du, by column runs of H
     const int chunks_h = (H + h_step_ - 1) / h_step_;
+    if (int8()) {
+        pool.parallel_for(expert_start_[cfg_.experts], [&](int p, int) {  // dg, du as int8 rows
+            const size_t at = (size_t)p * I;
+            dg8s_[p] = quantize_row_u8(g_.data() + at, dg8_.data() + at, I);
+            du8s_[p] = quantize_row_u8(u_.data() + at, du8_.data() + at, I);
+        });
+    }
     pool.parallel_for((int)active_.size() * chunks_h, [&](int task, int thread) {
-        const int e = active_[task / chunks_h], c = task % chunks_h;
-        const int c0 = c * h_step_, c1 = std::min(H, c0 + h_step_), n = c1 - c0, p0 = expert_start_[e],
-                  p1 = expert_start_[e + 1];
-        float *bg = rows_.data() + thread * per_thread, *bu = bg + h_step_;
-        for (int p = p0; p < p1; p++) std::fill_n(dxp_.data() + (size_t)p * H + c0, n, 0.f);
-        for (int i = 0; i < I; i++) {
-            const size_t row = (size_t)e * I + i;
-            dequant_blocks(cfg_.gate_type, gate + row * gate_row_ + (size_t)(c0 / gate_elems_) * gate_blk_, n / gate_elems_, bg);
-            dequant_blocks(cfg_.up_type, up + row * up_row_ + (size_t)(c0 / up_elems_) * up_blk_, n / up_elems_, bu);
-            for (int p = p0; p < p1; p++) {
-                const float a = g_[(size_t)p * I + i], b = u_[(size_t)p * I + i];
-                float* out = dxp_.data() + (size_t)p * H + c0;
-                for (int j = 0; j < n; j++) out[j] += a * bg[j] + b * bu[j];
-            }
+        const int e = active_[task / chunks_h], c0 = (task % chunks_h) * h_step_, c1 = std::min(H, c0 + h_step_);
+        const int p0 = expert_start_[e], p1 = expert_start_[e + 1];
+        if (int8()) {
+            int8_pairs(q_.gate_t, H, I, e, c0, c1, p0, p1, dg8_.data(), dg8s_.data(), false, dxp_.data(), H);
+            int8_pairs(q_.up_t, H, I, e, c0, c1, p0, p1, du8_.data(), du8s_.data(), false, dxp_up_.data(), H);
+        } else {
+            outer_blocks(e, c0, c1, rows_.data() + thread * per_thread);
         }
     });
 
@@ -196,6 +278,10 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
             }
             const float* src = dxp_.data() + (size_t)p * H;
             for (int j = 0; j < H; j++) out[j] += src[j];
+            if (int8()) {
+                const float* more = dxp_up_.data() + (size_t)p * H;
+                for (int j = 0; j < H; j++) out[j] += more[j];
+            }
             float sum = 0.f;
             for (int c = 0; c < chunks_i; c++) sum += dwp_[(size_t)p * chunks_i + c];
             if (cfg_.down_bias) sum += fdot(dy + (size_t)t * H, cfg_.down_bias + (size_t)ids[s] * H, H);

@@ -8,6 +8,9 @@
 // tiled layouts), never copied or transposed. g and u are recomputed from x (no activations are
 // kept from the forward: RAM stays at the scratch below, about (3 I + H) * 4 bytes a
 // (token, expert) pair of a max_tokens chunk). All in float32.
+// With int8 copies (MoEGradInt8: the forward's gate and up, and the transposed D^T, G^T and
+// U^T, re-quantized once by the caller) the three products run on the int8 GEMM (VNNI or
+// AMX) instead, activations rounded to int8 per row as the forward's are.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -18,12 +21,20 @@
 
 namespace kt {
 
+struct MoEGradInt8 {
+    Int8Weights gate, up;        // [E, I, H]
+    Int8Weights down_t;          // [E, I, H]: D^T
+    Int8Weights gate_t, up_t;    // [E, H, I]: G^T, U^T (apart: dg and du get a scale each)
+    bool set() const { return gate.w && up.w && down_t.w && gate_t.w && up_t.w; }
+};
+
 class MoEGrad {
   public:
     // Uses c's experts, top_k, hidden, intermediate, max_tokens, stored weights (gate/up/down with
     // their types and byte counts), biases and activation; throws std::invalid_argument naming
     // what does not fit (a tiled or undecodable type, too few bytes, sizes that overflow).
-    MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c);
+    MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoEGradInt8& int8 = {});
+    bool int8() const { return q_.set(); }
     // x, dy [T, H] float32; ids [T, K] (-1: no expert in that slot), w [T, K] float32; writes
     // dx [T, H] and dw [T, K]. Runs on the calling thread with the runtime's pool, max_tokens
     // tokens at a time.
@@ -32,6 +43,16 @@ class MoEGrad {
   private:
     void chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw);
     void activation_grad(int p, int i0, int i1, float wt);  // dg, du over columns [i0, i1) of pair p
+    // rows [r0, r1) of expert e's int8 matrix `all` (rows x k) against pairs p0..p1's int8 rows
+    // (act + p or its token's row, k bytes apart): out[p * stride + r]
+    void int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0, int r1, int p0, int p1,
+                    const uint8_t* act, const float* scale, bool by_token, float* out, size_t stride) const;
+    void quantize_inputs(int tokens, const float* x, const float* dy);  // x, dy -> int8 rows (int8 mode)
+    void group(int tokens, const int64_t* ids);  // the (token, expert) pairs by expert
+    // expert e's columns [i0, i1) of I: g, u, D^T dy, then dw's part and dg, du (int8 copies / stored blocks)
+    void inner_int8(int e, int i0, int i1, const float* w);
+    void inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf);
+    void outer_blocks(int e, int c0, int c1, float* buf);  // each pair's dx over columns [c0, c1) of H
 
     std::shared_ptr<Runtime> rt_;
     MoEConfig cfg_;
@@ -40,6 +61,10 @@ class MoEGrad {
     int i_step_ = 0, h_step_ = 0;  // column chunks of I (down's blocks) and H (gate's and up's) per task
     // [P, I]: g, then dg; u, then du; D^T dy, then h; [P, H]: each pair's dx; [P, I / i_step] dw parts
     std::vector<float> g_, u_, dhr_, dxp_, dwp_;
+    MoEGradInt8 q_;
+    std::vector<uint8_t> x8_, dy8_, dg8_, du8_;  // int8 mode: [T, H], [T, H], [P, I], [P, I] rows + 128
+    std::vector<float> x8s_, dy8s_, dg8s_, du8s_;  // their scales
+    std::vector<float> dxp_up_;                  // int8 mode: [P, H] each pair's U^T du (dxp_ holds G^T dg)
     std::vector<float> rows_;  // per pool thread: 2 rows of H (gate, up) and one run of down's blocks
     std::vector<int> pair_token_, pair_slot_, expert_start_, active_, fill_, slot_pair_;
 };

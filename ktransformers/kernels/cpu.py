@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -357,6 +358,15 @@ def _expert_source(weights: ExpertWeights, shape: tuple[int, int, int], what: st
     data = weights.data
     flat = data.reshape(-1).view(torch.uint8) if isinstance(data, torch.Tensor) else np.asarray(data).reshape(-1)
     per_expert = flat.shape[0] // shape[0]
+    ext = load_extension()
+    if int(weights.ggml_type) in ACTIVATION_BLOCK:  # the C++ decoders (the backward's), much faster than torch ops
+        def decoded(e: int) -> torch.Tensor:
+            raw = flat[e * per_expert:(e + 1) * per_expert]
+            src, nbytes = _address(raw if isinstance(raw, torch.Tensor) else np.ascontiguousarray(raw))
+            out = torch.empty(shape[1] * shape[2], dtype=torch.float32)
+            ext.dequantize(int(weights.ggml_type), src, nbytes, out.numel(), out.data_ptr())
+            return out.reshape(shape[1:])
+        return decoded
     return lambda e: dequantize(flat[e * per_expert:(e + 1) * per_expert], weights.ggml_type, shape[1:])
 
 
@@ -522,6 +532,9 @@ class MoEKernel:
         _check_tilings(name, (gate, up, down), experts, hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self._grad, self._grad_args = None, (experts, top_k, hidden, intermediate, max_tokens, stored)
+        # backward on int8 copies (VNNI/AMX GEMMs; D^T, G^T and U^T cost 1 byte a weight more, 2
+        # with AMX packing) instead of decoding the stored blocks in float32; set before the first backward
+        self.int8_backward = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
@@ -590,11 +603,33 @@ class MoEKernel:
                 raise ValueError(f"{self.name}: the backward reads the experts' stored GGML rows, and this kernel "
                                  "keeps none (int4_decode copies only, or weights passed as tiles)")
             (g, gb), (u, ub), (d, db) = (_address(w.data) for w in stored)
+            self._grad_int8 = self._backward_copies(stored) if self.int8_backward else ()
+            addresses = tuple(a for rows, shape in self._grad_int8 for a in rows.addresses(shape))
             self._grad = self.runtime.ext.MoEGrad(
                 self.runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
                 *(w.ggml_type for w in stored), g, gb, u, ub, d, db,
-                tuple(b.data_ptr() for b in self._biases), float(self._moe_limit), float(self._moe_alpha))
+                tuple(b.data_ptr() for b in self._biases), float(self._moe_limit), float(self._moe_alpha), addresses)
         return self._grad
+
+    def _backward_copies(self, stored) -> tuple:
+        """((copy, shape), ...) of gate, up, D^T, G^T and U^T as int8 rows for the backward's
+        GEMMs (the forward's own gate and up copies where it has them), or () where this build
+        has no int8 GEMM (a warning says so)."""
+        ext = self.runtime.ext
+        if not ext.int8_gemm:
+            warnings.warn(f"int8 backward is off: the {self.runtime.isa} CPU kernels have no int8 GEMM (it needs "
+                          "AVX512-VNNI or AVX-VNNI); the backward decodes the stored blocks", stacklevel=4)
+            return ()
+        E, H, I = self.experts, self.hidden, self._grad_args[3]
+        gate, up, down = (_expert_source(w, shape, "the int8 backward")
+                          for w, shape in zip(stored, ((E, I, H), (E, I, H), (E, H, I))))
+        own = getattr(self, "_int8", None)
+        forward = own[:2] if own is not None else tuple(Int8Rows.from_experts((E, I, H), f) for f in (gate, up))
+        copies = (*forward, *(Int8Rows.from_experts(shape, lambda e, f=f: f(e).T)
+                              for f, shape in ((down, (E, I, H)), (gate, (E, H, I)), (up, (E, H, I)))))
+        if ext.amx_available():
+            copies = tuple(c if c.amx is not None else c.pack_amx() for c in copies)
+        return tuple(zip(copies, ((E, I, H), (E, I, H), (E, I, H), (E, H, I), (E, H, I))))
 
     def last_seconds(self) -> float:
         """How long the last call took inside the kernel (from its first phase to its output)."""

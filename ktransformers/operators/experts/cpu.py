@@ -75,6 +75,7 @@ class KExpertsCPU:
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles,
                                 biases=biases, swiglu_limit=self.spec.act.limit, swiglu_alpha=self.spec.act.alpha)
+        self.kernel.int8_backward = self.spec.int8_backward
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
 
     def _prefill_copies(self, runtime, projections) -> tuple:

@@ -53,6 +53,10 @@ class ExpertsOptions(Placement):
     # the next layer's attention, and their output joins the next MoE layer's (a KExpertsCPU
     # generate op; the model's last MoE layer defers none)
     n_deferred_experts: int = field(default=0, metadata={"min": 0})
+    # KExpertsCPU in training: the backward's products on int8 copies (the transposed experts made once,
+    # 1 byte a weight more, 2 with AMX tiles; the VNNI/AMX GEMMs, ~10x faster on the CPU) instead of
+    # decoding the stored blocks in float32 (exact, no copies)
+    int8_backward: bool = False
 
 
 def expert_shape(orig_module: nn.Module) -> tuple[int, int, int]:
@@ -88,7 +92,7 @@ class KTransformersExperts(BaseInjectedModule):
         spec = ExpertSpec(key, E, H, I, top_k, orig_module.gate_up_proj.dtype, o.int8_prefill or o.backend == "AMXInt8",
                           self.placement.pcie, int4_group=self._int4_group(key, H, I),
                           int4_decode=o.int4_decode, act=expert_activation(orig_module),
-                          bias=bool(getattr(orig_module, "has_bias", False)))
+                          bias=bool(getattr(orig_module, "has_bias", False)), int8_backward=o.int8_backward)
         self._check_gpu_options(spec)
         self.top_k = top_k
         self._check_deferral(o.n_deferred_experts)

@@ -89,6 +89,7 @@ class ExpertSpec:
     int4_decode: bool = False  # KExpertsCPU: the int4 copies serve decode too; the stored weights are not kept
     act: Activation = SWIGLU
     bias: bool = False  # gate, up and down have biases (experts.<p>_proj_bias [E, out])
+    int8_backward: bool = False  # KExpertsCPU: the training backward on int8 copies (ExpertsOptions)
 
 
 @EXPERT_OPS.register("KExpertsTorch")
