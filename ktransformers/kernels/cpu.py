@@ -490,6 +490,24 @@ def _expert_biases(name: str, biases, experts: int, hidden: int, intermediate: i
     return tuple(out)
 
 
+def _copies_only(runtime: CPURuntime, name: str, weights, int8, int4) -> bool:
+    """Whether the int8/int4 copies are the experts' only weights (gate, up and down all None),
+    checked: one kind of copies at most, all three projections or none, a GEMM for copies alone."""
+    if int8 is not None and int4 is not None:  # (before any repacking)
+        raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
+    if all(w is None for w in weights):
+        if int8 is None and int4 is None:
+            raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
+        if not (runtime.ext.int8_gemm if int4 is None else runtime.ext.int4_gemm):
+            kind, needs = ("int8", "AVX512-VNNI or AVX-VNNI") if int4 is None else ("int4", "AVX512-VNNI")
+            raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no {kind} GEMM (it needs {needs}) "
+                             f"to compute on {kind} copies alone")
+        return True
+    if any(w is None for w in weights):
+        raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
+    return False
+
+
 class MoEKernel:
     """Routed experts on the CPU, computed on the GGML blocks directly."""
 
@@ -509,19 +527,9 @@ class MoEKernel:
         copies are the experts' only weights, for every call (decode too)."""
         self.runtime, self.name = runtime, name
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
-        if int8 is not None and int4 is not None:  # (before any repacking)
-            raise ValueError(f"{name}: int8 and int4 prefill copies are alternatives; pass one")
-        self.copies_only = gate is None and up is None and down is None
+        self.copies_only = _copies_only(runtime, name, (gate, up, down), int8, int4)
         if self.copies_only:
-            if int8 is None and int4 is None:
-                raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
-            if not (runtime.ext.int8_gemm if int4 is None else runtime.ext.int4_gemm):
-                kind, needs = ("int8", "AVX512-VNNI or AVX-VNNI") if int4 is None else ("int4", "AVX512-VNNI")
-                raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no {kind} GEMM (it needs {needs}) "
-                                 f"to compute on {kind} copies alone")
             int8_min_tokens = 1
-        elif gate is None or up is None or down is None:
-            raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
         stored = None if self.copies_only or any(w.tiled for w in (gate, up, down)) else (gate, up, down)
         if tiles and not self.copies_only:
             if intermediate % 16 == 0:  # (16-row groups may not straddle two experts)
