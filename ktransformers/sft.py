@@ -26,8 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gguf_path", help="GGUF file or directory, or a safetensors directory; default: the demo model")
     p.add_argument("--model_path", help="HF model directory (config + tokenizer) where the GGUF lacks them")
     p.add_argument("--optimize_config_path", help="training rule file (YAML); default: MoE-sft.yaml / MoE-sft-cpu.yaml")
-    p.add_argument("--data", required=True, help="JSONL training records")
+    p.add_argument("--data", required=True, help="JSONL training records (with --dpo: preference pairs)")
     p.add_argument("--eval_data", help="JSONL held-out records: their loss before and after training")
+    p.add_argument("--dpo", action="store_true",
+                   help="DPO on preference pairs ({'prompt', 'chosen', 'rejected'}) instead of SFT; the reference is "
+                        "the model without its adapters")
+    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     p.add_argument("--output_dir", required=True, help="where the adapter is saved (peft's format)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where everything but the routed experts trains")
@@ -52,27 +56,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("lora_rank", "steps", "batch_size", "grad_accum", "max_len", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.lr <= 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+    if args.lr <= 0 or args.beta <= 0:
+        p.error(f"--lr and --beta must be positive, got {args.lr}, {args.beta}")
     return args
 
 
 def run(args: argparse.Namespace) -> None:
     from .demo import DEMO_GGUF
-    from .train import add_lora, load_examples, load_for_training, mean_loss, peak_memory, train
+    from .train import add_lora, load_for_training
     torch.manual_seed(args.seed)
     loaded = load_for_training(args.gguf_path or DEMO_GGUF, args.model_path, args.optimize_config_path,
                                device=args.device, cpu_infer=args.cpu_infer)
-    tokenizer = loaded.tokenizer
-    examples = load_examples(args.data, tokenizer, args.max_len)
-    held_out = load_examples(args.eval_data, tokenizer, args.max_len) if args.eval_data else None
-    learned = sum(e.learned for e in examples)
-    print(f"{len(examples)} records, {sum(len(e.input_ids) for e in examples)} tokens, {learned} learned")
     model = add_lora(loaded.model, args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_dropout)
+    if args.dpo:
+        run_dpo(args, model, loaded.tokenizer)
+    else:
+        run_sft(args, model, loaded.tokenizer)
+    model.save_pretrained(args.output_dir)
+    print(f"adapter saved to {args.output_dir}")
+
+
+def describe(args, model) -> None:
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets)}: {trainable:,} trainable parameters")
+
+
+def run_dpo(args: argparse.Namespace, model, tokenizer) -> None:
+    from .train import peak_memory
+    from .train.dpo import evaluate_dpo, load_pairs, train_dpo
+    pairs = load_pairs(args.data, tokenizer, args.max_len)
+    held_out = load_pairs(args.eval_data, tokenizer, args.max_len) if args.eval_data else None
+    print(f"{len(pairs)} preference pairs")
+    describe(args, model)
+    if held_out:
+        print("held-out DPO loss, accuracy before: {:.4f}, {:.2f}".format(*evaluate_dpo(model, held_out, args.beta,
+                                                                                          args.device)))
+
+    def log(r) -> None:
+        if r.step % args.log_every == 0 or r.step == args.steps:
+            tqdm.write(f"step {r.step}: loss {r.loss:.4f}, accuracy {r.accuracy:.2f}, margin {r.margin:.3f}, "
+                       f"{1 / r.seconds:.2f} it/s, {peak_memory(args.device)}")
+    reports = train_dpo(model, pairs, steps=args.steps, lr=args.lr, beta=args.beta, batch_size=args.batch_size,
+                        max_grad_norm=args.max_grad_norm, device=args.device, seed=args.seed, on_step=log)
+    seconds = sum(r.seconds for r in reports)
+    print(f"trained {len(reports)} steps in {seconds:.1f} s: {len(reports) / seconds:.2f} it/s; {peak_memory(args.device)}")
+    if held_out:
+        print("held-out DPO loss, accuracy after: {:.4f}, {:.2f}".format(*evaluate_dpo(model, held_out, args.beta,
+                                                                                         args.device)))
+
+
+def run_sft(args: argparse.Namespace, model, tokenizer) -> None:
+    from .train import load_examples, mean_loss, peak_memory, train
+    examples = load_examples(args.data, tokenizer, args.max_len)
+    held_out = load_examples(args.eval_data, tokenizer, args.max_len) if args.eval_data else None
+    learned = sum(e.learned for e in examples)
+    print(f"{len(examples)} records, {sum(len(e.input_ids) for e in examples)} tokens, {learned} learned")
+    describe(args, model)
     if held_out:
         print(f"held-out loss before: {mean_loss(model, held_out, args.device):.4f}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
@@ -89,8 +130,6 @@ def run(args: argparse.Namespace) -> None:
           f"{len(reports) / seconds:.2f} it/s; {peak_memory(args.device)}")
     if held_out:
         print(f"held-out loss after: {mean_loss(model, held_out, args.device):.4f}")
-    model.save_pretrained(args.output_dir)
-    print(f"adapter saved to {args.output_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

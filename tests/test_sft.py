@@ -3,6 +3,7 @@ rule file (KExpertsCPU forward and backward) against the same step in plain tran
 on the same weights; adapters saved and loaded by peft give the same logits; the chat data's
 labels keep exactly the assistant's tokens; a short run lowers the loss it trains on."""
 import json
+import math
 
 import pytest
 import torch
@@ -166,3 +167,67 @@ def test_a_short_run_lowers_its_loss(tmp_path):
     reports = train(ours, examples, steps=12, lr=3e-3, batch_size=2, device="cpu", progress=False)
     assert len(reports) == 12 and all(r.tokens == 24 for r in reports)
     assert mean_loss(ours, examples, "cpu") < 0.9 * before
+
+
+def random_pairs(vocab: int, n: int, seed: int):
+    from ktransformers.train.dpo import Pair
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(0, vocab, (5,), generator=gen).tolist()
+        answers = [torch.randint(0, vocab, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(2)]
+        out.append(Pair(*(Example(prompt + a, [IGNORE] * 5 + a) for a in answers)))
+    return out
+
+
+def test_dpo_loss_and_gradients_equal_transformers_and_peft(tmp_path):
+    """The DPO step (policy: the adapters on, reference: off) on ours and on transformers + peft,
+    and its loss against the formula written out here."""
+    from ktransformers.train.dpo import dpo_loss, reference_logps, sequence_logps
+    ours, reference, config = pair(tmp_path, "qwen3_moe", seed=6)
+    pairs = random_pairs(config.vocab_size, 3, seed=7)
+    losses = []
+    for model in (ours, reference):
+        ref = torch.tensor(reference_logps(model, pairs, "cpu"))
+        logps = sequence_logps(model, [e for p in pairs for e in (p.chosen, p.rejected)], "cpu")
+        loss, _, _ = dpo_loss(logps[0::2], logps[1::2], ref[:, 0], ref[:, 1], beta=0.5)
+        loss.backward()
+        losses.append(float(loss))
+        # the formula, by hand: mean log(1 + exp(-beta * ((pc - rc) - (pr - rr))))
+        m = 0.5 * ((logps[0::2] - ref[:, 0]) - (logps[1::2] - ref[:, 1]))
+        assert abs(float(torch.log1p(torch.exp(-m)).mean()) - float(loss)) < 1e-6
+    assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1])
+    g_ours, g_ref = grads(ours), grads(reference)
+    for name, want in g_ref.items():
+        err = ((g_ours[name] - want).norm() / want.norm()).item()
+        assert err < 1e-3, f"{name}: relative error {err:.2e}"
+
+
+def test_dpo_starts_at_log2_and_learns(tmp_path):
+    from ktransformers.train.dpo import evaluate_dpo, train_dpo
+    model = tiny_model("qwen3_moe", seed=8)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q8_0)
+    ours = add_lora(load_for_training(path, device="cpu", progress=False, cpu_infer=2, tokenizer=False).model, rank=4)
+    pairs = random_pairs(model.config.vocab_size, 4, seed=9)
+    loss, accuracy = evaluate_dpo(ours, pairs, 0.1, "cpu")
+    assert abs(loss - math.log(2)) < 1e-6 and accuracy == 0.0  # (B = 0: the policy is the reference)
+    reports = train_dpo(ours, pairs, steps=10, lr=1e-2, beta=0.1, batch_size=2, device="cpu", progress=False)
+    assert len(reports) == 10
+    after, accuracy = evaluate_dpo(ours, pairs, 0.1, "cpu")
+    assert after < 0.9 * math.log(2) and accuracy == 1.0
+
+
+def test_bad_preference_records_name_the_line(tmp_path, chat_tokenizer):
+    from ktransformers.train.dpo import load_pairs
+    path = tmp_path / "pairs.jsonl"
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    for bad, message in (({"prompt": "a", "chosen": "b"}, "a preference record needs 'prompt', 'chosen' and 'rejected'"),
+                         (good | {"chosen": 3}, "'chosen' must be a string or an assistant message")):
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=rf"pairs.jsonl:2: {message}"):
+            load_pairs(path, chat_tokenizer, 64)
+    path.write_text(json.dumps(good | {"chosen": {"role": "assistant", "content": "yes"}}) + "\n")
+    (p,) = load_pairs(path, chat_tokenizer, 64)
+    assert chat_tokenizer.decode([t for t, l in zip(p.chosen.input_ids, p.chosen.labels) if l != IGNORE]) == "yes<|end|>"

@@ -1,10 +1,11 @@
 """A small fine-tuning set that ships with Python: the Zen of Python (the standard library's
 `this` module, under the PSF licence), as prompt/completion records, each aphorism its own.
 
-    python -m ktransformers.train.zen OUT_DIR   # OUT_DIR/train.jsonl, OUT_DIR/heldout.jsonl
+    python -m ktransformers.train.zen OUT_DIR   # OUT_DIR/{train,heldout}.jsonl, {train,heldout}_pairs.jsonl
 
 Every fourth aphorism is held out, so that a run shows whether the adapter learned the set's
-form rather than its lines.
+form rather than its lines. The preference pairs (for --dpo) choose each aphorism over the same
+words in reverse order.
 """
 from __future__ import annotations
 
@@ -22,15 +23,24 @@ def aphorisms() -> list[str]:
     return [line for line in codecs.decode(this.s, "rot13").splitlines()[2:] if line.strip()]
 
 
-def write(out_dir: str | Path) -> tuple[Path, Path]:
+PROMPT = "Give me a line of the Zen of Python."
+
+
+def write(out_dir: str | Path) -> tuple[Path, ...]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, held = out / "train.jsonl", out / "heldout.jsonl"
-    with open(train, "w") as t, open(held, "w") as h:
+    paths = tuple(out / name for name in ("train.jsonl", "heldout.jsonl", "train_pairs.jsonl", "heldout_pairs.jsonl"))
+    files = [open(p, "w") for p in paths]
+    try:
         for i, line in enumerate(aphorisms()):
-            record = {"prompt": "Give me a line of the Zen of Python.", "completion": line}
-            (h if i % 4 == 3 else t).write(json.dumps(record) + "\n")
-    return train, held
+            held = i % 4 == 3
+            files[held].write(json.dumps({"prompt": PROMPT, "completion": line}) + "\n")
+            reversed_words = " ".join(reversed(line.split()))
+            files[2 + held].write(json.dumps({"prompt": PROMPT, "chosen": line, "rejected": reversed_words}) + "\n")
+    finally:
+        for f in files:
+            f.close()
+    return paths
 
 
 if __name__ == "__main__":
