@@ -79,13 +79,14 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
                optimize_config_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                default_device: str = "cpu", progress: bool = True, cpu_infer: int | None = None,
                tokenizer: bool = True, cache_lens: int | None = None,
-               memory_budget: dict[str, int] | None = None) -> LoadedModel:
+               memory_budget: dict[str, int] | None = None, lora_path: str | os.PathLike | None = None) -> LoadedModel:
     """Config (+ tokenizer) from model_path or the GGUF, the rules (default: the shipped file for
     the architecture), weights from gguf_path; `cpu_infer` threads for the CPU kernels;
     `tokenizer=False` skips building the tokenizer (benchmarks feed token ids); otherwise it is built
     before the weights load, and a ValueError says why where it cannot be. Before loading,
     the bytes each device will hold (with a KV cache of `cache_lens` tokens when given) are checked
-    against `memory_budget` ({'cuda:0': bytes, 'cpu': bytes}; default: what is free now)."""
+    against `memory_budget` ({'cuda:0': bytes, 'cpu': bytes}; default: what is free now).
+    `lora_path`: a peft LoRA adapter merged into the weights it adapts as they load."""
     if not Path(gguf_path).exists():
         raise FileNotFoundError(f"--gguf_path {str(gguf_path)!r} does not exist")
     model_path = resolve_model_path(model_path)
@@ -110,6 +111,10 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
             raise ValueError(f"rule file {rule_file} keeps linears in FP8: --model_path {model_path} must hold the "
                              f"model's (FP8) safetensors; the routed experts come from --gguf_path")
         weights = CombinedSource(SafetensorsSource(model_path, config.model_type), weights)
+    if lora_path is not None:
+        from .optimize.inject import open_weights
+        from .weights.lora import LoraSource
+        weights = LoraSource(weights or open_weights(gguf_path, config.model_type), lora_path)
     tiles = True
     if weights is not None:
         from .optimize.memory import available_memory, check_budget, plan_memory, tiles_fit

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "cache; optional when the GGUF has both")
     p.add_argument("--gguf_path", help="GGUF file or directory (split files found beside it); default: the demo model")
     p.add_argument("--optimize_config_path", help="rule file (YAML); default: the shipped one for the architecture")
+    p.add_argument("--lora_path", help="a LoRA adapter (peft's directory, as python -m ktransformers.sft saves it), "
+                                       "merged into the weights it adapts at load")
     p.add_argument("--max_new_tokens", type=int, default=300)
     p.add_argument("--cpu_infer", type=int, default=None, help="threads of the CPU kernels (default: all cores)")
     p.add_argument("--use_cuda_graph", type=_bool, default=True, help="capture decode in CUDA graphs (GPU only)")
@@ -189,7 +191,7 @@ def load_engine(args: argparse.Namespace):
     gguf_path, model_path = model_paths(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
-                        cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
+                        cpu_infer=args.cpu_infer, cache_lens=args.cache_lens, lora_path=args.lora_path)
     freeze_heap()
     if args.prefill_gpu_threshold is not None:
         from .operators.experts import set_prefill_gpu_threshold

@@ -231,3 +231,28 @@ def test_bad_preference_records_name_the_line(tmp_path, chat_tokenizer):
     path.write_text(json.dumps(good | {"chosen": {"role": "assistant", "content": "yes"}}) + "\n")
     (p,) = load_pairs(path, chat_tokenizer, 64)
     assert chat_tokenizer.decode([t for t, l in zip(p.chosen.input_ids, p.chosen.labels) if l != IGNORE]) == "yes<|end|>"
+
+
+def test_an_adapter_merged_at_load_gives_the_trained_models_logits(tmp_path):
+    """load_model(lora_path=...) (the inference rule file, C++ kernels) against the training model
+    with the adapter on; the adapter moves the logits, and a foreign or broken one is refused."""
+    from ktransformers import load_model
+    from ktransformers.weights.source import WeightError
+    trained, _, config = pair(tmp_path, "qwen3_moe", seed=10)
+    trained.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        base = load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False).model(input_ids=ids).logits
+        got = load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False,
+                         lora_path=tmp_path / "adapter").model(input_ids=ids).logits
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(base, want) > 1e-2
+    assert rel(got, want) < 1e-3
+    with pytest.raises(WeightError, match="not a peft adapter directory"):
+        load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False, lora_path=tmp_path)
+    (tmp_path / "other").mkdir()
+    other, _, _ = pair(tmp_path / "other", "deepseek_v3", seed=1)  # (its attention's linears have other names)
+    other.save_pretrained(tmp_path / "deepseek-adapter")
+    with pytest.raises(WeightError, match="does not have"):
+        load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False, lora_path=tmp_path / "deepseek-adapter")

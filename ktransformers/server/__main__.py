@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "optional when the GGUF carries them")
     p.add_argument("--gguf_path", help="GGUF file or directory (default: the bundled demo model)")
     p.add_argument("--optimize_config_path", help="rule file (default: the shipped one for the architecture)")
+    p.add_argument("--lora_path", help="a LoRA adapter (peft's directory, as python -m ktransformers.sft saves it), "
+                                       "merged into the weights it adapts at load")
     p.add_argument("--model_name", help="the name clients use (default: the GGUF's file name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=10002)
@@ -61,7 +63,7 @@ def make_server(args):
         gguf_path, model_path = DEMO_GGUF, model_path or DEMO_HF_DIR
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(gguf_path, model_path, args.optimize_config_path, default_device=device,
-                        cpu_infer=args.cpu_infer, cache_lens=args.cache_lens)
+                        cpu_infer=args.cpu_infer, cache_lens=args.cache_lens, lora_path=args.lora_path)
     freeze_heap()
     if args.chat_template:
         if loaded.tokenizer is None:
