@@ -58,14 +58,10 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
     const int gate_up = std::lcm(gate_elems_, up_elems_);
     h_step_ = round_up(256, gate_up);
     const size_t P = checked_product("MoEGrad: max_tokens * top_k", {(size_t)c.max_tokens, (size_t)c.top_k});
-    const size_t chunks_i = (I + i_step_ - 1) / i_step_;
-    const size_t pi = checked_product("MoEGrad: scratch", {P, I});
-    g_.resize(pi), u_.resize(pi), dhr_.resize(pi);
-    dxp_.resize(checked_product("MoEGrad: scratch", {P, H}));
-    dwp_.resize(checked_product("MoEGrad: scratch", {P, chunks_i}));
-    const size_t per_thread = std::max({2 * H, 2 * I, (size_t)i_step_, 2 * (size_t)h_step_});
-    rows_.resize(checked_product("MoEGrad: scratch", {(size_t)rt_->pool().size(), per_thread}));
+    const size_t chunks_i = (I + i_step_ - 1) / i_step_, T = c.max_tokens;
+    per_thread_ = std::max({2 * H, 2 * I, (size_t)i_step_, 2 * (size_t)h_step_});
     pair_token_.resize(P), pair_slot_.resize(P), slot_pair_.resize(P);
+    expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
     if (int8.gate.w || int8.up.w || int8.down_t.w || int8.gate_t.w || int8.up_t.w) {
         if (!int8.set()) throw std::invalid_argument("MoEGrad: pass all five int8 copies (gate, up, D^T, G^T, U^T) or none");
         if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)");
@@ -73,13 +69,32 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
             throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
         for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})
             if (!w->scale || !w->row_sum) throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
-        const size_t T = c.max_tokens;
-        x8_.resize(checked_product("MoEGrad: scratch", {T, H})), dy8_.resize(x8_.size());
-        x8s_.resize(T), dy8s_.resize(T);
-        dg8_.resize(pi), du8_.resize(pi), dg8s_.resize(P), du8s_.resize(P);
-        dxp_up_.resize(dxp_.size());
     }
-    expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
+    // the buffers, in the runtime's scratch arena (which every kernel of the runtime shares: its
+    // jobs run one at a time), each part 64-byte aligned, every size checked against overflow
+    size_t at = 0;
+    auto take = [&](std::initializer_list<size_t> factors) {
+        const size_t offset = at;
+        at = checked_sum("MoEGrad: scratch", {at, checked_sum("MoEGrad: scratch", {checked_product("MoEGrad: scratch", factors), 63}) / 64 * 64});
+        return offset;
+    };
+    const size_t f = sizeof(float), q = int8.set() ? 1 : 0;
+    off_g_ = take({P, I, f}), off_u_ = take({P, I, f}), off_dhr_ = take({P, I, f}), off_dxp_ = take({P, H, f});
+    off_dwp_ = take({P, chunks_i, f}), off_rows_ = take({(size_t)rt_->pool().size(), per_thread_, f});
+    off_dxp_up_ = take({q, P, H, f});
+    off_x8_ = take({q, T, H}), off_dy8_ = take({q, T, H}), off_dg8_ = take({q, P, I}), off_du8_ = take({q, P, I});
+    off_x8s_ = take({q, T, f}), off_dy8s_ = take({q, T, f}), off_dg8s_ = take({q, P, f}), off_du8s_ = take({q, P, f});
+    rt_->reserve_scratch(at);
+}
+
+void MoEGrad::bind_scratch() {
+    uint8_t* base = rt_->scratch();
+    g_ = (float*)(base + off_g_), u_ = (float*)(base + off_u_), dhr_ = (float*)(base + off_dhr_);
+    dxp_ = (float*)(base + off_dxp_), dwp_ = (float*)(base + off_dwp_), rows_ = (float*)(base + off_rows_);
+    dxp_up_ = (float*)(base + off_dxp_up_);
+    x8_ = base + off_x8_, dy8_ = base + off_dy8_, dg8_ = base + off_dg8_, du8_ = base + off_du8_;
+    x8s_ = (float*)(base + off_x8s_), dy8s_ = (float*)(base + off_dy8s_);
+    dg8s_ = (float*)(base + off_dg8s_), du8s_ = (float*)(base + off_du8s_);
 }
 
 void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
@@ -92,6 +107,7 @@ void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const flo
                                         ", " + std::to_string(i % K) + "] is outside [-1, " +
                                         std::to_string(cfg_.experts) + ")");
     rt_->run_inline([&] {
+        bind_scratch();  // (the arena may have moved since the last call)
         for (int t0 = 0; t0 < tokens; t0 += cfg_.max_tokens) {
             const int n = std::min(cfg_.max_tokens, tokens - t0);
             chunk(n, ids + t0 * K, w + t0 * K, x + t0 * H, dy + t0 * H, dx + t0 * H, dw + t0 * K);
@@ -101,7 +117,7 @@ void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const flo
 
 void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
     const size_t at = (size_t)p * cfg_.intermediate;
-    float *g = g_.data() + at, *u = u_.data() + at, *dr = dhr_.data() + at;
+    float *g = g_ + at, *u = u_ + at, *dr = dhr_ + at;
     const float limit = cfg_.swiglu_limit, alpha = cfg_.swiglu_alpha;
     float part = 0.f;
     for (int i = i0; i < i1; i++) {
@@ -145,8 +161,8 @@ void MoEGrad::int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0,
 void MoEGrad::quantize_inputs(int tokens, const float* x, const float* dy) {
     const size_t H = cfg_.hidden;
     rt_->pool().parallel_for(tokens, [&](int t, int) {
-        x8s_[t] = quantize_row_u8(x + t * H, x8_.data() + t * H, (int)H);
-        dy8s_[t] = quantize_row_u8(dy + t * H, dy8_.data() + t * H, (int)H);
+        x8s_[t] = quantize_row_u8(x + t * H, x8_ + t * H, (int)H);
+        dy8s_[t] = quantize_row_u8(dy + t * H, dy8_ + t * H, (int)H);
     });
 }
 
@@ -172,9 +188,9 @@ void MoEGrad::group(int tokens, const int64_t* ids) {
 
 void MoEGrad::inner_int8(int e, int i0, int i1, const float* w) {
     const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
-    int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_.data(), x8s_.data(), true, g_.data(), I);
-    int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_.data(), x8s_.data(), true, u_.data(), I);
-    int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_.data(), dy8s_.data(), true, dhr_.data(), I);
+    int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
+    int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
+    int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_, dy8s_, true, dhr_, I);
     for (int p = p0; p < p1; p++) {
         if (cfg_.gate_bias) {
             const size_t row = (size_t)e * I;
@@ -200,13 +216,13 @@ void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x
             u_[(size_t)p * I + i] = fdot(buf + H, xt, H) + bu;
         }
     }
-    for (int p = p0; p < p1; p++) std::fill_n(dhr_.data() + (size_t)p * I + i0, i1 - i0, 0.f);
+    for (int p = p0; p < p1; p++) std::fill_n(dhr_ + (size_t)p * I + i0, i1 - i0, 0.f);
     for (int r = 0; r < H; r++) {  // D^T dy: each row of D's run [i0, i1) times dy[r]
         dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_ + (size_t)(i0 / down_elems_) * down_blk_,
                        (i1 - i0) / down_elems_, buf);
         for (int p = p0; p < p1; p++) {
             const float a = dy[(size_t)pair_token_[p] * H + r];
-            float* out = dhr_.data() + (size_t)p * I + i0;
+            float* out = dhr_ + (size_t)p * I + i0;
             for (int j = 0; j < i1 - i0; j++) out[j] += a * buf[j];
         }
     }
@@ -217,14 +233,14 @@ void MoEGrad::outer_blocks(int e, int c0, int c1, float* buf) {
     const int H = cfg_.hidden, I = cfg_.intermediate, n = c1 - c0, p0 = expert_start_[e], p1 = expert_start_[e + 1];
     const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up);
     float *bg = buf, *bu = buf + h_step_;
-    for (int p = p0; p < p1; p++) std::fill_n(dxp_.data() + (size_t)p * H + c0, n, 0.f);
+    for (int p = p0; p < p1; p++) std::fill_n(dxp_ + (size_t)p * H + c0, n, 0.f);
     for (int i = 0; i < I; i++) {  // each row of G's and U's run [c0, c1) times dg[i], du[i]
         const size_t row = (size_t)e * I + i;
         dequant_blocks(cfg_.gate_type, gate + row * gate_row_ + (size_t)(c0 / gate_elems_) * gate_blk_, n / gate_elems_, bg);
         dequant_blocks(cfg_.up_type, up + row * up_row_ + (size_t)(c0 / up_elems_) * up_blk_, n / up_elems_, bu);
         for (int p = p0; p < p1; p++) {
             const float a = g_[(size_t)p * I + i], b = u_[(size_t)p * I + i];
-            float* out = dxp_.data() + (size_t)p * H + c0;
+            float* out = dxp_ + (size_t)p * H + c0;
             for (int j = 0; j < n; j++) out[j] += a * bg[j] + b * bu[j];
         }
     }
@@ -235,7 +251,7 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
     const int K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
     group(tokens, ids);
     if (int8()) quantize_inputs(tokens, x, dy);
-    const size_t per_thread = rows_.size() / rt_->pool().size();
+    const size_t per_thread = per_thread_;
     ThreadPool& pool = rt_->pool();
 
     // g, u recomputed; D^T dy; then dw's parts and dg, du, by column runs of I
@@ -243,7 +259,7 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
     pool.parallel_for((int)active_.size() * chunks_i, [&](int task, int thread) {
         const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
         if (int8()) inner_int8(e, i0, i1, w);
-        else inner_blocks(e, i0, i1, w, x, dy, rows_.data() + thread * per_thread);
+        else inner_blocks(e, i0, i1, w, x, dy, rows_ + thread * per_thread);
     });
 
     // each pair's dx = G^T dg + U^T du, by column runs of H
@@ -251,18 +267,18 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
     if (int8()) {
         pool.parallel_for(expert_start_[cfg_.experts], [&](int p, int) {  // dg, du as int8 rows
             const size_t at = (size_t)p * I;
-            dg8s_[p] = quantize_row_u8(g_.data() + at, dg8_.data() + at, I);
-            du8s_[p] = quantize_row_u8(u_.data() + at, du8_.data() + at, I);
+            dg8s_[p] = quantize_row_u8(g_ + at, dg8_ + at, I);
+            du8s_[p] = quantize_row_u8(u_ + at, du8_ + at, I);
         });
     }
     pool.parallel_for((int)active_.size() * chunks_h, [&](int task, int thread) {
         const int e = active_[task / chunks_h], c0 = (task % chunks_h) * h_step_, c1 = std::min(H, c0 + h_step_);
         const int p0 = expert_start_[e], p1 = expert_start_[e + 1];
         if (int8()) {
-            int8_pairs(q_.gate_t, H, I, e, c0, c1, p0, p1, dg8_.data(), dg8s_.data(), false, dxp_.data(), H);
-            int8_pairs(q_.up_t, H, I, e, c0, c1, p0, p1, du8_.data(), du8s_.data(), false, dxp_up_.data(), H);
+            int8_pairs(q_.gate_t, H, I, e, c0, c1, p0, p1, dg8_, dg8s_, false, dxp_, H);
+            int8_pairs(q_.up_t, H, I, e, c0, c1, p0, p1, du8_, du8s_, false, dxp_up_, H);
         } else {
-            outer_blocks(e, c0, c1, rows_.data() + thread * per_thread);
+            outer_blocks(e, c0, c1, rows_ + thread * per_thread);
         }
     });
 
@@ -276,10 +292,10 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
                 dw[s] = 0.f;
                 continue;
             }
-            const float* src = dxp_.data() + (size_t)p * H;
+            const float* src = dxp_ + (size_t)p * H;
             for (int j = 0; j < H; j++) out[j] += src[j];
             if (int8()) {
-                const float* more = dxp_up_.data() + (size_t)p * H;
+                const float* more = dxp_up_ + (size_t)p * H;
                 for (int j = 0; j < H; j++) out[j] += more[j];
             }
             float sum = 0.f;

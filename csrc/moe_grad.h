@@ -6,8 +6,8 @@
 //   dh = w[t,k] D_e^T dy[t];  dg, du = dh through act;  dx[t] = sum_k G_e^T dg + U_e^T du
 // The weights are read as stored (GGML rows of blocks, decoded a run of blocks at a time; no
 // tiled layouts), never copied or transposed. g and u are recomputed from x (no activations are
-// kept from the forward: RAM stays at the scratch below, about (3 I + H) * 4 bytes a
-// (token, expert) pair of a max_tokens chunk). All in float32.
+// kept from the forward: RAM stays at the scratch, about (3 I + H) * 4 bytes a (token, expert)
+// pair of a max_tokens chunk, in the runtime's arena that every layer shares). All in float32.
 // With int8 copies (MoEGradInt8: the forward's gate and up, and the transposed D^T, G^T and
 // U^T, re-quantized once by the caller) the three products run on the int8 GEMM (VNNI or
 // AMX) instead, activations rounded to int8 per row as the forward's are.
@@ -59,13 +59,19 @@ class MoEGrad {
     size_t gate_row_ = 0, up_row_ = 0, down_row_ = 0;  // bytes per stored row
     int gate_elems_ = 0, up_elems_ = 0, down_elems_ = 0, gate_blk_ = 0, up_blk_ = 0, down_blk_ = 0;
     int i_step_ = 0, h_step_ = 0;  // column chunks of I (down's blocks) and H (gate's and up's) per task
-    // [P, I]: g, then dg; u, then du; D^T dy, then h; [P, H]: each pair's dx; [P, I / i_step] dw parts
-    std::vector<float> g_, u_, dhr_, dxp_, dwp_;
+    // In the runtime's scratch arena (offsets fixed here, pointers bound at each call):
+    // [P, I]: g, then dg; u, then du; D^T dy; [P, H]: each pair's dx (int8 mode: G^T dg, and U^T du
+    // apart); [P, I / i_step] dw parts; per pool thread: 2 rows of H (gate, up) or of I, or a run
+    // of blocks; int8 mode: x, dy [T, H], dg, du [P, I] as int8 rows + 128, and their scales.
+    void bind_scratch();
+    size_t off_g_ = 0, off_u_ = 0, off_dhr_ = 0, off_dxp_ = 0, off_dwp_ = 0, off_rows_ = 0, off_dxp_up_ = 0;
+    size_t off_x8_ = 0, off_dy8_ = 0, off_dg8_ = 0, off_du8_ = 0, off_x8s_ = 0, off_dy8s_ = 0, off_dg8s_ = 0,
+           off_du8s_ = 0, per_thread_ = 0;
+    float *g_ = nullptr, *u_ = nullptr, *dhr_ = nullptr, *dxp_ = nullptr, *dwp_ = nullptr, *rows_ = nullptr,
+          *dxp_up_ = nullptr;
+    uint8_t *x8_ = nullptr, *dy8_ = nullptr, *dg8_ = nullptr, *du8_ = nullptr;
+    float *x8s_ = nullptr, *dy8s_ = nullptr, *dg8s_ = nullptr, *du8s_ = nullptr;
     MoEGradInt8 q_;
-    std::vector<uint8_t> x8_, dy8_, dg8_, du8_;  // int8 mode: [T, H], [T, H], [P, I], [P, I] rows + 128
-    std::vector<float> x8s_, dy8s_, dg8s_, du8s_;  // their scales
-    std::vector<float> dxp_up_;                  // int8 mode: [P, H] each pair's U^T du (dxp_ holds G^T dg)
-    std::vector<float> rows_;  // per pool thread: 2 rows of H (gate, up) and one run of down's blocks
     std::vector<int> pair_token_, pair_slot_, expert_start_, active_, fill_, slot_pair_;
 };
 
