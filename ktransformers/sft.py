@@ -76,11 +76,21 @@ def run(args: argparse.Namespace) -> None:
     print(f"adapter saved to {args.output_dir}")
 
 
-def describe(args, model) -> None:
+def describe(args, model, sequences: int, longest: int) -> None:
+    """Say what trains, and check that a step of `sequences` x `longest` tokens fits (a
+    MemoryBudgetError with the numbers where it does not)."""
+    from .optimize.memory import size
+    from .train.memory import check_training, plan_training
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets)}: {trainable:,} trainable parameters")
+    dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+    plan = plan_training(model, model.config, tokens=sequences * longest, device=args.device,
+                         checkpointing=args.gradient_checkpointing, dtype=dtype)
+    check_training(plan)
+    print("a step adds " + ", ".join(f"{size(sum(kinds.values()))} on {device}"
+                                      for device, kinds in sorted(plan.per_device_kind().items())))
 
 
 def run_dpo(args: argparse.Namespace, model, tokenizer) -> None:
@@ -89,7 +99,7 @@ def run_dpo(args: argparse.Namespace, model, tokenizer) -> None:
     pairs = load_pairs(args.data, tokenizer, args.max_len)
     held_out = load_pairs(args.eval_data, tokenizer, args.max_len) if args.eval_data else None
     print(f"{len(pairs)} preference pairs")
-    describe(args, model)
+    describe(args, model, 2 * args.batch_size, max(len(e.input_ids) for p in pairs for e in (p.chosen, p.rejected)))
     if held_out:
         print("held-out DPO loss, accuracy before: {:.4f}, {:.2f}".format(*evaluate_dpo(model, held_out, args.beta,
                                                                                           args.device)))
@@ -113,7 +123,7 @@ def run_sft(args: argparse.Namespace, model, tokenizer) -> None:
     held_out = load_examples(args.eval_data, tokenizer, args.max_len) if args.eval_data else None
     learned = sum(e.learned for e in examples)
     print(f"{len(examples)} records, {sum(len(e.input_ids) for e in examples)} tokens, {learned} learned")
-    describe(args, model)
+    describe(args, model, args.batch_size, max(len(e.input_ids) for e in examples))
     if held_out:
         print(f"held-out loss before: {mean_loss(model, held_out, args.device):.4f}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, FileNotFoundError, ImportError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, ImportError, FloatingPointError) as e:  # (MemoryBudgetError too)
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

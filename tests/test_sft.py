@@ -256,3 +256,24 @@ def test_an_adapter_merged_at_load_gives_the_trained_models_logits(tmp_path):
     other.save_pretrained(tmp_path / "deepseek-adapter")
     with pytest.raises(WeightError, match="does not have"):
         load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False, lora_path=tmp_path / "deepseek-adapter")
+
+
+def test_the_training_memory_plan_refuses_with_numbers(tmp_path):
+    from ktransformers.optimize.memory import MemoryBudgetError
+    from ktransformers.train.memory import check_training, plan_training
+    model, _, config = pair(tmp_path, "qwen3_moe", seed=12, int8_backward=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def kinds(**kw):
+        return plan_training(model, config, device="cpu", dtype=torch.float32, **kw).per_device_kind()["cpu"]
+    one, two = kinds(tokens=100), kinds(tokens=200)
+    assert one["adapters, gradients and optimizer state"] == 16 * trainable
+    assert two["activations"] == 2 * one["activations"] > 0
+    assert two["MoE layers' saved inputs"] == 2 * one["MoE layers' saved inputs"]
+    assert kinds(tokens=100, checkpointing=True)["activations (checkpointed)"] < one["activations"]
+    if load_extension().int8_gemm:
+        assert one["the backward's int8 copies"] > 0
+    plan = plan_training(model, config, tokens=100, device="cpu", dtype=torch.float32)
+    check_training(plan, {"cpu": 1 << 40})
+    with pytest.raises(MemoryBudgetError, match=r"cpu needs .* more \(adapters.*\) but has 1000 B free: lower"):
+        check_training(plan, {"cpu": 1000})
