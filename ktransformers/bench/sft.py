@@ -1,24 +1,33 @@
 """LoRA fine-tuning speed with the routed experts frozen on the CPU kernels (python -m
-ktransformers.sft's step): optimizer steps a second, tokens a second, peak GPU and CPU memory.
+ktransformers.sft's step): optimizer steps a second, tokens a second, peak GPU and CPU memory;
+with --baseline, the same step in plain transformers + peft with accelerate offloading the
+experts to the CPU (their weights copied to the GPU for each forward), in the same run.
 
     python -m ktransformers.bench.sft                                   # the demo model, on the CPU
-    python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 512 --batch 1 --threads 14
+    python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 512 --threads 14 --baseline
 
 Each step is one forward and backward over `--batch` sequences of `--seq` random tokens (every one
 learned) and an AdamW step on rank-`--rank` adapters of the attention projections; the first
 `--warmup` steps are not timed, and the table gives the median of the rest, with the share of the
-step the CPU experts took (forward and backward, from the kernels' own clocks where they run
-synchronously).
+step the CPU experts took (forward and backward, timed around the kernels' calls).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
 
 from . import machine
+
+# The baseline's placement: every module as transformers has it, on the CPU (accelerate then
+# dispatches it).
+PLAIN_RULES = """
+- match: {name: "^(model|lm_head)"}
+  replace: {class: default, kwargs: {generate_device: cpu, prefill_device: cpu}}
+"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,63 +42,108 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time transformers + peft with accelerate's CPU offload of the experts")
     args = p.parse_args(argv)
     if min(args.seq, args.batch, args.rank, args.steps) < 1 or args.warmup < 0:
         p.error("--seq, --batch, --rank and --steps must be at least 1, --warmup at least 0")
     return args
 
 
-def main(argv=None) -> None:
+def time_steps(model, args, vocab: int, experts_seconds=None) -> tuple[float, float]:
+    """(median step seconds, median share of it in the CPU experts: 0 without experts_seconds)."""
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    times, shares = [], []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
+        if experts_seconds is not None:
+            experts_seconds[0] = 0.0
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if step >= args.warmup:
+            times.append(seconds)
+            shares.append(experts_seconds[0] / seconds if experts_seconds is not None else 0.0)
+    return statistics.median(times), statistics.median(shares)
+
+
+def ours(args):
+    """(step seconds, experts' share, peak memory, config, threads) on the training rule file."""
     from ..demo import DEMO_GGUF
     from ..kernels.cpu import MoEKernel
     from ..train import add_lora, load_for_training, peak_memory
-    args = parse_args(argv)
     loaded = load_for_training(args.gguf_path or DEMO_GGUF, optimize_config_path=args.optimize_config_path,
                                device=args.device, cpu_infer=args.threads, tokenizer=False)
     model = add_lora(loaded.model, rank=args.rank)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    expert_seconds = [0.0]
+    spent = [0.0]
     forward, backward = MoEKernel.forward, MoEKernel.backward
 
     def timed(fn):
         def wrapper(self, *a):
             start = time.perf_counter()
             out = fn(self, *a)
-            expert_seconds[0] += time.perf_counter() - start
+            spent[0] += time.perf_counter() - start
             return out
         return wrapper
     MoEKernel.forward, MoEKernel.backward = timed(forward), timed(backward)
-    gen = torch.Generator().manual_seed(0)
-    vocab = loaded.config.vocab_size
-    times, shares = [], []
     try:
-        for step in range(args.warmup + args.steps):
-            ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
-            expert_seconds[0] = 0.0
-            start = time.perf_counter()
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if torch.device(args.device).type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            if step >= args.warmup:
-                times.append(seconds)
-                shares.append(expert_seconds[0] / seconds)
+        step, share = time_steps(model, args, loaded.config.vocab_size, spent)
     finally:
         MoEKernel.forward, MoEKernel.backward = forward, backward
-    step = statistics.median(times)
+    return step, share, peak_memory(args.device), loaded.config, loaded.model.kt_context.cpu_runtime().threads
+
+
+def baseline(args, config):
+    """(step seconds, peak memory) of transformers + peft, the experts offloaded by accelerate."""
+    from accelerate import dispatch_model
+
+    from ..demo import DEMO_GGUF
+    from ..optimize.inject import optimize_and_load_gguf
+    from ..optimize.rules import parse_rules
+    from ..optimize.skeleton import build_skeleton
+    from ..train import add_lora, peak_memory
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    model = build_skeleton(config, dtype)
+    optimize_and_load_gguf(model, parse_rules(PLAIN_RULES, "baseline rules"), args.gguf_path or DEMO_GGUF, config,
+                           progress=True)
+    if torch.device(args.device).type == "cuda":
+        experts = {name: "cpu" for name, _ in model.named_modules() if name.endswith(".mlp.experts")}
+        device_map = {"": torch.device(args.device).index or 0} | experts
+        model = dispatch_model(model, device_map=device_map)
+    model.train().requires_grad_(False)
+    model = add_lora(model, rank=args.rank)
+    step, _ = time_steps(model, args, config.vocab_size)
+    return step, peak_memory(args.device)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    step, share, memory, config, threads = ours(args)
+    rows = [("ktransformers (CPU experts' backward)", step, f"{share:.2f}", memory)]
+    if args.baseline:
+        gc.collect()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base_step, base_memory = baseline(args, config)
+        rows.append(("transformers + peft, accelerate offloading the experts", base_step, "", base_memory))
     tokens = args.batch * args.seq
-    print(f"# {machine(loaded.model.kt_context.cpu_runtime().threads)}; device {args.device}")
-    print(f"# {args.gguf_path or 'demo model'}: {loaded.config.num_hidden_layers} layers, LoRA rank {args.rank} on "
-          f"attention ({sum(p.numel() for p in params):,} parameters), batch {args.batch} x {args.seq} tokens")
-    print("| step | it/s | tok/s | CPU experts' share | memory |")
-    print("|---|---|---|---|---|")
-    print(f"| {step * 1e3:.1f} ms | {1 / step:.2f} | {tokens / step:.0f} | {statistics.median(shares):.2f} | "
-          f"{peak_memory(args.device)} |")
+    print(f"# {machine(threads)}; device {args.device}")
+    print(f"# {args.gguf_path or 'demo model'}: {config.num_hidden_layers} layers, LoRA rank {args.rank} on attention, "
+          f"batch {args.batch} x {args.seq} tokens")
+    print("| engine | step | it/s | tok/s | CPU experts' share | memory (peak so far) |")
+    print("|---|---|---|---|---|---|")
+    for name, seconds, experts_share, mem in rows:
+        print(f"| {name} | {seconds * 1e3:.1f} ms | {1 / seconds:.2f} | {tokens / seconds:.0f} | {experts_share} | {mem} |")
+    if args.baseline:
+        print(f"ours / baseline: {rows[1][1] / rows[0][1]:.2f}x")
 
 
 if __name__ == "__main__":
