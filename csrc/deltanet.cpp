@@ -111,4 +111,98 @@ void gated_delta_rule_rows(ThreadPool& pool, const float* q, const float* k, con
     run_rule(pool, q, k, v, g, beta, in, to, out, B, T, Hk, Hv, Dk, Dv, l2norm);
 }
 
+namespace {
+
+// Row indices must lie in [-1, rows) to read (-1: zeros) and [0, rows) to write; no two sequences
+// may write one row, and none may read a row another writes (its read would race the write).
+void check_rows(const char* what, int n, int64_t rows, const int64_t* in, const int64_t* out) {
+    for (int b = 0; b < n; b++) {
+        if (in[b] < -1 || in[b] >= rows || out[b] < 0 || out[b] >= rows)
+            throw std::out_of_range(std::string("gated_delta_decode: sequence ") + std::to_string(b) + " reads " + what +
+                                    " row " + std::to_string(in[b]) + " and writes row " + std::to_string(out[b]) +
+                                    " of " + std::to_string(rows));
+        for (int c = 0; c < n; c++)
+            if (c != b && (out[c] == out[b] || in[c] == out[b]))
+                throw std::invalid_argument(std::string("gated_delta_decode: sequences ") + std::to_string(c) + " and " +
+                                            std::to_string(b) + " share " + what + " row " + std::to_string(out[b]));
+    }
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+}  // namespace
+
+void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
+                        const float* mixed, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
+                        const int64_t* conv_out, const float* g, const float* beta, float* ssm, const int64_t* ssm_in,
+                        const int64_t* ssm_out, const float* z, const float* norm_w, float eps, float* out) {
+    check_shapes(n, 1, Hk, Hv, Dk, Dv);
+    if (K < 2 || K > 17) throw std::invalid_argument("gated_delta_decode: the convolution takes 2 to 17 taps");
+    const size_t C = checked_sum("gated_delta_decode: channels",
+                                 {checked_product("gated_delta_decode: q, k", {2, (size_t)Hk, (size_t)Dk}),
+                                  checked_product("gated_delta_decode: v", {(size_t)Hv, (size_t)Dv})});
+    checked_product("gated_delta_decode: conv", {(size_t)std::max<int64_t>(rows, 0), C, (size_t)K});
+    checked_product("gated_delta_decode: states", {(size_t)std::max<int64_t>(rows, 0), (size_t)Hv, (size_t)Dk,
+                                                    (size_t)Dv});
+    check_rows("conv", n, rows, conv_in, conv_out);
+    check_rows("state", n, rows, ssm_in, ssm_out);
+    // the conv step of every sequence, into x [n, C]
+    static thread_local std::vector<float> x_buf;
+    x_buf.resize((size_t)n * C);
+    float* x = x_buf.data();
+    const size_t taps = K - 1;
+    pool.parallel_for(n, [&](int b, int) {
+        const float* in = conv_in[b] < 0 ? nullptr : conv + conv_in[b] * C * taps;
+        float* to = conv + conv_out[b] * C * taps;
+        for (size_t c = 0; c < C; c++) {
+            const float* w = conv_w + c * K;
+            const float now = mixed[b * C + c];
+            float acc = w[taps] * now;
+            float window[16];
+            for (size_t j = 0; j < taps; j++) window[j] = in ? in[c * taps + j] : 0.f;
+            for (size_t j = 0; j < taps; j++) acc += w[j] * window[j];
+            x[b * C + c] = silu(acc);
+            for (size_t j = 0; j + 1 < taps; j++) to[c * taps + j] = window[j + 1];
+            to[c * taps + taps - 1] = now;
+        }
+    });
+    // the rule and the gated norm, a task per (sequence, value head)
+    const int group = Hv / Hk;
+    const size_t per_row = (size_t)Hv * Dk * Dv, q_at = 0, k_at = (size_t)Hk * Dk, v_at = 2 * (size_t)Hk * Dk;
+    const float q_scale = 1.f / std::sqrt((float)Dk);
+    pool.parallel_for(n * Hv, [&](int task, int) {
+        const int b = task / Hv, h = task % Hv, hk = tiled ? h % Hk : h / group;
+        const float* xb = x + b * C;
+        float* S = ssm + ssm_out[b] * per_row + (size_t)h * Dk * Dv;
+        if (ssm_in[b] < 0) std::fill(S, S + (size_t)Dk * Dv, 0.f);
+        else if (ssm_in[b] != ssm_out[b])
+            std::copy_n(ssm + ssm_in[b] * per_row + (size_t)h * Dk * Dv, (size_t)Dk * Dv, S);
+        std::vector<float> qn(Dk), kn(Dk), kv(Dv, 0.f), o(Dv, 0.f);
+        normalized(xb + q_at + (size_t)hk * Dk, Dk, true, q_scale, qn.data());
+        normalized(xb + k_at + (size_t)hk * Dk, Dk, true, 1.f, kn.data());
+        const float decay = std::exp(g[(size_t)b * Hv + h]), bt = beta[(size_t)b * Hv + h];
+        const float* vt = xb + v_at + (size_t)h * Dv;
+        for (int i = 0; i < Dk; i++) {
+            const float ki = kn[i];
+            const float* Si = S + (size_t)i * Dv;
+            for (int j = 0; j < Dv; j++) kv[j] += Si[j] * ki;
+        }
+        for (int j = 0; j < Dv; j++) kv[j] = (vt[j] - decay * kv[j]) * bt;
+        for (int i = 0; i < Dk; i++) {
+            const float ki = kn[i], qi = qn[i];
+            float* Si = S + (size_t)i * Dv;
+            for (int j = 0; j < Dv; j++) {
+                Si[j] = Si[j] * decay + ki * kv[j];
+                o[j] += Si[j] * qi;
+            }
+        }
+        float ss = 0.f;
+        for (int j = 0; j < Dv; j++) ss += o[j] * o[j];
+        const float inv = 1.f / std::sqrt(ss / Dv + eps);
+        const float* zb = z + ((size_t)b * Hv + h) * Dv;
+        float* dst = out + ((size_t)b * Hv + h) * Dv;
+        for (int j = 0; j < Dv; j++) dst[j] = o[j] * inv * norm_w[j] * silu(zb[j]);
+    });
+}
+
 }  // namespace kt

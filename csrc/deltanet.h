@@ -28,4 +28,21 @@ void gated_delta_rule_rows(ThreadPool& pool, const float* q, const float* k, con
                            const int64_t* rows_out, float* out, int B, int T, int Hk, int Hv, int Dk, int Dv,
                            bool l2norm);
 
+// One decode token of n sequences through a gated DeltaNet layer after its projections, fused:
+// for sequence b (all float32, contiguous):
+//   the causal conv step: window = [conv row conv_in[b] (-1: zeros), mixed[b]] per channel c,
+//     x[c] = SiLU(sum_j conv_w[c, j] window[c, j]), and the row conv_out[b] = window[c, 1:];
+//   x = [q (Hk x Dk), k (Hk x Dk), v (Hv x Dv)]; value head h reads key head h % Hk where `tiled`
+//     (Qwen3.5's stored order), else h / (Hv / Hk); the L2-normed gated delta rule as above over
+//     the state rows ssm_in[b] (-1: zeros) -> ssm_out[b];
+//   the gated RMSNorm of each head's output o: out[b, h] = o / sqrt(mean(o^2) + eps) * norm_w
+//     * SiLU(z[b, h]).
+// Shapes: mixed [n, C], C = 2 Hk Dk + Hv Dv; conv_w [C, K]; conv [rows, C, K-1]; g, beta [n, Hv];
+// ssm [rows, Hv, Dk, Dv]; z, out [n, Hv, Dv]; norm_w [Dv]. Rows out of range, two sequences
+// writing one row, or one reading a row another writes, throw before anything is touched.
+void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
+                        const float* mixed, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
+                        const int64_t* conv_out, const float* g, const float* beta, float* ssm, const int64_t* ssm_in,
+                        const int64_t* ssm_out, const float* z, const float* norm_w, float eps, float* out);
+
 }  // namespace kt

@@ -108,3 +108,90 @@ def test_rows_out_of_the_table_are_refused(runtime):
     with pytest.raises(ValueError, match="rows_in must be a contiguous int64"):
         gated_delta_rule_rows(runtime, q, k, v, g, beta, table, torch.tensor([0, 1], dtype=torch.int32),
                               torch.tensor([2, 3]))
+
+
+def decode_reference(mixed, conv_w, conv_states, g, beta, ssm_states, z, norm, heads, tiled):
+    """transformers' pieces, one token: the causal conv step in torch, its torch delta rule, its
+    gated RMSNorm module -> (out [n, Hv, Dv], new conv states, new delta states)."""
+    Hk, Hv, Dk, Dv = heads
+    n = mixed.shape[0]
+    window = torch.cat([conv_states, mixed[:, :, None]], dim=2)  # [n, C, K]
+    x = torch.nn.functional.silu((window * conv_w[None]).sum(-1))
+    q, k, v = torch.split(x, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.reshape(n, 1, Hk, Dk), k.reshape(n, 1, Hk, Dk), v.reshape(n, 1, Hv, Dv)
+    if tiled:  # value head h reads key head h % Hk
+        q, k = q.repeat(1, 1, Hv // Hk, 1), k.repeat(1, 1, Hv // Hk, 1)
+    else:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    out, state = qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, g[:, None], beta[:, None],
+                                                             initial_state=ssm_states.clone(), output_final_state=True,
+                                                             use_qk_l2norm_in_kernel=True)
+    normed = norm(out[:, 0].reshape(-1, Dv), z.reshape(-1, Dv)).reshape(n, Hv, Dv)
+    return normed, window[:, :, 1:], state
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3)],
+                         ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
+def test_fused_decode_matches_transformers(runtime, shape, tiled):
+    """gated_delta_decode over rows of the state tables (read from one row, written to another, one
+    sequence fresh) against transformers' conv step, delta rule and gated norm."""
+    from ktransformers.kernels.cpu import gated_delta_decode
+    n, Hk, Hv, Dk, Dv, K = shape
+    C, R = 2 * Hk * Dk + Hv * Dv, 2 * n + 1
+    gen = torch.Generator().manual_seed(sum(shape) + tiled)
+    mixed, z = torch.randn(n, C, generator=gen), torch.randn(n, Hv, Dv, generator=gen)
+    conv_w = 0.5 * torch.randn(C, K, generator=gen)
+    conv, ssm = torch.randn(R, C, K - 1, generator=gen), 0.1 * torch.randn(R, Hv, Dk, Dv, generator=gen)
+    g, beta = -torch.rand(n, Hv, generator=gen) * 2, torch.rand(n, Hv, generator=gen)
+    norm = qwen3_next.Qwen3NextRMSNormGated(Dv, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(Dv, generator=gen))
+    reads = torch.arange(n) * 2
+    reads[-1] = -1  # a fresh sequence: zero states
+    writes = torch.arange(n) * 2 + 1
+    safe = reads.clamp(min=0)
+    fresh = (reads < 0)[:, None, None]
+    want, want_conv, want_ssm = decode_reference(
+        mixed, conv_w, conv[safe].masked_fill(fresh, 0), g, beta, ssm[safe].masked_fill(fresh[..., None], 0), z, norm,
+        (Hk, Hv, Dk, Dv), tiled)
+    got_conv, got_ssm = conv.clone(), ssm.clone()
+    got = gated_delta_decode(runtime, mixed, conv_w, got_conv, reads, writes, g, beta, got_ssm, reads, writes, z,
+                             norm.weight.detach(), 1e-6, (Hk, Hv, Dk, Dv), tiled)
+    assert rel_err(got, want.detach()) < 5e-5
+    assert torch.allclose(got_conv[writes], want_conv, atol=1e-6)
+    assert rel_err(got_ssm[writes], want_ssm) < 5e-5
+    untouched = torch.ones(R, dtype=torch.bool)
+    untouched[writes] = False
+    assert torch.equal(got_ssm[untouched], ssm[untouched]) and torch.equal(got_conv[untouched], conv[untouched])
+    # in place (each sequence reads and writes its own row), as a cache without ring copies does
+    rows = torch.arange(n) * 2
+    got_ssm, got_conv = ssm.clone(), conv.clone()
+    gated_delta_decode(runtime, mixed, conv_w, got_conv, rows, rows, g, beta, got_ssm, rows, rows, z,
+                       norm.weight.detach(), 1e-6, (Hk, Hv, Dk, Dv), tiled)
+    _, want_conv, want_ssm = decode_reference(mixed, conv_w, conv[rows], g, beta, ssm[rows], z, norm, (Hk, Hv, Dk, Dv),
+                                              tiled)
+    assert rel_err(got_ssm[rows], want_ssm) < 5e-5 and torch.allclose(got_conv[rows], want_conv, atol=1e-6)
+
+
+def test_fused_decode_bad_rows_are_errors(runtime):
+    from ktransformers.kernels.cpu import gated_delta_decode
+    Hk, Hv, Dk, Dv, K, n = 1, 2, 8, 8, 4, 2
+    C, R = 2 * Hk * Dk + Hv * Dv, 3
+    args = dict(mixed=torch.randn(n, C), conv_w=torch.randn(C, K), conv=torch.zeros(R, C, K - 1), g=torch.zeros(n, Hv),
+                beta=torch.zeros(n, Hv), ssm=torch.zeros(R, Hv, Dk, Dv), z=torch.zeros(n, Hv, Dv),
+                norm_w=torch.ones(Dv), eps=1e-6, heads=(Hk, Hv, Dk, Dv), tiled=False)
+
+    def call(reads, writes):
+        r, w = torch.tensor(reads), torch.tensor(writes)
+        return gated_delta_decode(runtime, conv_in=r, conv_out=w, ssm_in=r, ssm_out=w, **args)
+    with pytest.raises(IndexError, match="writes row 3 of 3"):
+        call([0, 1], [0, 3])
+    with pytest.raises(ValueError, match="share conv row 1"):
+        call([0, 1], [1, 1])
+    with pytest.raises(ValueError, match="share conv row 0"):
+        call([0, 0], [2, 0])  # (sequence 0 reads the row sequence 1 writes)
+    with pytest.raises(ValueError, match="mixed must be"):
+        gated_delta_decode(runtime, conv_in=torch.tensor([0, 1]), conv_out=torch.tensor([0, 1]),
+                           ssm_in=torch.tensor([0, 1]), ssm_out=torch.tensor([0, 1]),
+                           **(args | {"mixed": torch.randn(n, C + 1)}))

@@ -834,6 +834,35 @@ def gated_delta_rule_rows(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
+def gated_delta_decode(runtime: CPURuntime, mixed: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor,
+                       conv_in: torch.Tensor, conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       ssm: torch.Tensor, ssm_in: torch.Tensor, ssm_out: torch.Tensor, z: torch.Tensor,
+                       norm_w: torch.Tensor, eps: float, heads: tuple[int, int, int, int], tiled: bool) -> torch.Tensor:
+    """One decode token of n sequences through a gated DeltaNet layer after its projections (the
+    C++ gated_delta_decode: conv step, L2-normed delta rule and gated RMSNorm, the conv and delta
+    states read and written in their rows of the tables conv [R, C, K-1] and ssm [R, Hv, Dk, Dv]).
+    mixed [n, C]; g, beta [n, Hv]; z [n, Hv, Dv]; heads (Hk, Hv, Dk, Dv). Returns [n, Hv, Dv]."""
+    Hk, Hv, Dk, Dv = heads
+    n, C = mixed.shape if mixed.dim() == 2 else (-1, -1)
+    K = conv_w.shape[1] if conv_w.dim() == 2 else -1
+    R = ssm.shape[0] if ssm.dim() == 4 else -1
+    if C != 2 * Hk * Dk + Hv * Dv:
+        raise ValueError(f"gated_delta_decode: mixed must be [n, {2 * Hk * Dk + Hv * Dv}], got {tuple(mixed.shape)}")
+    _check_tensors("gated_delta_decode", (
+        ("mixed", mixed, (n, C), torch.float32), ("conv_w", conv_w, (C, K), torch.float32),
+        ("conv", conv, (R, C, K - 1), torch.float32), ("g", g, (n, Hv), torch.float32),
+        ("beta", beta, (n, Hv), torch.float32), ("ssm", ssm, (R, Hv, Dk, Dv), torch.float32),
+        ("z", z, (n, Hv, Dv), torch.float32), ("norm_w", norm_w, (Dv,), torch.float32),
+        *((name, t, (n,), torch.int64) for name, t in (("conv_in", conv_in), ("conv_out", conv_out),
+                                                       ("ssm_in", ssm_in), ("ssm_out", ssm_out)))))
+    out = torch.empty(n, Hv, Dv, dtype=torch.float32)
+    runtime._rt.gated_delta_decode(n, Hk, Hv, Dk, Dv, K, tiled, mixed.data_ptr(), conv_w.data_ptr(), conv.data_ptr(), R,
+                                   conv_in.data_ptr(), conv_out.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                   ssm.data_ptr(), ssm_in.data_ptr(), ssm_out.data_ptr(), z.data_ptr(),
+                                   norm_w.data_ptr(), float(eps), out.data_ptr())
+    return out
+
+
 def round_activations(x: torch.Tensor, block: int | str | None) -> torch.Tensor:
     """x with each block of `block` values rounded to int8 steps of amax/127 (float32 in and out),
     exactly as the kernels prepare activations; BF16_ACTIVATIONS rounds each value to the nearest

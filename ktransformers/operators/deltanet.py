@@ -110,6 +110,7 @@ class KGatedDeltaNet(BaseInjectedModule):
         self.dt_bias: torch.Tensor | None = None  # [Hv] float32, loaded
         self.neg_A: torch.Tensor | None = None  # -exp(A_log) [Hv] float32, loaded
         self._conv_w: torch.Tensor | None = None  # [conv_dim, K] float32
+        self._norm_w: torch.Tensor | None = None  # the gated norm's weight [Dv] float32
         self._runtime = None  # the CPU runtime: the C++ delta rule
         self.tiled = False  # value heads stored tiled (set by load from the weights)
 
@@ -118,13 +119,13 @@ class KGatedDeltaNet(BaseInjectedModule):
         self.dt_bias = self.weights.load(f"{self.key}.dt_bias", dev, torch.float32, (self.Hv,)).contiguous()
         A_log = self.weights.load(f"{self.key}.A_log", dev, torch.float32, (self.Hv,))
         self.neg_A = -A_log.exp()
-        self._conv_w = None
+        self._conv_w = self._norm_w = None
         self._runtime = self.run_context().cpu_runtime() if dev.type == "cpu" else None
         self.triton = dev.type == "cuda"
         self.tiled = bool(getattr(self.weights, "value_heads_tiled", False))
 
     def unload(self) -> None:
-        self.dt_bias = self.neg_A = self._conv_w = self._runtime = None
+        self.dt_bias = self.neg_A = self._conv_w = self._norm_w = self._runtime = None
 
     def _conv_weight(self) -> torch.Tensor:
         if self._conv_w is None:
@@ -145,6 +146,9 @@ class KGatedDeltaNet(BaseInjectedModule):
                                  f"shape [1, {batch.num_tokens}, H], got {list(hidden_states.shape)}")
             if batch.state_read is None:
                 raise ValueError(f"{self.key}: the engine's cache keeps no recurrent states (a HybridCache is needed)")
+            fused = self._decode_fused(mixed[0], z[0], beta[0], g[0], batch)
+            if fused is not None:
+                return self.out_proj(fused.reshape(B, S, self.value_dim).to(hidden_states.dtype))
             out = self._batch(mixed[0], beta[0], g[0], batch)[None]
         out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.Dv), z.reshape(-1, self.Dv))
         return self.out_proj(out.reshape(B, S, self.value_dim))
@@ -196,6 +200,24 @@ class KGatedDeltaNet(BaseInjectedModule):
             outs.append(self._sequence(mixed[rows].to(dev), beta[rows].to(dev), g[rows].to(dev), conv_in[i:i + 1],
                                        (conv, ssm, ssm_in[i:i + 1], writes[i:i + 1])))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _decode_fused(self, mixed: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch):
+        """A float32 decode step on the CPU: the conv step, the delta rule and the gated norm in one
+        C++ call over the cache's state rows -> [N, Hv, Dv]; else None (the step goes op by op)."""
+        if not (self._in_rows(mixed.device) and mixed.dtype == torch.float32 and all(q == 1 for q in batch.q_lens)):
+            return None
+        from ..kernels.cpu import gated_delta_decode
+        cache = self.context.cache
+        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
+        reads, writes = batch.state_rows(conv.device)
+        if any(batch.state_fresh):
+            reads = torch.where(torch.tensor(batch.state_fresh), -1, reads)
+        if self._norm_w is None:
+            self._norm_w = self.norm.weight.detach().float().contiguous()
+        return gated_delta_decode(self._runtime, mixed.contiguous(), self._conv_weight(), conv, reads, writes,
+                                  g.contiguous(), beta.contiguous(), ssm, reads, writes, z.float().contiguous(),
+                                  self._norm_w, self.norm.variance_epsilon, (self.Hk, self.Hv, self.Dk, self.Dv),
+                                  self.tiled)
 
     def _in_rows(self, device: torch.device) -> bool:
         """Whether the delta rule runs on the C++ kernel over the cache's state rows."""
