@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.lr <= 0 or args.beta <= 0:
         p.error(f"--lr and --beta must be positive, got {args.lr}, {args.beta}")
+    if args.dpo and (args.grad_accum != 1 or args.warmup_steps):
+        p.error("--grad_accum and --warmup_steps are SFT's: a DPO step takes --batch_size pairs at a constant --lr")
     return args
 
 
@@ -131,7 +133,7 @@ def run_sft(args: argparse.Namespace, model, tokenizer) -> None:
     def log(r) -> None:
         if r.step % args.log_every == 0 or r.step == args.steps:
             tqdm.write(f"step {r.step}: loss {r.loss:.4f}, {r.tokens / r.seconds:.1f} tok/s, {1 / r.seconds:.2f} it/s, "
-                  f"lr {r.lr:.2e}, {peak_memory(args.device)}")
+                       f"lr {r.lr:.2e}, {peak_memory(args.device)}")
     reports = train(model, examples, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                     grad_accum=args.grad_accum, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
                     pad_id=pad, device=args.device, seed=args.seed, on_step=log)
