@@ -279,9 +279,10 @@ def test_the_training_memory_plan_refuses_with_numbers(tmp_path):
         check_training(plan, {"cpu": 1000})
 
 
-def test_sft_flags_are_checked():
+def test_sft_flags_are_checked(capsys):
     from ktransformers.sft import parse_args
     for argv, message in ((["--lora_rank", "0"], "--lora_rank must be at least 1"),
                           (["--dpo", "--grad_accum", "4"], "--grad_accum and --warmup_steps are SFT's")):
         with pytest.raises(SystemExit):
             parse_args(["--data", "d.jsonl", "--output_dir", "o", *argv])
+        assert message in capsys.readouterr().err
