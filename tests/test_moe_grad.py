@@ -186,3 +186,22 @@ def test_int8_backward_matches_autograd(runtime, case):
     # (each product rounds both sides to int8 per row, ~0.7% an element, and dx is two products
     # deep: 2-2.5% measured, where a wrong transpose or scale gives ~100%)
     assert rel(dx, want_dx) < 4e-2 and rel(dw, want_dw) < 4e-2
+
+
+def test_int8_backward_falls_back_where_its_gemm_cannot_run(runtime):
+    """Sizes the int8 GEMM does not take (intermediate 32): a warning, and the exact backward."""
+    if not runtime.ext.int8_gemm:
+        pytest.skip(f"the {runtime.isa} kernels have no int8 GEMM")
+    E, K, H, I, T = 4, 2, 64, 32, 5
+    weights, gate_up, down = experts((8, 8, 8), E, H, I, seed=2)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], name="grad-test")
+    kernel.int8_backward = True
+    gen = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    ids, w = routing(T, K, E, gen)
+    with pytest.warns(UserWarning, match="int8 backward is off"):
+        dx, _ = kernel.backward(x, ids, w, dy)
+    assert not kernel._grad.int8
+    want_dx, _ = torch_grads(x, ids, w, gate_up, down, dy, Activation(), None)
+    assert (dx - want_dx).abs().max() <= 1e-4 * want_dx.abs().max()

@@ -629,6 +629,10 @@ class MoEKernel:
                           "AVX512-VNNI or AVX-VNNI); the backward decodes the stored blocks", stacklevel=4)
             return ()
         E, H, I = self.experts, self.hidden, self._grad_args[3]
+        if H % 64 or I % 64:
+            warnings.warn(f"{self.name}: int8 backward is off: its GEMM needs hidden ({H}) and intermediate ({I}) sizes "
+                          "divisible by 64; the backward decodes the stored blocks", stacklevel=4)
+            return ()
         gate, up, down = (_expert_source(w, shape, "the int8 backward")
                           for w, shape in zip(stored, ((E, I, H), (E, I, H), (E, H, I))))
         own = getattr(self, "_int8", None)
