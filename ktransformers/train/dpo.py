@@ -97,7 +97,8 @@ def sequence_logps(model, examples: list[Example], device) -> torch.Tensor:
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float):
     """(mean loss, accuracy, mean margin) of a batch of pairs' summed log-probabilities."""
     margin = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
-    return -F.logsigmoid(margin).mean(), float((margin > 0).float().mean()), float(margin.mean())
+    stats = margin.detach()
+    return -F.logsigmoid(margin).mean(), float((stats > 0).float().mean()), float(stats.mean())
 
 
 def reference_logps(model, pairs: list[Pair], device) -> list[tuple[float, float]]:
