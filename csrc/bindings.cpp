@@ -263,6 +263,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
              }, py::call_guard<py::gil_scoped_release>(),
              "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K] (shapes checked in Python)");
 
+    m.def("int8_copies", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, int E, int rows, int cols, bool transpose,
+                            uintptr_t w, uintptr_t scale, uintptr_t row_sum) {
+              r.run_inline([&] {
+                  int8_copies(r.pool(), type, cptr<void>(src), src_bytes, E, rows, cols, transpose,
+                              reinterpret_cast<int8_t*>(w), reinterpret_cast<float*>(scale),
+                              reinterpret_cast<int32_t*>(row_sum));
+              });
+          }, py::call_guard<py::gil_scoped_release>(),
+          "per-row int8 copies of E stored matrices, transposed or not (dequant.h; outputs sized by the caller)");
     m.def("dequantize", [](int type, uintptr_t src, size_t src_bytes, size_t values, uintptr_t out) {
               const int elems = dequant_block_elems(type), block = dequant_block_bytes(type);
               if (elems == 0) throw std::invalid_argument("dequantize: no decoder for ggml type " + std::to_string(type));

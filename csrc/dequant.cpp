@@ -3,8 +3,14 @@
 #include "dequant.h"
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "blocks.h"
+#include "checked.h"
+#include "pool.h"
+#include "quants.h"
 
 namespace kt {
 namespace {
@@ -183,6 +189,37 @@ void dequant_blocks(int type, const void* src, int blocks, float* out) {
         case IQ4_XS: return each_block<block_iq4_xs>(src, blocks, out, QK_K, iq4_xs);
         default: return;  // (callers check dequant_block_elems first)
     }
+}
+
+void int8_copies(ThreadPool& pool, int type, const void* src, size_t src_bytes, int E, int rows, int cols,
+                 bool transpose, int8_t* w, float* scale, int32_t* row_sum) {
+    const int elems = dequant_block_elems(type), block = dequant_block_bytes(type);
+    if (elems == 0) throw std::invalid_argument("int8_copies: no decoder for ggml type " + std::to_string(type));
+    if (E <= 0 || rows <= 0 || cols <= 0 || cols % elems)
+        throw std::invalid_argument("int8_copies: E, rows and cols must be positive, cols whole blocks of " +
+                                    std::to_string(elems));
+    const int out_rows = transpose ? cols : rows, out_cols = transpose ? rows : cols;
+    if (out_cols % 8) throw std::invalid_argument("int8_copies: output rows of " + std::to_string(out_cols) +
+                                                  " values, not a multiple of 8");
+    const size_t per_expert = checked_product("int8_copies: bytes", {(size_t)rows, (size_t)(cols / elems), (size_t)block});
+    if (src_bytes < checked_product("int8_copies: bytes", {per_expert, (size_t)E}))
+        throw std::invalid_argument("int8_copies: " + std::to_string(src_bytes) + " bytes hold fewer than " +
+                                    std::to_string(E) + " experts of " + std::to_string(per_expert));
+    const size_t values = checked_product("int8_copies: values", {(size_t)rows, (size_t)cols});
+    pool.parallel_for(E, [&](int e, int) {
+        std::vector<float> m(values), line(out_cols);
+        dequant_blocks(type, static_cast<const uint8_t*>(src) + (size_t)e * per_expert, (int)(values / elems), m.data());
+        for (int r = 0; r < out_rows; r++) {
+            for (int c = 0; c < out_cols; c++) line[c] = transpose ? m[(size_t)c * cols + r] : m[(size_t)r * cols + c];
+            const float d = row_absmax(line.data(), out_cols) / 127.f, inv = d ? 1.f / d : 0.f;
+            const size_t at = (size_t)e * out_rows + r;
+            int8_t* q = w + at * out_cols;
+            row_round_i8(line.data(), inv, q, out_cols);
+            int32_t sum = 0;
+            for (int c = 0; c < out_cols; c++) sum += q[c];
+            scale[at] = d, row_sum[at] = sum;
+        }
+    });
 }
 
 }  // namespace kt

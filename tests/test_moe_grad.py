@@ -205,3 +205,22 @@ def test_int8_backward_falls_back_where_its_gemm_cannot_run(runtime):
     assert not kernel._grad.int8
     want_dx, _ = torch_grads(x, ids, w, gate_up, down, dy, Activation(), None)
     assert (dx - want_dx).abs().max() <= 1e-4 * want_dx.abs().max()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "MXFP4", "BF16"])
+def test_int8_copies_equal_torch(runtime, name, transpose):
+    """The backward's int8 copies (C++: decode, transpose, per-row int8) against torch on the
+    gguf package's values: the same scales, and the same codes but for ties rounded apart."""
+    from ktransformers.kernels.cpu import _int8_copy
+    t, E, rows, cols = TYPES[name], 3, 64, 256
+    raw = blocks_of(t, E * rows * cols, torch.Generator().manual_seed(t + transpose))
+    got = _int8_copy(runtime, ExpertWeights(raw, t), (E, rows, cols), transpose)
+    dense = gguf_values(raw, t, (E, rows, cols))
+    dense = dense.transpose(1, 2) if transpose else dense
+    scale = dense.abs().amax(dim=2) / 127
+    codes = torch.round(dense / scale[..., None])
+    assert torch.allclose(got.scale, scale, rtol=1e-6)
+    diff = (got.w.float() - codes).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    assert torch.equal(got.row_sum, got.w.sum(dim=2, dtype=torch.int32))

@@ -453,6 +453,19 @@ class Int4Rows:
         return self.q.data_ptr(), self.scale.data_ptr(), self.corr.data_ptr()
 
 
+def _int8_copy(runtime: CPURuntime, weights: ExpertWeights, shape: tuple[int, int, int], transpose: bool) -> Int8Rows:
+    """Int8Rows of the E stored matrices [E, rows, cols] (their transposes with `transpose`), made
+    on the pool by the C++ decoders (the GGUF's rows, not tiles)."""
+    E, rows, cols = shape
+    src, nbytes = _address(weights.data)
+    out_rows, out_cols = (cols, rows) if transpose else (rows, cols)
+    w = torch.empty(E, out_rows, out_cols, dtype=torch.int8)
+    scale, row_sum = torch.empty(E, out_rows, dtype=torch.float32), torch.empty(E, out_rows, dtype=torch.int32)
+    runtime.ext.int8_copies(runtime._rt, int(weights.ggml_type), src, nbytes, E, rows, cols, transpose, w.data_ptr(),
+                            scale.data_ptr(), row_sum.data_ptr())
+    return Int8Rows(w, scale, row_sum)
+
+
 def dequantize_cpu(runtime: CPURuntime, raw, ggml_type: int, values: int) -> torch.Tensor:
     """float32 [values] of the GGML blocks in `raw` (the C++ decoders the experts' backward reads
     its weights through)."""
@@ -633,12 +646,11 @@ class MoEKernel:
             warnings.warn(f"{self.name}: int8 backward is off: its GEMM needs hidden ({H}) and intermediate ({I}) sizes "
                           "divisible by 64; the backward decodes the stored blocks", stacklevel=4)
             return ()
-        gate, up, down = (_expert_source(w, shape, "the int8 backward")
-                          for w, shape in zip(stored, ((E, I, H), (E, I, H), (E, H, I))))
+        gate, up, down = stored
         own = getattr(self, "_int8", None)
-        forward = own[:2] if own is not None else tuple(Int8Rows.from_experts((E, I, H), f) for f in (gate, up))
-        copies = (*forward, *(Int8Rows.from_experts(shape, lambda e, f=f: f(e).T)
-                              for f, shape in ((down, (E, I, H)), (gate, (E, H, I)), (up, (E, H, I)))))
+        forward = own[:2] if own is not None else tuple(_int8_copy(self.runtime, w, (E, I, H), False) for w in (gate, up))
+        copies = (*forward, _int8_copy(self.runtime, down, (E, H, I), True),
+                  *(_int8_copy(self.runtime, w, (E, I, H), True) for w in (gate, up)))
         if ext.amx_available():
             copies = tuple(c if c.amx is not None else c.pack_amx() for c in copies)
         return tuple(zip(copies, ((E, I, H), (E, I, H), (E, I, H), (E, H, I), (E, H, I))))
