@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "checked.h"
-#include "simd.h"
 
 namespace kt {
 namespace {
@@ -23,84 +22,8 @@ void normalized(const float* x, int n, bool l2norm, float scale, float* out) {
     for (int i = 0; i < n; i++) out[i] = x[i] * inv;
 }
 
-constexpr int kDeltaChunk = 64;  // tokens a chunk of the chunked form (prefill); shorter inputs go token by token
-
-// Tokens [t0, t0 + L) of sequence b's value head h (key head hk) in the chunked form: with G the
-// running sum of the log-decays within the chunk and S0 the state before it,
-//   u_t = beta_t (v_t - e^G_t S0^T k_t - sum_{s<t} e^(G_t - G_s) (k_s . k_t) u_s)   (in token order)
-//   out_t = e^G_t S0^T q_t + sum_{s<=t} e^(G_t - G_s) (k_s . q_t) u_s
-//   S = e^G_last S0 + sum_s e^(G_last - G_s) k_s u_s^T
-// which is the recurrence below unrolled over the chunk: the state is read and written once a
-// chunk instead of once a token, and the rest are products of the chunk's rows.
-void chunk_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
-                float* out, int b, int h, int hk, int t0, int L, int T, int Hk, int Hv, int Dk, int Dv, bool l2norm,
-                float q_scale, std::vector<float>& buf) {
-    buf.resize((size_t)L * (2 * Dk + 3 * Dv + 2 * L + 1));
-    float *Q = buf.data(), *K = Q + (size_t)L * Dk, *U = K + (size_t)L * Dk, *KS = U + (size_t)L * Dv;
-    float *QS = KS + (size_t)L * Dv, *KK = QS + (size_t)L * Dv, *QK = KK + (size_t)L * L, *G = QK + (size_t)L * L;
-    float acc = 0.f;
-    for (int t = 0; t < L; t++) {
-        const size_t row = (size_t)b * T + t0 + t;
-        normalized(q + (row * Hk + hk) * Dk, Dk, l2norm, q_scale, Q + (size_t)t * Dk);
-        normalized(k + (row * Hk + hk) * Dk, Dk, l2norm, 1.f, K + (size_t)t * Dk);
-        G[t] = acc += g[row * Hv + h];
-    }
-    // S0^T k_t and S0^T q_t
-    std::fill(KS, KS + 2 * (size_t)L * Dv, 0.f);
-    for (int t = 0; t < L; t++)
-        for (int i = 0; i < Dk; i++) {
-            const float ki = K[(size_t)t * Dk + i], qi = Q[(size_t)t * Dk + i];
-            const float* Si = S + (size_t)i * Dv;
-            float *ks = KS + (size_t)t * Dv, *qs = QS + (size_t)t * Dv;
-            for (int j = 0; j < Dv; j++) ks[j] += Si[j] * ki, qs[j] += Si[j] * qi;
-        }
-    // the decayed k.k (s < t) and k.q (s <= t) products
-    for (int t = 0; t < L; t++)
-        for (int s2 = 0; s2 <= t; s2++) {
-            const float* ks = K + (size_t)s2 * Dk;
-            const float kk = fdot(ks, K + (size_t)t * Dk, Dk), qk = fdot(ks, Q + (size_t)t * Dk, Dk);
-            const float decay = std::exp(G[t] - G[s2]);
-            KK[(size_t)t * L + s2] = s2 < t ? kk * decay : 0.f;
-            QK[(size_t)t * L + s2] = qk * decay;
-        }
-    // u by forward substitution, then the outputs
-    for (int t = 0; t < L; t++) {
-        const size_t row = (size_t)b * T + t0 + t;
-        const float* vt = v + (row * Hv + h) * Dv;
-        const float eg = std::exp(G[t]), bt = beta[row * Hv + h];
-        float* ut = U + (size_t)t * Dv;
-        for (int j = 0; j < Dv; j++) ut[j] = vt[j] - eg * KS[(size_t)t * Dv + j];
-        for (int s2 = 0; s2 < t; s2++) {
-            const float a = KK[(size_t)t * L + s2];
-            const float* us = U + (size_t)s2 * Dv;
-            for (int j = 0; j < Dv; j++) ut[j] -= a * us[j];
-        }
-        for (int j = 0; j < Dv; j++) ut[j] *= bt;
-        float* o = out + (row * Hv + h) * Dv;
-        for (int j = 0; j < Dv; j++) o[j] = eg * QS[(size_t)t * Dv + j];
-        for (int s2 = 0; s2 <= t; s2++) {
-            const float a = QK[(size_t)t * L + s2];
-            const float* us = U + (size_t)s2 * Dv;
-            for (int j = 0; j < Dv; j++) o[j] += a * us[j];
-        }
-    }
-    // the state after the chunk (G's slots now hold each token's decay to the chunk's end)
-    const float last = G[L - 1], keep = std::exp(last);
-    for (int t = 0; t < L; t++) G[t] = std::exp(last - G[t]);
-    for (int i = 0; i < Dk; i++) {
-        float* Si = S + (size_t)i * Dv;
-        for (int j = 0; j < Dv; j++) Si[j] *= keep;
-        for (int t = 0; t < L; t++) {
-            const float a = K[(size_t)t * Dk + i] * G[t];
-            const float* ut = U + (size_t)t * Dv;
-            for (int j = 0; j < Dv; j++) Si[j] += a * ut[j];
-        }
-    }
-}
-
 // The rule over T tokens of B sequences and Hv heads, sequence b's head h reading its state from
 // state_in(b, h) (nullptr: zeros) and updating it at state_out(b, h), which may be the same.
-// Inputs of at least kDeltaChunk tokens go in chunks of kDeltaChunk (chunk_rule), shorter ones token by token.
 template <class In, class Out>
 void run_rule(ThreadPool& pool, const float* q, const float* k, const float* v, const float* g, const float* beta,
               In state_in, Out state_out, float* out, int B, int T, int Hk, int Hv, int Dk, int Dv, bool l2norm) {
@@ -114,13 +37,6 @@ void run_rule(ThreadPool& pool, const float* q, const float* k, const float* v, 
             std::fill(S, S + (size_t)Dk * Dv, 0.f);
         else if (from != S)
             std::copy(from, from + (size_t)Dk * Dv, S);
-        if (T >= kDeltaChunk) {
-            std::vector<float> buf;
-            for (int t0 = 0; t0 < T; t0 += kDeltaChunk)
-                chunk_rule(q, k, v, g, beta, S, out, b, h, hk, t0, std::min(kDeltaChunk, T - t0), T, Hk, Hv, Dk, Dv, l2norm,
-                           q_scale, buf);
-            return;
-        }
         std::vector<float> qn(Dk), kn(Dk), kv(Dv), o(Dv);
         for (int t = 0; t < T; t++) {
             const size_t row = (size_t)b * T + t;
