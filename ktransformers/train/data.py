@@ -27,20 +27,24 @@ class Example:
         return sum(label != IGNORE for label in self.labels)
 
 
-def read_records(path: str | os.PathLike) -> list[tuple[str, list[dict]]]:
-    """(where, messages) of each non-empty line of a JSONL file; a ValueError names the file and
-    line of a record that is not JSON or not one of the shapes above."""
-    out = []
+def jsonl_records(path: str | os.PathLike):
+    """(where, record) of each non-empty line of a JSONL file, `where` its "file:line"; a line
+    that is not JSON is a ValueError naming it."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            out.append((where, to_messages(record, where)))
+
+
+def read_records(path: str | os.PathLike) -> list[tuple[str, list[dict]]]:
+    """(where, messages) of each non-empty line of a JSONL file; a ValueError names the file and
+    line of a record that is not JSON or not one of the shapes above."""
+    out = [(where, to_messages(record, where)) for where, record in jsonl_records(path)]
     if not out:
         raise ValueError(f"{path}: no records")
     return out

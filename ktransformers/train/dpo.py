@@ -10,7 +10,6 @@ SFT labels mark them). Records (JSONL): {"prompt": "..." or [messages], "chosen"
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .data import IGNORE, Example, render
+from .data import IGNORE, Example, jsonl_records, render
 
 
 @dataclass(frozen=True)
@@ -51,26 +50,18 @@ def load_pairs(path: str | os.PathLike, tokenizer, max_len: int) -> list[Pair]:
     """The preference pairs of a JSONL file, each answer rendered after its prompt through the chat
     template; a ValueError names the file and line of a record it cannot use."""
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= record.keys():
-                raise ValueError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'")
-            prompt = record["prompt"]
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            if not isinstance(messages, list):
-                raise ValueError(f"{where}: 'prompt' must be a string or a list of messages")
-            chosen, rejected = (render(tokenizer, messages + [{"role": "assistant", "content": _answer(record[k], where, k)}],
-                                       where, max_len) for k in ("chosen", "rejected"))
-            if not chosen.learned or not rejected.learned:
-                raise ValueError(f"{where}: no answer token within the first {max_len} tokens (raise --max_len)")
-            pairs.append(Pair(chosen, rejected))
+    for where, record in jsonl_records(path):
+        if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= record.keys():
+            raise ValueError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'")
+        prompt = record["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(messages, list):
+            raise ValueError(f"{where}: 'prompt' must be a string or a list of messages")
+        chosen, rejected = (render(tokenizer, messages + [{"role": "assistant", "content": _answer(record[k], where, k)}],
+                                   where, max_len) for k in ("chosen", "rejected"))
+        if not chosen.learned or not rejected.learned:
+            raise ValueError(f"{where}: no answer token within the first {max_len} tokens (raise --max_len)")
+        pairs.append(Pair(chosen, rejected))
     if not pairs:
         raise ValueError(f"{path}: no records")
     return pairs
