@@ -22,6 +22,35 @@ void normalized(const float* x, int n, bool l2norm, float scale, float* out) {
     for (int i = 0; i < n; i++) out[i] = x[i] * inv;
 }
 
+// One token of the rule on a head's state S [Dk, Dv] (q, k normalized already), into o [Dv]:
+// kv = (decay S)^T k, the delta d = (v - kv) beta, then S = decay S + k d^T and o = S^T q in the
+// same pass. kv [Dv] is scratch.
+void rule_step(float* S, const float* qn, const float* kn, const float* vt, float decay, float bt, float* kv, float* o,
+               int Dk, int Dv) {
+    std::fill(kv, kv + Dv, 0.f);
+    for (int i = 0; i < Dk; i++) {
+        const float ki = kn[i];
+        const float* Si = S + (size_t)i * Dv;
+        for (int j = 0; j < Dv; j++) kv[j] += Si[j] * ki;
+    }
+    for (int j = 0; j < Dv; j++) kv[j] = (vt[j] - decay * kv[j]) * bt;
+    std::fill(o, o + Dv, 0.f);
+    for (int i = 0; i < Dk; i++) {
+        const float ki = kn[i], qi = qn[i];
+        float* Si = S + (size_t)i * Dv;
+        for (int j = 0; j < Dv; j++) {
+            Si[j] = Si[j] * decay + ki * kv[j];
+            o[j] += Si[j] * qi;
+        }
+    }
+}
+
+// A head's state starts from `from` (nullptr: zeros) at S, which `from` may already be.
+void start_state(float* S, const float* from, size_t n) {
+    if (from == nullptr) std::fill(S, S + n, 0.f);
+    else if (from != S) std::copy(from, from + n, S);
+}
+
 // The rule over T tokens of B sequences and Hv heads, sequence b's head h reading its state from
 // state_in(b, h) (nullptr: zeros) and updating it at state_out(b, h), which may be the same.
 template <class In, class Out>
@@ -32,37 +61,14 @@ void run_rule(ThreadPool& pool, const float* q, const float* k, const float* v, 
     pool.parallel_for(B * Hv, [&](int task, int) {
         const int b = task / Hv, h = task % Hv, hk = h / group;
         float* S = state_out(b, h);
-        const float* from = state_in(b, h);
-        if (from == nullptr)
-            std::fill(S, S + (size_t)Dk * Dv, 0.f);
-        else if (from != S)
-            std::copy(from, from + (size_t)Dk * Dv, S);
-        std::vector<float> qn(Dk), kn(Dk), kv(Dv), o(Dv);
+        start_state(S, state_in(b, h), (size_t)Dk * Dv);
+        std::vector<float> qn(Dk), kn(Dk), kv(Dv);
         for (int t = 0; t < T; t++) {
             const size_t row = (size_t)b * T + t;
             normalized(q + (row * Hk + hk) * Dk, Dk, l2norm, q_scale, qn.data());
             normalized(k + (row * Hk + hk) * Dk, Dk, l2norm, 1.f, kn.data());
-            const float decay = std::exp(g[row * Hv + h]), bt = beta[row * Hv + h];
-            const float* vt = v + (row * Hv + h) * Dv;
-            // kv = (decay S)^T k, then the delta d = (v - kv) beta
-            std::fill(kv.begin(), kv.end(), 0.f);
-            for (int i = 0; i < Dk; i++) {
-                const float ki = kn[i];
-                const float* Si = S + (size_t)i * Dv;
-                for (int j = 0; j < Dv; j++) kv[j] += Si[j] * ki;
-            }
-            for (int j = 0; j < Dv; j++) kv[j] = (vt[j] - decay * kv[j]) * bt;
-            // S = decay S + k d^T, and out = S^T q in the same pass
-            std::fill(o.begin(), o.end(), 0.f);
-            for (int i = 0; i < Dk; i++) {
-                const float ki = kn[i], qi = qn[i];
-                float* Si = S + (size_t)i * Dv;
-                for (int j = 0; j < Dv; j++) {
-                    Si[j] = Si[j] * decay + ki * kv[j];
-                    o[j] += Si[j] * qi;
-                }
-            }
-            std::copy(o.begin(), o.end(), out + (row * Hv + h) * Dv);
+            rule_step(S, qn.data(), kn.data(), v + (row * Hv + h) * Dv, std::exp(g[row * Hv + h]), beta[row * Hv + h],
+                      kv.data(), out + (row * Hv + h) * Dv, Dk, Dv);
         }
     });
 }
@@ -174,28 +180,12 @@ void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv,
         const int b = task / Hv, h = task % Hv, hk = tiled ? h % Hk : h / group;
         const float* xb = x + b * C;
         float* S = ssm + ssm_out[b] * per_row + (size_t)h * Dk * Dv;
-        if (ssm_in[b] < 0) std::fill(S, S + (size_t)Dk * Dv, 0.f);
-        else if (ssm_in[b] != ssm_out[b])
-            std::copy_n(ssm + ssm_in[b] * per_row + (size_t)h * Dk * Dv, (size_t)Dk * Dv, S);
-        std::vector<float> qn(Dk), kn(Dk), kv(Dv, 0.f), o(Dv, 0.f);
+        start_state(S, ssm_in[b] < 0 ? nullptr : ssm + ssm_in[b] * per_row + (size_t)h * Dk * Dv, (size_t)Dk * Dv);
+        std::vector<float> qn(Dk), kn(Dk), kv(Dv), o(Dv);
         normalized(xb + q_at + (size_t)hk * Dk, Dk, true, q_scale, qn.data());
         normalized(xb + k_at + (size_t)hk * Dk, Dk, true, 1.f, kn.data());
-        const float decay = std::exp(g[(size_t)b * Hv + h]), bt = beta[(size_t)b * Hv + h];
-        const float* vt = xb + v_at + (size_t)h * Dv;
-        for (int i = 0; i < Dk; i++) {
-            const float ki = kn[i];
-            const float* Si = S + (size_t)i * Dv;
-            for (int j = 0; j < Dv; j++) kv[j] += Si[j] * ki;
-        }
-        for (int j = 0; j < Dv; j++) kv[j] = (vt[j] - decay * kv[j]) * bt;
-        for (int i = 0; i < Dk; i++) {
-            const float ki = kn[i], qi = qn[i];
-            float* Si = S + (size_t)i * Dv;
-            for (int j = 0; j < Dv; j++) {
-                Si[j] = Si[j] * decay + ki * kv[j];
-                o[j] += Si[j] * qi;
-            }
-        }
+        rule_step(S, qn.data(), kn.data(), xb + v_at + (size_t)h * Dv, std::exp(g[(size_t)b * Hv + h]),
+                  beta[(size_t)b * Hv + h], kv.data(), o.data(), Dk, Dv);
         float ss = 0.f;
         for (int j = 0; j < Dv; j++) ss += o[j] * o[j];
         const float inv = 1.f / std::sqrt(ss / Dv + eps);
