@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -40,6 +41,20 @@ Dtype dtype_of(int code) {
     if (code != 0 && code != 1) throw std::invalid_argument("dtype code must be 0 (float32) or 1 (bfloat16)");
     return (Dtype)code;
 }
+// The int8 copies `dst` from a tuple of (w, scale, row_sum, amx) addresses, four a copy (amx 0:
+// none), in the order of `dst`; `what` names the caller in the error (sizes are checked in Python).
+void int8_weights(const py::tuple& addresses, std::initializer_list<Int8Weights*> dst, const char* what) {
+    if (addresses.size() != 4 * dst.size())
+        throw std::invalid_argument(std::string(what) + ": int8 needs " + std::to_string(4 * dst.size()) + " addresses");
+    size_t at = 0;
+    for (Int8Weights* w : dst) {
+        w->w = cptr<int8_t>(addresses[at++].cast<uintptr_t>());
+        w->scale = cptr<float>(addresses[at++].cast<uintptr_t>());
+        w->row_sum = cptr<int32_t>(addresses[at++].cast<uintptr_t>());
+        w->amx = cptr<int8_t>(addresses[at++].cast<uintptr_t>());
+    }
+}
+
 Bf16Kernel bf16_kernel(int code) {
     if (code < 0 || code > 2) throw std::invalid_argument("bf16 kernel code must be 0 (widen), 1 (dot) or 2 (amx)");
     return (Bf16Kernel)code;
@@ -179,16 +194,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
                      c.down_bias = cptr<float>(biases[2].cast<uintptr_t>());
                  }
                  c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
-                 if (int8_min_tokens > 0 && !int4.size()) {  // (w, scale, row_sum, amx) addresses for gate, up, down; sizes checked in Python
-                     if (int8.size() != 12) throw std::invalid_argument("MoE: int8 needs 12 addresses");
-                     Int8Weights* dst[3] = {&c.gate8, &c.up8, &c.down8};
-                     for (int i = 0; i < 3; i++) {
-                         dst[i]->w = cptr<int8_t>(int8[4 * i].cast<uintptr_t>());
-                         dst[i]->scale = cptr<float>(int8[4 * i + 1].cast<uintptr_t>());
-                         dst[i]->row_sum = cptr<int32_t>(int8[4 * i + 2].cast<uintptr_t>());
-                         dst[i]->amx = cptr<int8_t>(int8[4 * i + 3].cast<uintptr_t>());  // 0: none
-                     }
-                 }
+                 if (int8_min_tokens > 0 && !int4.size()) int8_weights(int8, {&c.gate8, &c.up8, &c.down8}, "MoE");
                  if (int8_min_tokens > 0 && int4.size()) {  // (q, scale, corr) for gate, up, down; sizes checked in Python
                      if (int4.size() != 9) throw std::invalid_argument("MoE: int4 needs 9 addresses");
                      Int4Weights* dst[3] = {&c.gate4, &c.up4, &c.down4};
@@ -238,16 +244,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  }
                  c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
                  MoEGradInt8 q;
-                 if (int8.size()) {  // (w, scale, row_sum, amx) addresses of gate, up, D^T, G^T, U^T; sizes checked in Python
-                     if (int8.size() != 20) throw std::invalid_argument("MoEGrad: int8 needs 20 addresses");
-                     Int8Weights* dst[5] = {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t};
-                     for (int i = 0; i < 5; i++) {
-                         dst[i]->w = cptr<int8_t>(int8[4 * i].cast<uintptr_t>());
-                         dst[i]->scale = cptr<float>(int8[4 * i + 1].cast<uintptr_t>());
-                         dst[i]->row_sum = cptr<int32_t>(int8[4 * i + 2].cast<uintptr_t>());
-                         dst[i]->amx = cptr<int8_t>(int8[4 * i + 3].cast<uintptr_t>());  // 0: none
-                     }
-                 }
+                 if (int8.size()) int8_weights(int8, {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t}, "MoEGrad");
                  return std::make_shared<MoEGrad>(rt, c, q);
              }),
              py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
