@@ -157,7 +157,7 @@ def test_backward_bad_inputs_are_value_errors(runtime):
     short = ExpertWeights(weights[2].data[:-4], 0)
     bad = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
                     down=weights[2], name="grad-test")
-    bad._grad_args = (*bad._grad_args[:5], (weights[0], weights[1], short))
+    bad._stored = (weights[0], weights[1], short)
     with pytest.raises(ValueError, match="down holds"):
         bad.backward(x, ids.clamp(max=3), w, torch.randn(3, H))
 

@@ -552,7 +552,8 @@ class MoEKernel:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
         _check_tilings(name, (gate, up, down), experts, hidden, intermediate)
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
-        self._grad, self._grad_args = None, (experts, top_k, hidden, intermediate, max_tokens, stored)
+        self.intermediate, self.max_tokens = intermediate, max_tokens
+        self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
         # backward on int8 copies (VNNI/AMX GEMMs; D^T, G^T and U^T cost 1 byte a weight more, 2
         # with AMX packing) instead of decoding the stored blocks in float32; set before the first backward
         self.int8_backward = False
@@ -619,7 +620,7 @@ class MoEKernel:
 
     def _grad_kernel(self):
         if self._grad is None:
-            experts, top_k, hidden, intermediate, max_tokens, stored = self._grad_args
+            stored = self._stored
             if stored is None:
                 raise ValueError(f"{self.name}: the backward reads the experts' stored GGML rows, and this kernel "
                                  "keeps none (int4_decode copies only, or weights passed as tiles)")
@@ -627,7 +628,7 @@ class MoEKernel:
             self._grad_int8 = self._backward_copies(stored) if self.int8_backward else ()
             addresses = tuple(a for rows, shape in self._grad_int8 for a in rows.addresses(shape))
             self._grad = self.runtime.ext.MoEGrad(
-                self.runtime._rt, experts, top_k, hidden, intermediate, max_tokens,
+                self.runtime._rt, self.experts, self.top_k, self.hidden, self.intermediate, self.max_tokens,
                 *(w.ggml_type for w in stored), g, gb, u, ub, d, db,
                 tuple(b.data_ptr() for b in self._biases), float(self._moe_limit), float(self._moe_alpha), addresses)
         return self._grad
@@ -641,7 +642,7 @@ class MoEKernel:
             warnings.warn(f"int8 backward is off: the {self.runtime.isa} CPU kernels have no int8 GEMM (it needs "
                           "AVX512-VNNI or AVX-VNNI); the backward decodes the stored blocks", stacklevel=4)
             return ()
-        E, H, I = self.experts, self.hidden, self._grad_args[3]
+        E, H, I = self.experts, self.hidden, self.intermediate
         if H % 64 or I % 64:
             warnings.warn(f"{self.name}: int8 backward is off: its GEMM needs hidden ({H}) and intermediate ({I}) sizes "
                           "divisible by 64; the backward decodes the stored blocks", stacklevel=4)

@@ -39,13 +39,13 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
         kernel = getattr(module.ops["prefill"], "kernel", None)
         if kernel is None:
             continue
-        E, H, I, K = kernel.experts, kernel.hidden, kernel._grad_args[3], kernel.top_k
+        E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
         if kernel.int8_backward and kernel._grad is None and kernel.runtime.ext.int8_gemm:
             copies = 3 + (0 if getattr(kernel, "_int8", None) is not None else 2)
             tiles = 2 if kernel.runtime.ext.amx_available() else 1
             plan.add("cpu", "the backward's int8 copies", E * H * I * copies * tiles)
-        pairs = kernel._grad_args[4] * K
+        pairs = kernel.max_tokens * K
         scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * 2 * I)
     plan.add("cpu", "the experts' backward scratch", scratch)
     return plan
