@@ -217,6 +217,8 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("last_ns", &MoE::last_ns, "nanoseconds of the last call, inside the kernel")
+        .def_property_readonly("experts_read", &MoE::experts_read,
+                               "experts whose weights the calls read, summed since construction (once a call each)")
         .def_property_readonly("one_region_calls", &MoE::one_region_calls,
                                "max_tokens chunks of calls so far that ran gate/up, activation and down as one parallel region")
         .def("submit", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {

@@ -330,6 +330,7 @@ void MoE::group_by_expert(int tokens, const int64_t* ids) {
         if (expert_start_[e + 1]) active_.push_back(e);
         expert_start_[e + 1] += expert_start_[e];
     }
+    experts_read_.fetch_add(active_.size(), std::memory_order_relaxed);
     std::copy(expert_start_.begin(), expert_start_.end() - 1, fill_.begin());
     for (int s = 0; s < tokens * K; s++) {
         if (ids[s] < 0) {  // skipped pair: contributes nothing

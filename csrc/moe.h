@@ -70,6 +70,9 @@ class MoE {
     uint64_t last_ns() const { return last_ns_.load(std::memory_order_relaxed); }
     // Calls (max_tokens chunks) that ran as one parallel region (gate_up_down): tests check the path ran.
     uint64_t one_region_calls() const { return one_region_calls_.load(std::memory_order_relaxed); }
+    // Experts whose weights the calls have read, summed over every call since construction (an
+    // expert several tokens of a call share counts once): the bytes a batch's steps really stream.
+    uint64_t experts_read() const { return experts_read_.load(std::memory_order_relaxed); }
 
   private:
     // No stored weights (gate, up and down null): the int8/int4 copies are the experts' only bytes.
@@ -139,7 +142,7 @@ class MoE {
         std::atomic<int> left{0};
     };
     std::unique_ptr<Countdown[]> chunks_left_;  // gate_up_down: gate/up chunks not done, per active expert
-    std::atomic<uint64_t> last_ns_{0}, one_region_calls_{0};
+    std::atomic<uint64_t> last_ns_{0}, one_region_calls_{0}, experts_read_{0};
     // deferral: this layer's setting, and the state of its last call
     int defer_ = 0;
     std::shared_ptr<MoE> next_;

@@ -198,12 +198,15 @@ def test_tokenizer_fallback_and_its_errors(tmp_path, monkeypatch):
 
 
 SERVE_KEYS = {"concurrency", "requests", "output_tokens", "wall_s", "tok_s", "stream_tok_s", "ttft_ms", "itl_ms",
-              "itl_p99_ms", "engine_tok_s", "engine_batch", "speedup"}
+              "itl_p99_ms", "engine_tok_s", "engine_batch", "speedup", "decode_tokens", "decode_expert_bytes", "stream_gbps",
+              "floor_tok_s", "ratio"}
 
 
 def test_bench_serve_json_rows():
     """bench.serve against the demo model: each level's row, with the engine's own decode rate
-    read from the server (it decoded every output token but the first of each request)."""
+    read from the server (it decoded every output token but the first of each request) and its
+    floor: the decode steps' expert bytes, which batching can only share (no more a token at
+    two streams than at one; the prompts' reads are not among them)."""
     pytest.importorskip("uvicorn")
     out = subprocess.run([sys.executable, "-m", "ktransformers.bench.serve", "--concurrency", "1", "2", "--requests", "1",
                           "--max_tokens", "6", "--cache_lens", "512", "--cpu_infer", "2", "--json"],
@@ -212,6 +215,9 @@ def test_bench_serve_json_rows():
     assert [r["concurrency"] for r in rows] == [1, 2] and all(set(r) == SERVE_KEYS for r in rows)
     assert all(r["engine_tok_s"] > 0 and 1 <= r["engine_batch"] <= r["concurrency"] for r in rows)
     assert rows[0]["itl_p99_ms"] >= rows[0]["itl_ms"] > 0 and rows[0]["speedup"] == 1
+    assert [r["decode_tokens"] for r in rows] == [5, 10]
+    per_token = [r["decode_expert_bytes"] / r["decode_tokens"] for r in rows]
+    assert 0 < per_token[1] <= per_token[0] and all(r["floor_tok_s"] > 0 and r["stream_gbps"] > 0 for r in rows)
 
 
 def test_percentile_nearest_rank():

@@ -408,6 +408,33 @@ def test_moe_one_region_matches_phases():
         assert rel_err(y, ref) < 5e-3, x.shape[0]
 
 
+@pytest.mark.parametrize("max_tokens", [16, 64])
+def test_moe_counts_the_experts_it_reads(max_tokens):
+    """experts_read sums, over calls and their max_tokens chunks, the distinct experts each chunk
+    routes to (skipped pairs read nothing), and expert_bytes is one expert's stored gate, up and
+    down rows: together the bytes the serving benchmark's floor charges to the CPU."""
+    from gguf import GGML_QUANT_SIZES
+    gen = torch.Generator().manual_seed(22)
+    E, K, H, I = 12, 4, 256, 256
+    g, u = (expert_weights(GGMLType.Q4_K, E, I, H, gen)[0] for _ in range(2))
+    d = expert_weights(GGMLType.Q6_K, E, H, I, gen)[0]
+    kernel = MoEKernel(CPURuntime(2), experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                       max_tokens=max_tokens)
+    def nbytes(t, values):
+        block, size = GGML_QUANT_SIZES[t]
+        return values // block * size
+    assert kernel.expert_bytes == 2 * nbytes(GGMLType.Q4_K, I * H) + nbytes(GGMLType.Q6_K, H * I)
+    expected = 0
+    for T in (1, 3, 7, 40, 2, 100):
+        ids, w = routing(T, E, K, gen)
+        ids[torch.rand(T, K, generator=gen) < 0.2] = -1  # computed elsewhere
+        kernel.forward(torch.randn(T, H, generator=gen), ids, w)
+        for start in range(0, T, max_tokens):
+            chunk = ids[start:start + max_tokens]
+            expected += torch.unique(chunk[chunk >= 0]).numel()
+        assert kernel.experts_read == expected, T
+
+
 @pytest.mark.parametrize("isa", supported_isas())
 def test_bf16_kernels_agree(isa):
     """BF16 weights: the AMX-BF16 tiles (blocks of 16 rows x 16 tokens, from 4 tokens), the

@@ -217,6 +217,12 @@ class CPURuntime:
             self._rt.copy(d, s, nd)
 
 
+def _copy_bytes(rows) -> int:
+    """Bytes of an int8/int4 copy's tensors a call reads (its AMX packing is the same bytes again)."""
+    return sum(t.numel() * t.element_size() for f, t in vars(rows).items()
+               if isinstance(t, torch.Tensor) and f != "amx")
+
+
 def _address(data) -> tuple[int, int]:
     """(address, byte count) of a contiguous uint8 numpy array or torch tensor."""
     if isinstance(data, torch.Tensor):
@@ -569,6 +575,9 @@ class MoEKernel:
             addresses4 = tuple(a for rows, shape in zip(int4, shapes) for a in rows.addresses(shape))
             self._int4, group, min_tokens = int4, int4[0].group, max(1, int8_min_tokens)
         self.int8_min_tokens = min_tokens
+        # what a call reads of one expert it routes to (decode: the stored rows or tiles, else the copies)
+        self.expert_bytes = (gb + ub + db) // experts if not self.copies_only else \
+            sum(_copy_bytes(rows) for rows in (int8 if int8 is not None else int4)) // experts
         self._biases = _expert_biases(name, biases, experts, hidden, intermediate)
         limit = float(swiglu_limit or 0.0)
         if not (math.isfinite(limit) and limit >= 0 and math.isfinite(swiglu_alpha)):
@@ -581,6 +590,12 @@ class MoEKernel:
                                     g, gb, u, ub, d, db,
                                     addresses, min_tokens, addresses4, group, BF16_KERNELS.index(runtime.bf16_kernel),
                                     tuple(b.data_ptr() for b in self._biases), limit, float(swiglu_alpha))
+
+    @property
+    def experts_read(self) -> int:
+        """Experts whose weights the calls have read since construction, an expert once a call
+        however many of its tokens it serves: times expert_bytes, the bytes the calls streamed."""
+        return self._moe.experts_read
 
     def _args(self, x, ids, weights):
         _check_activations(self.name, x, self.hidden)

@@ -10,8 +10,6 @@ Ollama `{"error": "message"}`. A client that disconnects mid-stream has its requ
 """
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
 import json
 import time
@@ -666,7 +664,7 @@ def _add_status_routes(app: FastAPI, s: _Served) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": s.model_name, "running": len(s.scheduler.running),
-                "engine": dataclasses.asdict(s.scheduler.stats)}
+                "engine": s.scheduler.engine_stats()}
 
     @app.get("/metrics")
     async def metrics():

@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from ..engine.generate import common_prefix, eos_token_ids
 from ..engine.grammar import mask_rows
 from ..engine.sampling import NOTHING_TO_DRAW, Sampler, SamplingParams
 from ..engine.streaming import StopMatcher, StreamDecoder
+from ..operators.experts import cpu_expert_kernels, expert_bytes_read
 
 
 def _put_all(events) -> None:
@@ -53,7 +55,10 @@ def _emit_channels(r: "Request", pieces) -> None:
 class EngineStats:
     """What the scheduler's engine computed, summed since start: decode steps, the tokens they
     decoded (one a running request each) and the seconds spent in them; prefill chunks alike.
-    `decode_tokens / decode_s` is the engine's own decode rate, to compare with what clients see."""
+    `decode_tokens / decode_s` is the engine's own decode rate, to compare with what clients see.
+    `expert_bytes`: the expert weights the CPU experts have streamed (Scheduler.engine_stats fills
+    it in; an expert once a call however many tokens of the step share it), `prefill_expert_bytes`
+    the part of them read by prefill chunks: the rest over a stream rate is decode's floor."""
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
@@ -61,6 +66,8 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     preemptions: int = 0
+    expert_bytes: int = 0
+    prefill_expert_bytes: int = 0
 
 
 class QueueFull(RuntimeError):
@@ -221,6 +228,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.stats = EngineStats()
+        self._expert_kernels = cpu_expert_kernels(engine.model)
         self.on_finish: list = []  # callables given each request as it ends (metrics, the request log)
         self.run_ahead = engine.decodes_ahead() if run_ahead is None else run_ahead
         self._ahead = None  # (the decode step in flight, its requests in row order)
@@ -228,6 +236,10 @@ class Scheduler:
         self._thread.start()
 
     # -- the HTTP side ---------------------------------------------------------------------
+    def engine_stats(self) -> dict:
+        """EngineStats now, as a dict (/health)."""
+        return dataclasses.asdict(dataclasses.replace(self.stats, expert_bytes=expert_bytes_read(self._expert_kernels)))
+
     @property
     def context_length(self) -> int:
         return self.engine.cache.capacity
@@ -335,8 +347,9 @@ class Scheduler:
             self._drain()
             n = min(engine.chunk_size, len(reading.ids) - reading.begin)
             if self._room_for(reading, n):
-                t0 = time.perf_counter()
+                t0, read = time.perf_counter(), expert_bytes_read(self._expert_kernels)
                 logits, reading.begin = engine.prefill_chunk(reading.seq, reading.ids, reading.begin)
+                self.stats.prefill_expert_bytes += expert_bytes_read(self._expert_kernels) - read
                 self.stats.prefill_chunks += 1
                 self.stats.prefill_tokens += n
                 self.stats.prefill_s += time.perf_counter() - t0

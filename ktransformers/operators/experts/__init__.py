@@ -13,6 +13,8 @@ from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots, expert
 from .module import (
     ExpertsOptions,
     KTransformersExperts,
+    cpu_expert_kernels,
+    expert_bytes_read,
     link_expert_deferral,
     link_layerwise_prefill,
     set_expert_deferral,
@@ -29,7 +31,7 @@ from .placement import (
 )
 from .reference import ExpertSpec, KExpertsTorch, check_routing, moe_reference
 
-__all__ = ["BUS_SHARE_COSTS", "BusShareCosts", "ExpertPlacement", "ExpertSpec", "ExpertsOptions", "KExpertsCPU",
+__all__ = ["BUS_SHARE_COSTS", "BusShareCosts", "ExpertPlacement", "ExpertSpec", "ExpertsOptions", "KExpertsCPU", "cpu_expert_kernels", "expert_bytes_read",
            "KExpertsGPU", "KExpertsTorch", "KTransformersExperts", "LAYERWISE_GROUP_MB", "LayerwisePrefill",
            "PcieShare", "PinnedSlots", "auto_pcie_experts", "check_routing", "expert_groups", "hot_experts",
            "link_expert_deferral", "link_layerwise_prefill", "moe_reference", "pcie_share_size", "set_expert_deferral",

@@ -291,6 +291,24 @@ def set_expert_deferral(model: nn.Module, n: int) -> None:
     link_expert_deferral(model)
 
 
+def cpu_expert_kernels(model: nn.Module) -> list:
+    """The CPU experts' kernels (MoEKernel) of every MoE layer, prefill's and decode's once each."""
+    kernels = {}
+    for module in model.modules():
+        if isinstance(module, KTransformersExperts):
+            for op in module.ops.values():
+                kernel = getattr(op, "kernel", None)
+                if kernel is not None:
+                    kernels[id(kernel)] = kernel
+    return list(kernels.values())
+
+
+def expert_bytes_read(kernels: list) -> int:
+    """Bytes of expert weights `kernels` (cpu_expert_kernels') have streamed since they were
+    made: each call reads each expert it routes to once, however many tokens share it."""
+    return sum(k.experts_read * k.expert_bytes for k in kernels)
+
+
 def link_layerwise_prefill(model: nn.Module) -> None:
     """Each MoE layer that may stream its experts to the GPU prefetches the next one's, and all of
     them stage through one ring of page-locked buffers."""
