@@ -76,6 +76,7 @@ PYBIND11_MODULE(KT_MODULE, m) {
     m.def("bf16_best", [] { return (int)bf16_best(); },
           "the best BF16 kernel this build runs on this CPU: 0 widening, 1 AVX512-BF16 dot products, 2 AMX-BF16 tiles");
     m.attr("int8_gemm") = int8_gemm_available();
+    m.attr("int8_gemm_vnni") = int8_gemm_vnni();  // (false: AVX2's GEMM, for the backward only)
     m.attr("int4_gemm") = int4_gemm_available();
     m.def("amx_available", &amx_available, "AMX-INT8 built in, and the OS grants this process the tiles");
 

@@ -37,6 +37,14 @@ bool int8_gemm_available() {
 #endif
 }
 
+bool int8_gemm_vnni() {
+#if (defined(KT_INT8_GEMM) || defined(KT_INT8_GEMM_256)) && !defined(KT_INT8_GEMM_MADDUBS)
+    return true;
+#else
+    return false;
+#endif
+}
+
 bool int4_gemm_available() {
 #if defined(KT_INT8_GEMM)
     return true;
@@ -54,8 +62,21 @@ float quantize_row_u8(const float* x, uint8_t* out, int n) {  // n % 64 == 0 (ch
 
 #if defined(KT_INT8_GEMM_256)
 namespace {
-// The 256-bit block: 32 bytes a step, AVX-VNNI's vpdpbusd (VEX-encoded), one horizontal sum a
-// row and token at the end; the same integer sums as the 512-bit block's.
+#if defined(KT_INT8_GEMM_MADDUBS)
+// AVX2 has no vpdpbusd, and vpmaddubsw's pairs of (q + 128) * w would saturate 16 bits
+// (2 * 255 * 127). So the block takes q = x - 128 itself (|q| <= 127, as quantize_row_u8 makes
+// it): |q| * (w with q's sign) pairs stay within 2 * 127 * 127, vpmaddwd widens them to 32 bits.
+// Its sums are of q * w, without the + 128 * w that the VNNI blocks' carry (kOffsetSums).
+constexpr bool kOffsetSums = false;
+inline __m256i dot32(__m256i acc, __m256i q_abs, __m256i q, __m256i w) {
+    const __m256i pairs = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(w, q));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+constexpr bool kOffsetSums = true;
+#endif
+// The 256-bit block: 32 bytes a step, AVX-VNNI's vpdpbusd (VEX-encoded) or AVX2's dot32, one
+// horizontal sum a row and token at the end; the same integer sums as the 512-bit block's.
 template <int R, int T>
 inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_t out[R][T]) {
     __m256i acc[R][T];
@@ -66,7 +87,12 @@ inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_
         for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_si256((const __m256i*)(w[r] + i));
         for (int t = 0; t < T; t++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[t] + i));
+#if defined(KT_INT8_GEMM_MADDUBS)
+            const __m256i q = _mm256_xor_si256(xv, _mm256_set1_epi8((char)0x80)), q_abs = _mm256_abs_epi8(q);
+            for (int r = 0; r < R; r++) acc[r][t] = dot32(acc[r][t], q_abs, q, wv[r]);
+#else
             for (int r = 0; r < R; r++) acc[r][t] = _mm256_dpbusd_avx_epi32(acc[r][t], xv, wv[r]);
+#endif
         }
     }
     for (int r = 0; r < R; r++)
@@ -80,6 +106,7 @@ inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_
 }  // namespace
 #elif defined(KT_INT8_GEMM)
 namespace {
+constexpr bool kOffsetSums = true;
 template <int R, int T>
 inline void block(const int8_t* const* w, const uint8_t* const* x, int k, int32_t out[R][T]) {
     __m512i acc[R][T];
@@ -107,7 +134,7 @@ inline void store(const Int8Weights& w, int r, const float* sx, const int32_t su
     for (int i = 0; i < R; i++)
         for (int j = 0; j < T; j++)
             out[(size_t)(t0 + j) * stride + (r + i)] =
-                (float)(sums[i][j] - 128 * w.row_sum[r + i]) * w.scale[r + i] * sx[t0 + j];
+                (float)(kOffsetSums ? sums[i][j] - 128 * w.row_sum[r + i] : sums[i][j]) * w.scale[r + i] * sx[t0 + j];
 }
 
 template <int R, int T>

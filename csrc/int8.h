@@ -6,13 +6,18 @@
 #include <cstdint>
 
 // What this build's -m flags allow: the VNNI GEMMs (int8.cpp, int4.cpp), and AMX tiles beside them;
-// at the AVX-VNNI level the int8 GEMM alone, on 256-bit registers (KT_INT8_GEMM_256).
+// at the AVX-VNNI level the int8 GEMM alone, on 256-bit registers (KT_INT8_GEMM_256); at the AVX2
+// level the same GEMM on vpmaddubsw/vpmaddwd (KT_INT8_GEMM_256 and KT_INT8_GEMM_MADDUBS).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KT_INT8_GEMM 1
 #elif defined(__AVXVNNI__)
 #include <immintrin.h>
 #define KT_INT8_GEMM_256 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KT_INT8_GEMM_256 1
+#define KT_INT8_GEMM_MADDUBS 1
 #endif
 #if defined(KT_INT8_GEMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define KT_AMX 1
@@ -30,7 +35,11 @@ struct Int8Weights {
     const int8_t* amx = nullptr;
 };
 
-bool int8_gemm_available();  // built with AVX512-VNNI or AVX-VNNI
+bool int8_gemm_available();  // built with AVX512-VNNI, AVX-VNNI or AVX2
+// The int8 GEMM runs on VNNI's vpdpbusd (or AMX): a prefill on int8 copies beats the GGML blocks'
+// kernels. AVX2's vpmaddubsw GEMM does not (it needs a sign step and a widening a product, where
+// the blocks' unsigned nibbles need neither), so there it serves the training backward only.
+bool int8_gemm_vnni();
 bool int4_gemm_available();  // built with AVX512-VNNI (the int4 blocks are 512-bit VNNI tiles)
 bool amx_available();        // built with AMX-INT8 and the OS lets this process use the tiles
 

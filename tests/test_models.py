@@ -1,5 +1,7 @@
 """Model-level parity: tiny random models of each family, written to GGUF in several types and
 loaded through the shipped CPU rule files, give transformers' logits on the same weights."""
+import warnings
+
 import pytest
 import torch
 from tiny import (
@@ -17,6 +19,7 @@ from tiny import (
 from transformers import AutoModelForCausalLM
 
 from ktransformers import load_model, optimize_and_load_gguf
+from ktransformers.kernels.cpu import supported_isas
 from ktransformers.loader import RULES_DIR, build_skeleton, load_config, load_tokenizer
 from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import (
@@ -253,20 +256,27 @@ def test_cuda_rule_without_cuda_names_the_rule(tmp_path):
         optimize_and_load_gguf(build_skeleton(model.config, torch.float32), rules, tmp_path / "m.gguf", model.config)
 
 
-def test_int8_prefill_option(tmp_path):
-    """KExpertsCPU with int8_prefill keeps int8 copies; a long prompt goes through them."""
+@pytest.mark.parametrize("isa", supported_isas())
+def test_int8_prefill_option(tmp_path, monkeypatch, isa):
+    """KExpertsCPU with int8_prefill keeps int8 copies where the int8 GEMM runs on VNNI; a long
+    prompt goes through them. At the AVX2 level, whose GEMM is slower than the stored blocks' own
+    kernels, the option is off with a warning and the blocks compute (the same logits)."""
     from ktransformers.kernels.cpu import load_extension
-    if not load_extension().int8_gemm:
-        pytest.skip("the CPU kernels here have no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)")
+    monkeypatch.setenv("KT_CPU_ISA", isa)
+    vnni = load_extension(isa).int8_gemm_vnni
     model = tiny_model("qwen3_moe")
     path = tmp_path / "m.gguf"
     types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.Q4_K)
     rules = tmp_path / "int8.yaml"
     rules.write_text((RULES_DIR / RULES["qwen3_moe"]).read_text().replace("out_device: cpu", "out_device: cpu\n      int8_prefill: true"))
     ours = build_skeleton(model.config, torch.float32)
-    optimize_and_load_gguf(ours, rules, path, model.config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimize_and_load_gguf(ours, rules, path, model.config)
     experts = ours.model.layers[0].mlp.experts.ops["prefill"]
-    assert experts.kernel.int8_min_tokens > 0
+    assert experts.kernel.runtime.isa == isa
+    off = [w for w in caught if "int8_prefill is off" in str(w.message)]
+    assert (experts.kernel.int8_min_tokens > 0, bool(off)) == (vnni, not vnni), [str(w.message) for w in off]
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
     reference.load_state_dict(reference_state_dict(model, types))
     ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(1))

@@ -170,7 +170,7 @@ def test_int8_backward_matches_autograd(runtime, case):
     """int8_backward: the products on int8 copies (the transposed ones made from the stored blocks),
     activations rounded to int8 per row: within int8's rounding of autograd's result."""
     if not runtime.ext.int8_gemm:
-        pytest.skip(f"the {runtime.isa} kernels have no int8 GEMM (AVX512-VNNI or AVX-VNNI)")
+        pytest.skip(f"the {runtime.isa} kernels have no int8 GEMM")
     types, E, K, H, I, T = case
     weights, gate_up, down = experts(types, E, H, I, seed=T, trained_like=True)
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],

@@ -518,7 +518,7 @@ def _copies_only(runtime: CPURuntime, name: str, weights, int8, int4) -> bool:
         if int8 is None and int4 is None:
             raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
         if not (runtime.ext.int8_gemm if int4 is None else runtime.ext.int4_gemm):
-            kind, needs = ("int8", "AVX512-VNNI or AVX-VNNI") if int4 is None else ("int4", "AVX512-VNNI")
+            kind, needs = ("int8", "AVX2 or newer") if int4 is None else ("int4", "AVX512-VNNI")
             raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no {kind} GEMM (it needs {needs}) "
                              f"to compute on {kind} copies alone")
         return True
@@ -655,7 +655,7 @@ class MoEKernel:
         ext = self.runtime.ext
         if not ext.int8_gemm:
             warnings.warn(f"int8 backward is off: the {self.runtime.isa} CPU kernels have no int8 GEMM (it needs "
-                          "AVX512-VNNI or AVX-VNNI); the backward decodes the stored blocks", stacklevel=4)
+                          "AVX2 or newer); the backward decodes the stored blocks", stacklevel=4)
             return ()
         E, H, I = self.experts, self.hidden, self.intermediate
         if H % 64 or I % 64:

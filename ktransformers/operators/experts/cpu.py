@@ -84,11 +84,11 @@ class KExpertsCPU:
         spec = self.spec
         if not (spec.int8_prefill or spec.int4_group):
             return None, None
-        if not (runtime.ext.int4_gemm if spec.int4_group else runtime.ext.int8_gemm):  # (one warning for all layers)
+        if not (runtime.ext.int4_gemm if spec.int4_group else runtime.ext.int8_gemm_vnni):  # (one warning for all layers)
             what = f"int4_prefill{'/int4_decode' if spec.int4_decode else ''}" if spec.int4_group else "int8_prefill"
-            needs = "int4 GEMM (it needs AVX512-VNNI)" if spec.int4_group else "int8 GEMM (it needs AVX512-VNNI or AVX-VNNI)"
-            warnings.warn(f"{what} is off: the {runtime.isa} CPU kernels have no {needs}; the experts stay as stored",
-                          stacklevel=3)
+            why = ("have no int4 GEMM (it needs AVX512-VNNI)" if spec.int4_group else
+                   "run the int8 GEMM without VNNI, slower than on the stored blocks (it needs AVX512-VNNI or AVX-VNNI)")
+            warnings.warn(f"{what} is off: the {runtime.isa} CPU kernels {why}; the experts stay as stored", stacklevel=3)
             return None, None
         from ...kernels.cpu import Int4Rows, Int8Rows
         E, H, I = spec.experts, spec.hidden, spec.intermediate
