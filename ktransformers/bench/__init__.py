@@ -7,7 +7,7 @@ llama.cpp; `e2e` hybrid GPU + CPU prefill and decode against the decode roofline
 CUDA build; `gpu` the Triton kernels against the GPU's memory bandwidth; `handoff` what handing
 a layer's experts from a GPU stream to the CPU and back costs; `serve` the OpenAI server under
 concurrent clients. How to run each, what its columns mean and current figures:
-docs/benchmarks.md."""
+docs/benchmarks.md (whole models) and docs/kernel_benchmarks.md (moe, gpu, handoff)."""
 from __future__ import annotations
 
 from pathlib import Path
