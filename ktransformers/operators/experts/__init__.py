@@ -31,8 +31,8 @@ from .placement import (
 )
 from .reference import ExpertSpec, KExpertsTorch, check_routing, moe_reference
 
-__all__ = ["BUS_SHARE_COSTS", "BusShareCosts", "ExpertPlacement", "ExpertSpec", "ExpertsOptions", "KExpertsCPU", "cpu_expert_kernels", "expert_bytes_read",
+__all__ = ["BUS_SHARE_COSTS", "BusShareCosts", "ExpertPlacement", "ExpertSpec", "ExpertsOptions", "KExpertsCPU",
            "KExpertsGPU", "KExpertsTorch", "KTransformersExperts", "LAYERWISE_GROUP_MB", "LayerwisePrefill",
-           "PcieShare", "PinnedSlots", "auto_pcie_experts", "check_routing", "expert_groups", "hot_experts",
-           "link_expert_deferral", "link_layerwise_prefill", "moe_reference", "pcie_share_size", "set_expert_deferral",
-           "set_prefill_gpu_threshold"]
+           "PcieShare", "PinnedSlots", "auto_pcie_experts", "check_routing", "cpu_expert_kernels",
+           "expert_bytes_read", "expert_groups", "hot_experts", "link_expert_deferral", "link_layerwise_prefill",
+           "moe_reference", "pcie_share_size", "set_expert_deferral", "set_prefill_gpu_threshold"]
