@@ -269,16 +269,19 @@ bool MoE::split_deferred(int tokens, const int64_t* ids, const float* weights) {
     next_->carry_tokens_.store(0, std::memory_order_relaxed);  // (replaced below, or none)
     if (!deferring_.load(std::memory_order_relaxed) || tokens > cfg_.max_tokens || tokens > next_->cfg_.max_tokens)
         return false;
-    const int K = cfg_.top_k, keep = K - defer_;
+    const int K = cfg_.top_k;
     std::fill(kept_.begin(), kept_.end(), 0);
-    for (int t = 0; t < tokens; t++) {  // each token's `keep` highest weights (ties: the earlier slot)
+    // Each token keeps all but the `defer` lowest weights of its pairs here (ties: the earlier slot
+    // stays). Pairs computed elsewhere (-1: hot experts, the bus share's lowest-weight columns)
+    // are not counted: deferral moves this call's own work.
+    for (int t = 0; t < tokens; t++) {
         const float* w = weights + (size_t)t * K;
-        for (int k = 0; k < K; k++) order_[k] = k;
-        std::stable_sort(order_.begin(), order_.end(), [w](int a, int b) { return w[a] > w[b]; });
-        for (int i = 0; i < keep; i++) {
-            const int64_t e = ids[(size_t)t * K + order_[i]];
-            if (e >= 0) kept_[e] = 1;
-        }
+        const int64_t* row = ids + (size_t)t * K;
+        int n = 0;
+        for (int k = 0; k < K; k++)
+            if (row[k] >= 0) order_[n++] = k;
+        std::stable_sort(order_.begin(), order_.begin() + n, [w](int a, int b) { return w[a] > w[b]; });
+        for (int i = 0; i < n - defer_; i++) kept_[row[order_[i]]] = 1;
     }
     bool any = false;
     for (int64_t s = 0; s < (int64_t)tokens * K; s++) {

@@ -29,14 +29,14 @@ def bf16_experts(gen):
 
 
 def kept_now(ids: torch.Tensor, w: torch.Tensor, defer: int) -> torch.Tensor:
-    """[T, K] bool: the pairs computed in the layer's own call. Each token keeps its K - defer
-    highest weights (ties: the earlier slot); an expert kept by any token of the call is kept
-    for every token; ids of -1 (computed elsewhere) are neither."""
+    """[T, K] bool: the pairs computed in the layer's own call. Each token keeps all but the
+    `defer` lowest weights of its pairs that are not -1 (computed elsewhere, which are neither)
+    (ties: the earlier slot stays); an expert kept by any token of the call is kept for every token."""
     T, K = ids.shape
     kept_experts = set()
     for t in range(T):
-        order = sorted(range(K), key=lambda k: (-w[t, k].item(), k))
-        kept_experts.update(int(ids[t, k]) for k in order[:K - defer] if ids[t, k] >= 0)
+        order = sorted((k for k in range(K) if ids[t, k] >= 0), key=lambda k: (-w[t, k].item(), k))
+        kept_experts.update(int(ids[t, k]) for k in order[:len(order) - defer])
     return torch.tensor([[int(e) in kept_experts for e in row] for row in ids.tolist()])
 
 
@@ -65,6 +65,8 @@ def test_kernel_defers_the_lowest_weights_to_the_next_layer(runtime, K, defer):
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
             wa, wb = torch.rand(T, K, generator=gen), torch.rand(T, K, generator=gen)
             ids[0, wa[0].argmax()] = -1  # a pair computed elsewhere (a hot expert on the GPU)
+            if T > 1:  # the lowest weight elsewhere (the bus share): the deferred pairs are the CPU's lowest
+                ids[1, wa[1].argmin()] = -1
             now = kept_now(ids, wa, defer)
             if T == 1:  # (with more tokens, other tokens may keep the experts token 0 leaves out)
                 assert (~now & (ids >= 0)).any()

@@ -91,7 +91,8 @@ def measure(args) -> tuple[list[dict], object]:
         nll = -logp.gather(1, target[:, None]).mean().item()
         base = logp if base is None else base
         kl = (base.exp() * (base - logp)).sum(-1)  # KL(k=first || k) at each step
-        rows.append({"deferred": k, "ppl": math.exp(nll), "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+        # (a random model's perplexity on text can be beyond a float: inf)
+        rows.append({"deferred": k, "ppl": math.exp(nll) if nll < 700 else math.inf, "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
                      "tok_s": timed_decode(engine, loaded.config.vocab_size, args.decode, args.repeats),
                      "tokens": len(target)})
     return rows, loaded
