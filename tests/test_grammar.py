@@ -63,6 +63,20 @@ def test_masked_tokens_are_exactly_those_the_matcher_takes(tok, device):
     assert all(c.done for c in constraints)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tokenizer_longer_than_the_logits(tok, device):
+    """A tokenizer that counts ids past the model's vocabulary (transformers may add tokens when it
+    builds one from a GGUF): the grammar takes every id, the masks are cut to the logits' width."""
+    vocab = len(tok) - 4
+    grammars = grammars_for(tok, vocab, [tok.eos_token_id])
+    constraint = grammars.json_schema(SCHEMA)
+    want = {t for t in bits(constraint, len(tok)) if t < vocab}
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)).to(device)
+    mask_rows(logits, [constraint], [1])
+    assert want and set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == want
+    assert torch.isfinite(logits[0]).all()
+
+
 def test_forced_tool_call_schemas_and_bad_schemas(tok):
     grammars = grammars_for(tok, 320, [tok.eos_token_id])
     tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}},

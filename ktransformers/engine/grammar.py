@@ -6,7 +6,8 @@ decode step that made them: CUDA-graph decode is unchanged; a constrained reques
 its step's logits before its next step is issued.
 
 Shapes: a row of logits [V] (the model's vocabulary, which may be longer than the tokenizer's:
-the extra ids are never allowed)."""
+the extra ids are never allowed; or shorter, where a tokenizer counts ids past the embedding,
+which no step can draw)."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         import llguidance.hf
-        self.vocab_size = vocab_size
+        # (llguidance needs every id the tokenizer has; the masks are cut to the logits' width)
+        self.vocab_size = vocab_size = max(vocab_size, len(tokenizer))
         stops = sorted(int(t) for t in stop_ids)
         try:
             self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
@@ -114,7 +116,7 @@ def mask_rows(logits: torch.Tensor, constraints: list[Constraint], rows: list[in
 
 def _mask_rows(lt, logits: torch.Tensor, constraints: list[Constraint], rows: list[int]) -> None:
     V = logits.shape[-1]
-    bitmask = lt.allocate_token_bitmask(len(rows), V)
+    bitmask = lt.allocate_token_bitmask(len(rows), max([V, *(c.vocab_size for c in constraints)]))
     for j, c in enumerate(constraints):
         c.fill(bitmask, j)
     if logits.device.type == "cpu":
