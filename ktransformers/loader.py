@@ -19,7 +19,7 @@ from .optimize.rules import load_rules
 from .optimize.skeleton import DEFAULT_RULES, RULES_DIR, build_skeleton, default_rule_file, load_config  # noqa: F401
 from .weights.gguf import GGUFFileSet, GGUFSource
 from .weights.gguf_config import arch_of
-from .weights.gguf_tokenizer import byte_level_bpe, set_pre_tokenizer
+from .weights.gguf_tokenizer import byte_level_bpe, ids_past_the_vocabulary, set_pre_tokenizer
 
 
 @dataclass
@@ -72,6 +72,13 @@ def load_tokenizer(model_path: str | os.PathLike | None, gguf_path: str | os.Pat
         except ValueError as ours:
             raise ValueError(f"cannot build the tokenizer of {file}: transformers says {type(e).__name__}: {e}; "
                              f"{ours}. Pass --model_path with the model's tokenizer files") from e
+    extra = ids_past_the_vocabulary(tokenizer, metadata)
+    if extra and metadata.get("tokenizer.ggml.model") == "gpt2":
+        return byte_level_bpe(metadata, str(file))  # (the GGUF's own tokens, BOS and EOS)
+    if extra:
+        warnings.warn(f"the tokenizer transformers built from {file} has {extra} id(s) past the GGUF's "
+                      f"{len(metadata['tokenizer.ggml.tokens'])} tokens (the model has no embedding for them): "
+                      "pass --model_path with the model's tokenizer files", stacklevel=2)
     return set_pre_tokenizer(tokenizer, metadata.get("tokenizer.ggml.pre"))
 
 

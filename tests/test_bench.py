@@ -197,6 +197,29 @@ def test_tokenizer_fallback_and_its_errors(tmp_path, monkeypatch):
         loader.load_model(path, progress=False)
 
 
+def test_a_tokenizer_with_ids_past_the_gguf_vocabulary_is_rebuilt(tmp_path, monkeypatch):
+    """transformers 5.17 builds bench.synth's byte-level BPE GGUF with its default <s> and </s>
+    added as two new ids taken as BOS and EOS (ids the model has no rows for, an EOS it never
+    emits): such a build is replaced by one from the GGUF's tokens, with its BOS and EOS."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ktransformers import loader
+    path = _tiny_synthetic(tmp_path, 1000)
+    real = loader.load_tokenizer(None, path)
+    build = PreTrainedTokenizerFast.from_pretrained
+
+    def with_defaults(*a, **k):
+        tok = build(*a, **k)
+        tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+        return tok
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", with_defaults)
+    assert len(with_defaults(path.parent, gguf_file=path.name)) == 1002
+    tok = loader.load_tokenizer(None, path)
+    assert len(tok) == 1000 and tok.eos_token == "<|im_end|>" == real.eos_token
+    assert tok("<s> hello </s>")["input_ids"] == real("<s> hello </s>")["input_ids"]
+    assert max(tok("<s> hello </s>")["input_ids"]) < 1000
+
+
 SERVE_KEYS = {"concurrency", "requests", "output_tokens", "wall_s", "tok_s", "stream_tok_s", "ttft_ms", "itl_ms",
               "itl_p99_ms", "engine_tok_s", "engine_batch", "speedup", "decode_tokens", "decode_expert_bytes", "stream_gbps",
               "floor_tok_s", "ratio"}

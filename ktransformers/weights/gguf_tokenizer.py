@@ -92,6 +92,14 @@ def byte_level_bpe(metadata: dict, where: str = "the GGUF"):
                                    add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)))
 
 
+def ids_past_the_vocabulary(tokenizer, metadata: dict) -> int:
+    """How many ids a tokenizer built from GGUF metadata has beyond the GGUF's own tokens (some
+    transformers versions add their default `<s>`/`</s>` as new ids and take them as BOS/EOS:
+    ids no embedding row exists for, and an EOS the model never emits)."""
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    return max(0, len(tokenizer) - len(tokens)) if tokens else 0
+
+
 def set_pre_tokenizer(tokenizer, pre: str | None):
     """The tokenizer with llama.cpp's split for `pre` where the table has it (else as it is)."""
     splits = PRE_TOKENIZER_SPLITS.get(pre or "")
