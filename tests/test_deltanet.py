@@ -27,6 +27,8 @@ def inputs(B, T, Hk, Hv, Dk, Dv, seed):
 
 
 def reference(q, k, v, g, beta, state, l2norm):
+    r = v.shape[2] // q.shape[2]  # key heads repeated for their value heads first, as the model does
+    q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)  # (transformers 5.17's function needs it)
     out, final = qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state.clone(),
                                                              output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
     return out, final
