@@ -17,13 +17,13 @@ step in flight. Text reaches each request's asyncio queue through its event loop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
 import time
 import traceback
 from collections import OrderedDict, deque
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
