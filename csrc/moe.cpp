@@ -131,7 +131,7 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
     off_hs_ = next(off_xs_, part({T, sizeof(float)}));
     rt_->reserve_scratch(next(off_hs_, part({P, sizeof(float)})));
     if (c.int8_min_tokens > 0) {
-        if (!int8_gemm_available()) throw std::invalid_argument("MoE: this build has no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)");
+        if (!int8_gemm_available()) throw std::invalid_argument("MoE: this build has no int8 GEMM (needs AVX2 or newer)");
         if (c.gate4.q && !int4_gemm_available()) throw std::invalid_argument("MoE: this build has no int4 GEMM (needs AVX512-VNNI)");
         if (c.hidden % 64 || c.intermediate % 64)
             throw std::invalid_argument("MoE: int8/int4 prefill needs hidden and intermediate sizes divisible by 64");

@@ -64,7 +64,7 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
     expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
     if (int8.gate.w || int8.up.w || int8.down_t.w || int8.gate_t.w || int8.up_t.w) {
         if (!int8.set()) throw std::invalid_argument("MoEGrad: pass all five int8 copies (gate, up, D^T, G^T, U^T) or none");
-        if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX512-VNNI or AVX-VNNI)");
+        if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX2 or newer)");
         if (H % 64 || I % 64)
             throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
         for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})

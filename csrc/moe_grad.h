@@ -9,8 +9,8 @@
 // kept from the forward: RAM stays at the scratch, about (3 I + H) * 4 bytes a (token, expert)
 // pair of a max_tokens chunk, in the runtime's arena that every layer shares). All in float32.
 // With int8 copies (MoEGradInt8: the forward's gate and up, and the transposed D^T, G^T and
-// U^T, re-quantized once by the caller) the three products run on the int8 GEMM (VNNI or
-// AMX) instead, activations rounded to int8 per row as the forward's are.
+// U^T, re-quantized once by the caller) the three products run on the int8 GEMM (VNNI, AMX or
+// AVX2's vpmaddubsw) instead, activations rounded to int8 per row as the forward's are.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -81,7 +81,7 @@ def test_moe_matches_reference(runtime, fmt, shape):
 @pytest.mark.parametrize("fmt", [GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
 def test_moe_biases_and_clamped_swiglu(runtime, fmt):
     """gpt-oss's experts: a bias on each projection and the clamped SwiGLU (limit 7, alpha 1.702),
-    with inputs large enough that the clamps bite; the int8 prefill copies where the build has them."""
+    with inputs large enough that the clamps bite; the int8 prefill copies too."""
     from ktransformers.operators.experts.reference import Activation
     E, K, H, I = 6, 2, 256, 256
     gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
@@ -90,13 +90,12 @@ def test_moe_biases_and_clamped_swiglu(runtime, fmt):
     act = Activation(7.0, 1.702)
     block = ACTIVATION_BLOCK[int(fmt)]
     gate_up = torch.cat([gd, ud], dim=1)
+    copies = tuple(Int8Rows.from_blocks(w, shape) for w, shape in zip((g, u, d), ((E, I, H), (E, I, H), (E, H, I))))
     kernels = [MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=64,
-                         biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha)]
-    if runtime.ext.int8_gemm:
-        copies = tuple(Int8Rows.from_blocks(w, shape) for w, shape in zip((g, u, d), ((E, I, H), (E, I, H), (E, H, I))))
-        kernels.append(MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
-                                 max_tokens=64, biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha,
-                                 int8=copies, int8_min_tokens=2))
+                         biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha),
+               MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
+                         max_tokens=64, biases=biases, swiglu_limit=act.limit, swiglu_alpha=act.alpha,
+                         int8=copies, int8_min_tokens=2)]
     for T in (1, 3, 17, 128):
         x = torch.randn(T, H, generator=gen) * 8  # pre-activations past +-7
         ids, w = routing(T, E, K, gen)
@@ -541,6 +540,13 @@ def test_tiled_kernels_prefetch():
         assert checked >= 4, f"{os.path.basename(path)}: only {checked} tiled kernels found"
 
 
+def test_every_level_has_the_int8_gemm(runtime):
+    """The int8 GEMM (prefill copies, the training backward) is built at every ISA level; on VNNI
+    (or AMX) everywhere but AVX2, whose vpmaddubsw GEMM serves the backward only."""
+    assert runtime.ext.int8_gemm
+    assert runtime.ext.int8_gemm_vnni == (runtime.isa != "avx2")
+
+
 @pytest.mark.parametrize("fmt, H, I", [(GGMLType.Q4_K, 512, 256), (GGMLType.Q8_0, 576, 320)],
                          ids=["Q4_K", "Q8_0-odd-row-chunks"])
 def test_int8_prefill_path(runtime, fmt, H, I):
@@ -549,8 +555,6 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     split over tasks leave chunks of 4k+3 rows: the GEMM's 2- and 1-row tails run. On AMX the
     48- to 96-row chunks take two and one 16-row blocks a step, and experts of 45 and 60 tokens
     two 32-token groups, the last of one or two 16-token tiles.)"""
-    if not runtime.ext.int8_gemm:
-        pytest.skip(f"{runtime.isa} build has no int8 GEMM")
     from ktransformers.kernels.cpu import Int8Rows, round_activations_rows
     E, K = 6, 2
     gen = torch.Generator().manual_seed(11)
@@ -779,7 +783,7 @@ def test_nan_activations_propagate(runtime, fmt):
     E, K, H, I = 4, 2, 512, 256
     (g, _), (u, _), (d, _) = (expert_weights(fmt, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     kernels = [MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8)]
-    if runtime.ext.int8_gemm and fmt != GGMLType.BF16:
+    if fmt != GGMLType.BF16:
         copies = tuple(Int8Rows.from_blocks(w, s) for w, s in zip((g, u, d), ((E, I, H), (E, I, H), (E, H, I))))
         kernels.append(MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=g, up=u, down=d,
                                  max_tokens=8, int8=copies, int8_min_tokens=1))

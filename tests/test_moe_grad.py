@@ -169,8 +169,6 @@ INT8_CASES = [((12, 12, 14), 8, 2, 256, 512, 37), ((8, 8, 8), 6, 3, 128, 64, 5),
 def test_int8_backward_matches_autograd(runtime, case):
     """int8_backward: the products on int8 copies (the transposed ones made from the stored blocks),
     activations rounded to int8 per row: within int8's rounding of autograd's result."""
-    if not runtime.ext.int8_gemm:
-        pytest.skip(f"the {runtime.isa} kernels have no int8 GEMM")
     types, E, K, H, I, T = case
     weights, gate_up, down = experts(types, E, H, I, seed=T, trained_like=True)
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
@@ -190,8 +188,6 @@ def test_int8_backward_matches_autograd(runtime, case):
 
 def test_int8_backward_falls_back_where_its_gemm_cannot_run(runtime):
     """Sizes the int8 GEMM does not take (intermediate 32): a warning, and the exact backward."""
-    if not runtime.ext.int8_gemm:
-        pytest.skip(f"the {runtime.isa} kernels have no int8 GEMM")
     E, K, H, I, T = 4, 2, 64, 32, 5
     weights, gate_up, down = experts((8, 8, 8), E, H, I, seed=2)
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],

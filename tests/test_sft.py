@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 pytest.importorskip("peft")
 
-from ktransformers.kernels.cpu import MoEKernel, load_extension  # noqa: E402
+from ktransformers.kernels.cpu import MoEKernel  # noqa: E402
 from ktransformers.operators.experts import KTransformersExperts  # noqa: E402
 from ktransformers.train import (  # noqa: E402
     SFT_RULES_CPU,
@@ -65,8 +65,6 @@ def grads(model) -> dict[str, torch.Tensor]:
 def test_a_lora_step_equals_transformers_and_peft(tmp_path, family, int8, monkeypatch):
     """The exact backward to float32 rounding; the int8 one (the shipped rule files') within its
     rounding (1.7e-3 measured on qwen3_moe's LoRA gradients)."""
-    if int8 and not load_extension().int8_gemm:
-        pytest.skip("this CPU's kernels have no int8 GEMM")
     ours, reference, config = pair(tmp_path, family, int8_backward=int8)
     bound = 3e-2 if int8 else 1e-3
     calls = []
@@ -272,8 +270,7 @@ def test_the_training_memory_plan_refuses_with_numbers(tmp_path):
     assert two["activations"] == 2 * one["activations"] > 0
     assert two["MoE layers' saved inputs"] == 2 * one["MoE layers' saved inputs"]
     assert kinds(tokens=100, checkpointing=True)["activations (checkpointed)"] < one["activations"]
-    if load_extension().int8_gemm:
-        assert one["the backward's int8 copies"] > 0
+    assert one["the backward's int8 copies"] > 0
     plan = plan_training(model, config, tokens=100, device="cpu", dtype=torch.float32)
     check_training(plan, {"cpu": 1 << 40})
     with pytest.raises(MemoryBudgetError, match=r"cpu needs .* more \(adapters.*\) but has 1000 B free: lower"):

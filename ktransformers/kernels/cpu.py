@@ -517,10 +517,9 @@ def _copies_only(runtime: CPURuntime, name: str, weights, int8, int4) -> bool:
     if all(w is None for w in weights):
         if int8 is None and int4 is None:
             raise ValueError(f"{name}: no weights: pass gate, up and down, or int8/int4 copies")
-        if not (runtime.ext.int8_gemm if int4 is None else runtime.ext.int4_gemm):
-            kind, needs = ("int8", "AVX2 or newer") if int4 is None else ("int4", "AVX512-VNNI")
-            raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no {kind} GEMM (it needs {needs}) "
-                             f"to compute on {kind} copies alone")
+        if int4 is not None and not runtime.ext.int4_gemm:
+            raise ValueError(f"{name}: the {runtime.isa} CPU kernels have no int4 GEMM (it needs AVX512-VNNI) "
+                             "to compute on int4 copies alone")
         return True
     if any(w is None for w in weights):
         raise ValueError(f"{name}: pass all of gate, up and down, or none of them")
@@ -566,7 +565,7 @@ class MoEKernel:
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
-        if int8 is not None and runtime.ext.int8_gemm:
+        if int8 is not None:  # (every level has the int8 GEMM)
             if runtime.ext.amx_available():
                 int8 = tuple(rows.pack_amx() for rows in int8)
             addresses = tuple(a for rows, shape in zip(int8, shapes) for a in rows.addresses(shape))
@@ -650,13 +649,9 @@ class MoEKernel:
 
     def _backward_copies(self, stored) -> tuple:
         """((copy, shape), ...) of gate, up, D^T, G^T and U^T as int8 rows for the backward's
-        GEMMs (the forward's own gate and up copies where it has them), or () where this build
-        has no int8 GEMM (a warning says so)."""
+        GEMMs (the forward's own gate and up copies where it has them), or () where the sizes do
+        not fit that GEMM (a warning says so)."""
         ext = self.runtime.ext
-        if not ext.int8_gemm:
-            warnings.warn(f"int8 backward is off: the {self.runtime.isa} CPU kernels have no int8 GEMM (it needs "
-                          "AVX2 or newer); the backward decodes the stored blocks", stacklevel=4)
-            return ()
         E, H, I = self.experts, self.hidden, self.intermediate
         if H % 64 or I % 64:
             warnings.warn(f"{self.name}: int8 backward is off: its GEMM needs hidden ({H}) and intermediate ({I}) sizes "

@@ -41,7 +41,7 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
             continue
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
-        if kernel.int8_backward and kernel._grad is None and kernel.runtime.ext.int8_gemm:
+        if kernel.int8_backward and kernel._grad is None:
             copies = 3 + (0 if getattr(kernel, "_int8", None) is not None else 2)
             tiles = 2 if kernel.runtime.ext.amx_available() else 1
             plan.add("cpu", "the backward's int8 copies", E * H * I * copies * tiles)
