@@ -247,7 +247,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  }
                  c.swiglu_limit = swiglu_limit, c.swiglu_alpha = swiglu_alpha;
                  MoEGradInt8 q;
-                 if (int8.size()) int8_weights(int8, {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t}, "MoEGrad");
+                 if (int8.size() == 24)  // with the forward's copy of down (pairs' kDown)
+                     int8_weights(int8, {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t, &q.down}, "MoEGrad");
+                 else if (int8.size())
+                     int8_weights(int8, {&q.gate, &q.up, &q.down_t, &q.gate_t, &q.up_t}, "MoEGrad");
                  return std::make_shared<MoEGrad>(rt, c, q);
              }),
              py::arg("runtime"), py::arg("experts"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
@@ -261,7 +264,15 @@ PYBIND11_MODULE(KT_MODULE, m) {
                  g.backward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<float>(x), cptr<float>(dy),
                             reinterpret_cast<float*>(dx), reinterpret_cast<float*>(dw));
              }, py::call_guard<py::gil_scoped_release>(),
-             "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K] (shapes checked in Python)");
+             "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K] (shapes checked in Python)")
+        .def("pairs", [](MoEGrad& g, int op, int tokens, uintptr_t ids, uintptr_t a, uintptr_t b, uintptr_t out,
+                         uintptr_t out2) {
+                 if (op < 0 || op > 3) throw std::invalid_argument("MoEGrad: pairs op must be 0 to 3");
+                 g.pairs((MoEGrad::PairOp)op, tokens, cptr<int64_t>(ids), cptr<float>(a), cptr<float>(b),
+                         reinterpret_cast<float*>(out), reinterpret_cast<float*>(out2));
+             }, py::call_guard<py::gil_scoped_release>(),
+             "per-pair products (moe_grad.h's PairOp: 0 gate_up, 1 down, 2 down^T, 3 gate_up^T; 0 for an unused "
+             "address; shapes checked in Python)");
 
     m.def("int8_copies", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, int E, int rows, int cols, bool transpose,
                             uintptr_t w, uintptr_t scale, uintptr_t row_sum) {

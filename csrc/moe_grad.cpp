@@ -69,6 +69,10 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
             throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
         for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})
             if (!w->scale || !w->row_sum) throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
+        if (int8.down.w && (!int8.down.scale || !int8.down.row_sum))
+            throw std::invalid_argument("MoEGrad: the int8 copy of down lacks its scales or row sums");
+    } else if (int8.down.w) {
+        throw std::invalid_argument("MoEGrad: an int8 copy of down needs the other five");
     }
     // the buffers, in the runtime's scratch arena (which every kernel of the runtime shares: its
     // jobs run one at a time), each part 64-byte aligned, every size checked against overflow
@@ -84,6 +88,7 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
     off_dxp_up_ = take({q, P, H, f});
     off_x8_ = take({q, T, H}), off_dy8_ = take({q, T, H}), off_dg8_ = take({q, P, I}), off_du8_ = take({q, P, I});
     off_x8s_ = take({q, T, f}), off_dy8s_ = take({q, T, f}), off_dg8s_ = take({q, P, f}), off_du8s_ = take({q, P, f});
+    off_o8_ = take({q, P, H}), off_o8s_ = take({q, P, f});
     rt_->reserve_scratch(at);
 }
 
@@ -95,17 +100,23 @@ void MoEGrad::bind_scratch() {
     x8_ = base + off_x8_, dy8_ = base + off_dy8_, dg8_ = base + off_dg8_, du8_ = base + off_du8_;
     x8s_ = (float*)(base + off_x8s_), dy8s_ = (float*)(base + off_dy8s_);
     dg8s_ = (float*)(base + off_dg8s_), du8s_ = (float*)(base + off_du8s_);
+    o8_ = base + off_o8_, o8s_ = (float*)(base + off_o8s_);
 }
 
-void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
-                       float* dw) {
+void MoEGrad::check_ids(int tokens, const int64_t* ids) const {
     if (tokens < 0) throw std::invalid_argument("MoEGrad: tokens must be >= 0");
-    const size_t K = cfg_.top_k, H = cfg_.hidden;
+    const size_t K = cfg_.top_k;
     for (size_t i = 0, n = (size_t)tokens * K; i < n; i++)
         if (ids[i] < -1 || ids[i] >= cfg_.experts)
             throw std::invalid_argument("MoEGrad: expert id " + std::to_string(ids[i]) + " at [" + std::to_string(i / K) +
                                         ", " + std::to_string(i % K) + "] is outside [-1, " +
                                         std::to_string(cfg_.experts) + ")");
+}
+
+void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
+                       float* dw) {
+    check_ids(tokens, ids);
+    const size_t K = cfg_.top_k, H = cfg_.hidden;
     rt_->run_inline([&] {
         bind_scratch();  // (the arena may have moved since the last call)
         for (int t0 = 0; t0 < tokens; t0 += cfg_.max_tokens) {
@@ -201,32 +212,51 @@ void MoEGrad::inner_int8(int e, int i0, int i1, const float* w) {
     }
 }
 
-void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf) {
+void MoEGrad::gate_up_blocks(int e, int i0, int i1, const float* x, bool bias, float* buf) {
     const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
-    const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up),
-                  *down = static_cast<const uint8_t*>(cfg_.down);
+    const uint8_t *gate = static_cast<const uint8_t*>(cfg_.gate), *up = static_cast<const uint8_t*>(cfg_.up);
     for (int i = i0; i < i1; i++) {  // g, u: rows of G and U against x
         const size_t row = (size_t)e * I + i;
         dequant_blocks(cfg_.gate_type, gate + row * gate_row_, H / gate_elems_, buf);
         dequant_blocks(cfg_.up_type, up + row * up_row_, H / up_elems_, buf + H);
-        const float bg = cfg_.gate_bias ? cfg_.gate_bias[row] : 0.f, bu = cfg_.up_bias ? cfg_.up_bias[row] : 0.f;
+        const float bg = bias && cfg_.gate_bias ? cfg_.gate_bias[row] : 0.f;
+        const float bu = bias && cfg_.up_bias ? cfg_.up_bias[row] : 0.f;
         for (int p = p0; p < p1; p++) {
-            const float* xt = x + (size_t)pair_token_[p] * H;
+            const float* xt = pair_row(x, p, true, H);
             g_[(size_t)p * I + i] = fdot(buf, xt, H) + bg;
             u_[(size_t)p * I + i] = fdot(buf + H, xt, H) + bu;
         }
     }
+}
+
+void MoEGrad::down_t_blocks(int e, int i0, int i1, const float* src, bool by_token, float* buf) {
+    const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
+    const uint8_t* down = static_cast<const uint8_t*>(cfg_.down);
     for (int p = p0; p < p1; p++) std::fill_n(dhr_ + (size_t)p * I + i0, i1 - i0, 0.f);
-    for (int r = 0; r < H; r++) {  // D^T dy: each row of D's run [i0, i1) times dy[r]
+    for (int r = 0; r < H; r++) {  // D^T src: each row of D's run [i0, i1) times src[r]
         dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_ + (size_t)(i0 / down_elems_) * down_blk_,
                        (i1 - i0) / down_elems_, buf);
         for (int p = p0; p < p1; p++) {
-            const float a = dy[(size_t)pair_token_[p] * H + r];
+            const float a = pair_row(src, p, by_token, H)[r];
             float* out = dhr_ + (size_t)p * I + i0;
             for (int j = 0; j < i1 - i0; j++) out[j] += a * buf[j];
         }
     }
-    for (int p = p0; p < p1; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
+}
+
+void MoEGrad::down_blocks(int e, int r0, int r1, const float* h, float* buf) {
+    const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
+    const uint8_t* down = static_cast<const uint8_t*>(cfg_.down);
+    for (int r = r0; r < r1; r++) {  // o[r] = D's row r against each pair's h
+        dequant_blocks(cfg_.down_type, down + ((size_t)e * H + r) * down_row_, I / down_elems_, buf);
+        for (int p = p0; p < p1; p++) dxp_[(size_t)p * H + r] = fdot(buf, pair_row(h, p, false, I), I);
+    }
+}
+
+void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf) {
+    gate_up_blocks(e, i0, i1, x, true, buf);
+    down_t_blocks(e, i0, i1, dy, true, buf);
+    for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
 }
 
 void MoEGrad::outer_blocks(int e, int c0, int c1, float* buf) {
@@ -262,7 +292,29 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
         else inner_blocks(e, i0, i1, w, x, dy, rows_ + thread * per_thread);
     });
 
-    // each pair's dx = G^T dg + U^T du, by column runs of H
+    pairs_dx();
+
+    // per token: the sum of its pairs' dx, and each slot's dw
+    pool.parallel_for(tokens, [&](int t, int) {
+        token_dx(t, dx + (size_t)t * H);
+        for (int k = 0; k < K; k++) {
+            const int s = t * K + k, p = slot_pair_[s];
+            if (p < 0) {
+                dw[s] = 0.f;
+                continue;
+            }
+            float sum = 0.f;
+            for (int c = 0; c < chunks_i; c++) sum += dwp_[(size_t)p * chunks_i + c];
+            if (cfg_.down_bias) sum += fdot(dy + (size_t)t * H, cfg_.down_bias + (size_t)ids[s] * H, H);
+            dw[s] = sum;
+        }
+    });
+}
+
+void MoEGrad::pairs_dx() {
+    const int H = cfg_.hidden, I = cfg_.intermediate;
+    ThreadPool& pool = rt_->pool();
+    const size_t per_thread = per_thread_;
     const int chunks_h = (H + h_step_ - 1) / h_step_;
     if (int8()) {
         pool.parallel_for(expert_start_[cfg_.experts], [&](int p, int) {  // dg, du as int8 rows
@@ -281,29 +333,116 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
             outer_blocks(e, c0, c1, rows_ + thread * per_thread);
         }
     });
+}
 
-    // per token: the sum of its pairs' dx, and each slot's dw
-    pool.parallel_for(tokens, [&](int t, int) {
-        float* out = dx + (size_t)t * H;
-        std::fill_n(out, H, 0.f);
-        for (int k = 0; k < K; k++) {
-            const int s = t * K + k, p = slot_pair_[s];
-            if (p < 0) {
-                dw[s] = 0.f;
-                continue;
-            }
-            const float* src = dxp_ + (size_t)p * H;
-            for (int j = 0; j < H; j++) out[j] += src[j];
-            if (int8()) {
-                const float* more = dxp_up_ + (size_t)p * H;
-                for (int j = 0; j < H; j++) out[j] += more[j];
-            }
-            float sum = 0.f;
-            for (int c = 0; c < chunks_i; c++) sum += dwp_[(size_t)p * chunks_i + c];
-            if (cfg_.down_bias) sum += fdot(dy + (size_t)t * H, cfg_.down_bias + (size_t)ids[s] * H, H);
-            dw[s] = sum;
+void MoEGrad::token_dx(int t, float* out) const {
+    const int K = cfg_.top_k, H = cfg_.hidden;
+    std::fill_n(out, H, 0.f);
+    for (int k = 0; k < K; k++) {
+        const int p = slot_pair_[t * K + k];
+        if (p < 0) continue;
+        const float* src = dxp_ + (size_t)p * H;
+        for (int j = 0; j < H; j++) out[j] += src[j];
+        if (int8()) {
+            const float* more = dxp_up_ + (size_t)p * H;
+            for (int j = 0; j < H; j++) out[j] += more[j];
+        }
+    }
+}
+
+void MoEGrad::pairs(PairOp op, int tokens, const int64_t* ids, const float* a, const float* b, float* out, float* out2) {
+    if (op < kGateUp || op > kGateUpT) throw std::invalid_argument("MoEGrad: pairs op must be 0 to 3");
+    if ((op == kGateUp) != (out2 != nullptr) || (op == kGateUpT) != (b != nullptr))
+        throw std::invalid_argument("MoEGrad: pairs takes b with kGateUpT alone, and out2 with kGateUp alone");
+    check_ids(tokens, ids);
+    const size_t K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
+    const size_t a_row = op == kGateUp ? H : op == kDownT ? K * H : K * I;  // floats per token
+    const size_t out_row = op == kGateUpT ? H : op == kDown ? K * H : K * I;
+    rt_->run_inline([&] {
+        bind_scratch();
+        for (int t0 = 0; t0 < tokens; t0 += cfg_.max_tokens) {
+            const int n = std::min(cfg_.max_tokens, tokens - t0);
+            pairs_chunk(op, n, ids + t0 * K, a + t0 * a_row, b ? b + t0 * a_row : nullptr, out + t0 * out_row,
+                        out2 ? out2 + t0 * out_row : nullptr);
         }
     });
+}
+
+void MoEGrad::scatter_pairs(int tokens, const float* src, int n, float* dst) {
+    rt_->pool().parallel_for(tokens * cfg_.top_k, [&](int s, int) {
+        const int p = slot_pair_[s];
+        float* d = dst + (size_t)s * n;
+        if (p < 0) std::fill_n(d, n, 0.f);
+        else std::copy_n(src + (size_t)p * n, n, d);
+    });
+}
+
+void MoEGrad::pairs_chunk(PairOp op, int tokens, const int64_t* ids, const float* a, const float* b, float* out,
+                          float* out2) {
+    constexpr int kRows = 16;  // rows of D a task computes (kDown)
+    const int K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
+    group(tokens, ids);
+    ThreadPool& pool = rt_->pool();
+    const size_t per_thread = per_thread_;
+    const int chunks_i = (I + i_step_ - 1) / i_step_, active = (int)active_.size();
+    // the pairs' rows of a [T*K, n] array as int8 rows (+ 128) in pair order, with their scales
+    auto quantize_pairs = [&](const float* src, int n, uint8_t* q, float* scale) {
+        pool.parallel_for(tokens * K, [&](int s, int) {
+            const int p = slot_pair_[s];
+            if (p >= 0) scale[p] = quantize_row_u8(src + (size_t)s * n, q + (size_t)p * n, n);
+        });
+    };
+    switch (op) {
+        case kGateUp:
+            if (int8())
+                pool.parallel_for(tokens, [&](int t, int) {
+                    x8s_[t] = quantize_row_u8(a + (size_t)t * H, x8_ + (size_t)t * H, H);
+                });
+            pool.parallel_for(active * chunks_i, [&](int task, int thread) {
+                const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
+                const int p0 = expert_start_[e], p1 = expert_start_[e + 1];
+                if (int8()) {
+                    int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
+                    int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
+                } else {
+                    gate_up_blocks(e, i0, i1, a, false, rows_ + thread * per_thread);
+                }
+            });
+            scatter_pairs(tokens, g_, I, out);
+            scatter_pairs(tokens, u_, I, out2);
+            break;
+        case kDown: {
+            const bool q = q_.down.w != nullptr;
+            if (q) quantize_pairs(a, I, dg8_, dg8s_);
+            const int chunks_r = (H + kRows - 1) / kRows;
+            pool.parallel_for(active * chunks_r, [&](int task, int thread) {
+                const int e = active_[task / chunks_r], r0 = (task % chunks_r) * kRows, r1 = std::min(H, r0 + kRows);
+                if (q) int8_pairs(q_.down, H, I, e, r0, r1, expert_start_[e], expert_start_[e + 1], dg8_, dg8s_, false, dxp_, H);
+                else down_blocks(e, r0, r1, a, rows_ + thread * per_thread);
+            });
+            scatter_pairs(tokens, dxp_, H, out);
+            break;
+        }
+        case kDownT:
+            if (int8()) quantize_pairs(a, H, o8_, o8s_);
+            pool.parallel_for(active * chunks_i, [&](int task, int thread) {
+                const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
+                if (int8()) int8_pairs(q_.down_t, I, H, e, i0, i1, expert_start_[e], expert_start_[e + 1], o8_, o8s_, false, dhr_, I);
+                else down_t_blocks(e, i0, i1, a, false, rows_ + thread * per_thread);
+            });
+            scatter_pairs(tokens, dhr_, I, out);
+            break;
+        case kGateUpT:
+            pool.parallel_for(tokens * K, [&](int s, int) {  // dg, du into g_, u_ in pair order
+                const int p = slot_pair_[s];
+                if (p < 0) return;
+                std::copy_n(a + (size_t)s * I, I, g_ + (size_t)p * I);
+                std::copy_n(b + (size_t)s * I, I, u_ + (size_t)p * I);
+            });
+            pairs_dx();
+            pool.parallel_for(tokens, [&](int t, int) { token_dx(t, out + (size_t)t * H); });
+            break;
+    }
 }
 
 }  // namespace kt

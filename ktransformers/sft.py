@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--lora_targets", nargs="+", default=["attention"],
-                   help="'attention', 'shared_experts', or linear module names (q_proj, ...)")
+                   help="'attention', 'shared_experts', 'experts' (the routed experts' gate_up and down; or "
+                        "'experts.gate_up_proj', 'experts.down_proj'), or linear module names (q_proj, ...)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup_steps", type=int, default=0)
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from .demo import DEMO_GGUF
-    from .train import add_lora, load_for_training
+    from .train import add_lora, load_for_training, save_adapter
     torch.manual_seed(args.seed)
     loaded = load_for_training(args.gguf_path or DEMO_GGUF, args.model_path, args.optimize_config_path,
                                device=args.device, cpu_infer=args.cpu_infer)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
         run_dpo(args, model, loaded.tokenizer)
     else:
         run_sft(args, model, loaded.tokenizer)
-    model.save_pretrained(args.output_dir)
+    save_adapter(model, args.output_dir)
     print(f"adapter saved to {args.output_dir}")
 
 

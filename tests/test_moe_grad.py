@@ -220,3 +220,90 @@ def test_int8_copies_equal_torch(runtime, name, transpose):
     diff = (got.w.float() - codes).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
     assert torch.equal(got.row_sum, got.w.sum(dim=2, dtype=torch.int32))
+
+
+def pair_reference(x, ids, gate_up, down, h, dout, dg, du):
+    """The per-pair products in plain torch (zero rows for slots of id -1): G x, U x, D h, D^T dout
+    per (token, slot), and per token the sum of G^T dg + U^T du."""
+    T, K = ids.shape
+    I = down.shape[2]
+    e = ids.reshape(-1).clamp(min=0)
+    keep = (ids.reshape(-1) >= 0).float()[:, None]
+    xs = x.repeat_interleave(K, dim=0)
+    g = torch.einsum("ph,pih->pi", xs, gate_up[e, :I]) * keep
+    u = torch.einsum("ph,pih->pi", xs, gate_up[e, I:]) * keep
+    o = torch.einsum("pi,phi->ph", h, down[e]) * keep
+    dh = torch.einsum("ph,phi->pi", dout, down[e]) * keep
+    dxp = (torch.einsum("pi,pih->ph", dg, gate_up[e, :I]) + torch.einsum("pi,pih->ph", du, gate_up[e, I:])) * keep
+    return g, u, o, dh, dxp.reshape(T, K, -1).sum(1)
+
+
+PAIR_CASES = [  # (gate, up, down types), E, K, H, I, T, max_tokens
+    (("Q4_K", "Q4_K", "Q6_K"), 8, 2, 256, 512, 5, 512),
+    (("Q8_0", "Q8_0", "Q8_0"), 6, 3, 288, 160, 37, 16),
+    (("MXFP4", "MXFP4", "MXFP4"), 4, 2, 128, 64, 1, 512),
+    (("BF16", "BF16", "F16"), 4, 2, 96, 64, 11, 4),
+]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "-".join(c[0]) + f"-T{c[5]}")
+def test_pair_products_match_torch(runtime, case):
+    """MoEKernel.pair_* (what adapters on the experts build their forward and backward from): each
+    product per (token, slot) pair, across max_tokens chunks and with empty slots, equals torch's
+    on the gguf package's values."""
+    types, E, K, H, I, T, max_tokens = case
+    types = tuple(TYPES[n] for n in types)
+    gen = torch.Generator().manual_seed(E * 10 + T)
+    weights, gate_up, down = experts(types, E, H, I, seed=T + 1)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], max_tokens=max_tokens, name="pair-test")
+    ids, _ = routing(T, K, E, gen, empty=T > 8)
+    x = torch.randn(T, H, generator=gen)
+    h, dg, du = (torch.randn(T * K, I, generator=gen) for _ in range(3))
+    dout = torch.randn(T * K, H, generator=gen)
+    want = pair_reference(x, ids, gate_up, down, h, dout, dg, du)
+    got = (*kernel.pair_gate_up(x, ids), kernel.pair_down(h, ids), kernel.pair_down_t(dout, ids),
+           kernel.pair_gate_up_t(dg, du, ids))
+    for name, a, b in zip(("g", "u", "o", "dh", "dx"), got, want):
+        assert a.shape == b.shape, name
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (name, runtime.isa)
+    empty = (ids.reshape(-1) < 0).nonzero().flatten()
+    assert all(t[empty].abs().max() == 0 for t in got[:4]) if len(empty) else True
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_int8_pair_products_match_torch(runtime, adapters):
+    """int8_backward: the pair products on the int8 copies (D h on the forward's copy of down where
+    adapters asked for it, else on the stored blocks), within int8's rounding."""
+    E, K, H, I, T = 6, 3, 128, 64, 21
+    weights, gate_up, down = experts((8, 8, 8), E, H, I, seed=5, trained_like=True)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], max_tokens=8, name="pair-test")
+    kernel.int8_backward, kernel.adapters = True, adapters
+    gen = torch.Generator().manual_seed(4)
+    ids, _ = routing(T, K, E, gen, empty=True)
+    x = torch.randn(T, H, generator=gen)
+    h, dg, du = (torch.randn(T * K, I, generator=gen) for _ in range(3))
+    dout = torch.randn(T * K, H, generator=gen)
+    want = pair_reference(x, ids, gate_up, down, h, dout, dg, du)
+    got = (*kernel.pair_gate_up(x, ids), kernel.pair_down(h, ids), kernel.pair_down_t(dout, ids),
+           kernel.pair_gate_up_t(dg, du, ids))
+    assert kernel._grad.int8 and len(kernel._grad_int8) == (6 if adapters else 5)
+    for name, a, b in zip(("g", "u", "o", "dh", "dx"), got, want):
+        rel = ((a - b).norm() / b.norm()).item()
+        # (int8 per row on both sides: ~1%; a wrong row, transpose or scale: ~100%)
+        assert rel < 3e-2, (name, rel, runtime.isa)
+
+
+def test_pair_products_bad_inputs_are_value_errors(runtime):
+    E, K, H, I = 4, 2, 64, 32
+    weights, _, _ = experts((0, 0, 0), E, H, I, seed=1)
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], name="pair-test")
+    ids = torch.tensor([[0, 1], [2, 4]])
+    with pytest.raises(ValueError, match=r"expert id 4 at \[1, 1\]"):
+        kernel.pair_gate_up(torch.randn(2, H), ids)
+    with pytest.raises(ValueError, match=r"expected an input of shape \[4, 32\]"):
+        kernel.pair_down(torch.randn(4, H), ids.clamp(max=3))
+    with pytest.raises(ValueError, match="top_k_index must be"):
+        kernel.pair_down_t(torch.randn(4, H), torch.zeros(2, 3, dtype=torch.long))

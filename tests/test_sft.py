@@ -34,10 +34,10 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "lora_" in k}
 
 
-def pair(tmp_path, family, seed=0, int8_backward=False):
+def pair(tmp_path, family, seed=0, int8_backward=False, targets=None):
     """(ours: the GGUF through MoE-sft-cpu.yaml, reference: transformers on the same weights), each
-    with LoRA adapters on the attention projections, ours' random A and B copied to the reference.
-    `int8_backward`: the rule file's (False: the exact backward)."""
+    with LoRA adapters on `targets` (default: the attention projections), ours' random A and B
+    copied to the reference. `int8_backward`: the rule file's (False: the exact backward)."""
     model = tiny_model(family, seed=seed)
     path = tmp_path / f"{family}.gguf"
     types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
@@ -48,8 +48,8 @@ def pair(tmp_path, family, seed=0, int8_backward=False):
     reference.load_state_dict(reference_state_dict(model, types))
     reference.train()
     torch.manual_seed(seed)
-    ours = add_lora(ours, rank=4, alpha=8, init=False)
-    reference = add_lora(reference, rank=4, alpha=8, init=False)
+    ours = add_lora(ours, rank=4, alpha=8, init=False, targets=targets)
+    reference = add_lora(reference, rank=4, alpha=8, init=False, targets=targets)
     state = lora_state(ours)
     assert state and state.keys() == lora_state(reference).keys()
     reference.load_state_dict(state, strict=False)
@@ -100,6 +100,86 @@ def test_a_lora_step_equals_transformers_and_peft(tmp_path, family, int8, monkey
         after_ref = float(reference(input_ids=ids, attention_mask=mask, labels=labels).loss)
     assert abs(after_ours - after_ref) < bound * abs(after_ref)
     assert abs(after_ref - loss_ref) > 1e-5  # (the step moved something)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_step_on_the_routed_experts_equals_transformers_and_peft(tmp_path, family, int8):
+    """LoRA on the routed experts (gate_up and down of every expert) beside the attention's: ours
+    (the frozen experts' per-pair products on the C++ kernels, the adapters in torch) against
+    peft's target_parameters on transformers' experts; the same state-dict names, the same loss,
+    gradients and next step. gpt-oss: gate and up alternate in the adapter's rows, with biases and
+    the clamped SwiGLU."""
+    ours, reference, config = pair(tmp_path, family, seed=4, int8_backward=int8, targets=["attention", "experts"])
+    bound = 3e-2 if int8 else 1e-3
+    experts = [m for m in ours.modules() if isinstance(m, KTransformersExperts)]
+    assert experts and all(set(m.adapters) == {"gate_up_proj", "down_proj"} for m in experts)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    losses = []
+    for model in (ours, reference):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+    # (int8_backward: the forward's per-pair products run on the int8 copies too)
+    assert abs(losses[0] - losses[1]) < (1e-3 if int8 else 1e-4) * abs(losses[1])
+    g_ours, g_ref = grads(ours), grads(reference)
+    assert g_ours.keys() == g_ref.keys()
+    expert_grads = [n for n in g_ref if ".experts." in n]
+    assert len(expert_grads) == 4 * len(experts)  # (A and B of gate_up and of down, each layer)
+    for name, want in g_ref.items():
+        assert want.abs().max() > 0, name
+        err = ((g_ours[name] - want).norm() / want.norm()).item()
+        assert err < bound, f"{family} {name}: relative error {err:.2e}"
+    for model in (ours, reference):
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
+    with torch.no_grad():
+        after = [float(m(input_ids=ids, attention_mask=mask, labels=labels).loss) for m in (ours, reference)]
+    assert abs(after[0] - after[1]) < bound * abs(after[1]) and abs(after[1] - losses[1]) > 1e-5
+
+
+def test_expert_adapters_save_and_load_both_ways(tmp_path):
+    """An adapter with expert LoRA saved by ours loads on transformers + peft with the same logits,
+    and one saved by transformers + peft loads on ours; experts-only adapters (no peft wrapper on
+    ours) too; DPO's reference switches the experts' adapters off."""
+    import peft
+    from ktransformers.train import adapters_disabled, save_adapter
+    ours, reference, config = pair(tmp_path, "qwen3_moe", seed=12, targets=["attention", "experts"])
+    ids = torch.randint(0, config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        assert torch.allclose(ours(input_ids=ids).logits, want, atol=1e-4)
+        with adapters_disabled(ours), reference.disable_adapter():
+            assert torch.allclose(ours(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-4)
+    save_adapter(ours, tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "theirs")
+    saved = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert sorted(saved["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    base = reference.get_base_model()
+    rules = with_experts_kwargs(SFT_RULES_CPU, tmp_path, int8_backward=False)  # (pair's: the exact products)
+
+    def fresh_model():
+        return load_for_training(tmp_path / "qwen3_moe.gguf", optimize_config_path=rules, device="cpu", progress=False,
+                                 cpu_infer=2, tokenizer=False).model
+    for source in ("ours", "theirs"):
+        fresh = fresh_model()
+        hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                                            str(tmp_path / source))
+        hf.get_base_model().load_state_dict({k: v for k, v in base.state_dict().items() if "lora_" not in k},
+                                            strict=False)
+        with torch.no_grad():
+            assert torch.allclose(load_adapter(fresh, str(tmp_path / source))(input_ids=ids).logits, want, atol=1e-4)
+            assert torch.allclose(hf(input_ids=ids).logits, want, atol=1e-4), source
+    only = add_lora(fresh_model(), rank=2, targets=["experts.down_proj"], init=False)
+    with torch.no_grad():
+        want = only(input_ids=ids).logits
+    save_adapter(only, tmp_path / "only")
+    fresh = fresh_model()
+    with torch.no_grad():
+        assert torch.allclose(load_adapter(fresh, str(tmp_path / "only"))(input_ids=ids).logits, want, atol=1e-5)
 
 
 def test_saved_adapter_loads_with_the_same_logits(tmp_path):
@@ -275,6 +355,22 @@ def test_the_training_memory_plan_refuses_with_numbers(tmp_path):
     check_training(plan, {"cpu": 1 << 40})
     with pytest.raises(MemoryBudgetError, match=r"cpu needs .* more \(adapters.*\) but has 1000 B free: lower"):
         check_training(plan, {"cpu": 1000})
+
+
+def test_the_training_memory_plan_counts_expert_adapters(tmp_path):
+    from ktransformers.train.memory import plan_training
+    model, _, config = pair(tmp_path, "qwen3_moe", seed=14, targets=["attention", "experts"])
+    layers = sum(1 for m in model.modules() if isinstance(m, KTransformersExperts))
+
+    def kinds(**kw):
+        return plan_training(model, config, device="cpu", dtype=torch.float32, **kw).per_device_kind()["cpu"]
+    one, two, kept = kinds(tokens=100), kinds(tokens=200), kinds(tokens=100, checkpointing=True)
+    H, I, K = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    assert one["the expert adapters' saved pairs"] == layers * 100 * K * (2 * H + 4 * I) * 4
+    assert two["the expert adapters' saved pairs"] == 2 * one["the expert adapters' saved pairs"]
+    assert kept["the expert adapters' saved pairs"] * layers == one["the expert adapters' saved pairs"]
+    assert one["adapters, gradients and optimizer state"] == 16 * sum(p.numel() for p in model.parameters()
+                                                                     if p.requires_grad)
 
 
 def test_sft_flags_are_checked(capsys):

@@ -562,6 +562,9 @@ class MoEKernel:
         # backward on int8 copies (VNNI/AMX GEMMs; D^T, G^T and U^T cost 1 byte a weight more, 2
         # with AMX packing) instead of decoding the stored blocks in float32; set before the first backward
         self.int8_backward = False
+        # adapters on these experts (LoRA) call the per-pair products (pair_gate_up, ...); with
+        # int8_backward they then run on an int8 copy of down as well; set before the first backward
+        self.adapters = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))
@@ -632,6 +635,47 @@ class MoEKernel:
                                      dx.data_ptr(), dw.data_ptr())
         return dx, dw
 
+    # (MoEGrad.pairs' ops)
+    _GATE_UP, _DOWN, _DOWN_T, _GATE_UP_T = range(4)
+
+    def _pairs(self, op: int, ids: torch.Tensor, a: torch.Tensor, a_shape: tuple, out_shapes: tuple,
+               b: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        if ids.dim() != 2 or ids.shape[1] != self.top_k or ids.dtype.is_floating_point:
+            raise ValueError(f"{self.name}: top_k_index must be an integer tensor [T, {self.top_k}], got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        ids = ids.to("cpu", torch.int64).contiguous()
+        args = []
+        for t in (a, b) if b is not None else (a,):
+            if tuple(t.shape) != a_shape:
+                raise ValueError(f"{self.name}: expected an input of shape {list(a_shape)}, got {list(t.shape)}")
+            args.append(t.detach().to("cpu", torch.float32).contiguous())
+        outs = tuple(torch.empty(shape) for shape in out_shapes)
+        self._grad_kernel().pairs(op, ids.shape[0], ids.data_ptr(), args[0].data_ptr(),
+                                  args[1].data_ptr() if b is not None else 0, outs[0].data_ptr(),
+                                  outs[1].data_ptr() if len(outs) > 1 else 0)
+        return outs
+
+    def pair_gate_up(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, u) [T*K, I] float32: each (token, slot) pair's G_e x and U_e x, without biases (a
+        slot of id -1: zero rows); the stored rows as the backward reads them (or its int8 copies)."""
+        T, K, I = ids.shape[0], self.top_k, self.intermediate
+        return self._pairs(self._GATE_UP, ids, x, (T, self.hidden), ((T * K, I), (T * K, I)))
+
+    def pair_down(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """o [T*K, H] float32: each pair's D_e h, h [T*K, I] (no bias)."""
+        T, K = ids.shape[0], self.top_k
+        return self._pairs(self._DOWN, ids, h, (T * K, self.intermediate), ((T * K, self.hidden),))[0]
+
+    def pair_down_t(self, dout: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """dh [T*K, I] float32: each pair's D_e^T dout, dout [T*K, H]."""
+        T, K = ids.shape[0], self.top_k
+        return self._pairs(self._DOWN_T, ids, dout, (T * K, self.hidden), ((T * K, self.intermediate),))[0]
+
+    def pair_gate_up_t(self, dg: torch.Tensor, du: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """dx [T, H] float32: over each token's pairs, the sum of G_e^T dg + U_e^T du (dg, du [T*K, I])."""
+        T, K = ids.shape[0], self.top_k
+        return self._pairs(self._GATE_UP_T, ids, dg, (T * K, self.intermediate), ((T, self.hidden),), b=du)[0]
+
     def _grad_kernel(self):
         if self._grad is None:
             stored = self._stored
@@ -662,9 +706,13 @@ class MoEKernel:
         forward = own[:2] if own is not None else tuple(_int8_copy(self.runtime, w, (E, I, H), False) for w in (gate, up))
         copies = (*forward, _int8_copy(self.runtime, down, (E, H, I), True),
                   *(_int8_copy(self.runtime, w, (E, I, H), True) for w in (gate, up)))
+        shapes = ((E, I, H), (E, I, H), (E, I, H), (E, H, I), (E, H, I))
+        if self.adapters:  # (pair_down's D h; the forward's own copy where it has one)
+            copies += (own[2] if own is not None else _int8_copy(self.runtime, down, (E, H, I), False),)
+            shapes += ((E, H, I),)
         if ext.amx_available():
             copies = tuple(c if c.amx is not None else c.pack_amx() for c in copies)
-        return tuple(zip(copies, ((E, I, H), (E, I, H), (E, I, H), (E, H, I), (E, H, I))))
+        return tuple(zip(copies, shapes))
 
     def last_seconds(self) -> float:
         """How long the last call took inside the kernel (from its first phase to its output)."""

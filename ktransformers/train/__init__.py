@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ..loader import RULES_DIR, LoadedModel, load_model
 from .data import IGNORE, Example, load_examples
-from .lora import add_lora, load_adapter, target_modules
+from .lora import adapters_disabled, add_lora, load_adapter, save_adapter, target_modules
 
 SFT_RULES = RULES_DIR / "MoE-sft.yaml"
 SFT_RULES_CPU = RULES_DIR / "MoE-sft-cpu.yaml"
@@ -141,5 +141,5 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-__all__ = ["Example", "StepReport", "add_lora", "batches", "load_adapter", "load_examples", "load_for_training",
-           "mean_loss", "peak_memory", "perplexity", "target_modules", "train", "SFT_RULES", "SFT_RULES_CPU"]
+__all__ = ["Example", "StepReport", "adapters_disabled", "add_lora", "batches", "load_adapter", "load_examples",
+           "load_for_training", "mean_loss", "peak_memory", "perplexity", "save_adapter", "target_modules", "train", "SFT_RULES", "SFT_RULES_CPU"]

@@ -1,6 +1,6 @@
 """DPO (direct preference optimization) on preference pairs, with the same model, adapters and
 CPU experts as SFT: the policy is the model with its LoRA adapters, the reference the same model
-with them switched off (peft's disable_adapter), so no second copy of the weights is held.
+with them switched off (lora.adapters_disabled), so no second copy of the weights is held.
 
     loss = -log sigmoid(beta * ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))))
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .data import IGNORE, Example, jsonl_records, render
+from .lora import adapters_disabled
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 def reference_logps(model, pairs: list[Pair], device) -> list[tuple[float, float]]:
     """(chosen, rejected) log-probabilities under the reference: the model with its adapters off."""
     out = []
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), adapters_disabled(model):
         for p in pairs:
             chosen, rejected = sequence_logps(model, [p.chosen, p.rejected], device).tolist()
             out.append((chosen, rejected))

@@ -20,19 +20,21 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     """The bytes a step of `tokens` tokens (batch x longest sequence) adds: on the training device,
     the adapters with their gradients and optimizer state, the layers' activations (or, with
     gradient checkpointing, each layer's input and one layer's activations) and the logits with
-    their gradient; on the CPU, each MoE layer's saved input, the backward's int8 copies where
-    they are still to be made, and the kernels' scratch."""
+    their gradient; on the CPU, the routed experts' adapters with theirs, each MoE layer's saved
+    input (with adapters: its pairs' products, gradient checkpointing keeping one layer's), the
+    backward's int8 copies where they are still to be made, and the kernels' scratch."""
     plan = MemoryPlan()
     value = torch.finfo(dtype).bits // 8
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    plan.add(device, "adapters, gradients and optimizer state", trainable * ADAM_BYTES)
+    for where in sorted({p.device.type for p in model.parameters() if p.requires_grad}):
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.device.type == where)
+        plan.add("cpu" if where == "cpu" else device, "adapters, gradients and optimizer state", trainable * ADAM_BYTES)
     layers, hidden = config.num_hidden_layers, config.hidden_size
     if checkpointing:
         plan.add(device, "activations (checkpointed)", tokens * hidden * value * (layers + LAYER_VALUES))
     else:
         plan.add(device, "activations", tokens * hidden * value * LAYER_VALUES * layers)
     plan.add(device, "logits and their gradient", tokens * config.vocab_size * (value + 8))
-    scratch = 0
+    scratch, adapted = 0, []
     for module in model.modules():
         if not isinstance(module, KTransformersExperts):
             continue
@@ -41,13 +43,18 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
             continue
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
+        if module.adapters:  # (torch keeps each pair's input rows, g, u, h and output: adapters.py)
+            adapted.append(tokens * K * (2 * H + 4 * I) * 4)
         if kernel.int8_backward and kernel._grad is None:
-            copies = 3 + (0 if getattr(kernel, "_int8", None) is not None else 2)
+            own = getattr(kernel, "_int8", None) is not None  # (the forward's gate, up and down copies)
+            copies = 3 + (0 if own else 2) + (1 if kernel.adapters and not own else 0)
             tiles = 2 if kernel.runtime.ext.amx_available() else 1
             plan.add("cpu", "the backward's int8 copies", E * H * I * copies * tiles)
         pairs = kernel.max_tokens * K
         scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * 2 * I)
     plan.add("cpu", "the experts' backward scratch", scratch)
+    if adapted:
+        plan.add("cpu", "the expert adapters' saved pairs", max(adapted) if checkpointing else sum(adapted))
     return plan
 
 

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ..registry import EXPERT_OPS
+from .adapters import KernelPairs
 from .placement import PcieShare, auto_pcie_experts
 from .reference import ExpertSpec, load_biases
 
@@ -68,10 +69,10 @@ class KExpertsCPU:
         int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
         if self.spec.int4_decode and int4 is not None:
             gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
-        biases = None
+        biases, self.bias = None, None
         if self.spec.bias:
-            gate_up_b, down_b = load_biases(weights, self.spec, "cpu", torch.float32)
-            biases = (*gate_up_b.chunk(2, dim=1), down_b)
+            self.bias = load_biases(weights, self.spec, "cpu", torch.float32)
+            biases = (*self.bias[0].chunk(2, dim=1), self.bias[1])
         self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
                                 gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles,
                                 biases=biases, swiglu_limit=self.spec.act.limit, swiglu_alpha=self.spec.act.alpha)
@@ -140,7 +141,17 @@ class KExpertsCPU:
         if self.pcie is not None:
             self.pcie.registration.close()  # (before the tiles can be freed)
         self.pcie = None
-        self.kernel = None
+        self.kernel = self.bias = None
+
+    def pairs(self) -> KernelPairs:
+        """The frozen per-pair products adapters on the experts build on (adapters.py)."""
+        if self.kernel is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        return KernelPairs(self.kernel)
+
+    def bias_tensors(self):
+        """(gate_up [E, 2I], down [E, H]) float32, or None."""
+        return self.bias
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

@@ -3,6 +3,7 @@
 on the GPU."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from ..base import BaseInjectedModule, Placement, choices, device_field
 from ..registry import EXPERT_OPS, register_operator
 from .gpu import KExpertsGPU
 from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots
+from .adapters import ExpertAdapter, adapted_experts
 from .placement import ExpertPlacement
 from .reference import SWIGLU, Activation, ExpertSpec, check_routing
 
@@ -66,6 +68,12 @@ def expert_shape(orig_module: nn.Module) -> tuple[int, int, int]:
     return (E, a, b // 2) if getattr(orig_module, "is_transposed", False) else (E, b, a // 2)
 
 
+def gate_up_interleaved(orig_module: nn.Module) -> bool:
+    """Whether transformers' fused gate_up_proj alternates gate and up rows (gpt-oss) rather than
+    holding them as halves: what an adapter's gate_up outputs follow."""
+    return not getattr(orig_module, "is_concatenated", not getattr(orig_module, "is_transposed", False))
+
+
 def expert_activation(orig_module: nn.Module) -> Activation:
     """The clamped SwiGLU where the experts carry its constants (gpt-oss's `limit` and `alpha`),
     else the plain one."""
@@ -94,7 +102,12 @@ class KTransformersExperts(BaseInjectedModule):
                           int4_decode=o.int4_decode, act=expert_activation(orig_module),
                           bias=bool(getattr(orig_module, "has_bias", False)), int8_backward=o.int8_backward)
         self._check_gpu_options(spec)
-        self.top_k = top_k
+        self.spec, self.top_k = spec, top_k
+        self.interleaved = gate_up_interleaved(orig_module)
+        # LoRA on the experts (add_adapters): {"gate_up_proj" / "down_proj": ExpertAdapter}; off while
+        # adapters_enabled is False (DPO's reference)
+        self.adapters: dict[str, ExpertAdapter] = {}
+        self.adapters_enabled = True
         self._check_deferral(o.n_deferred_experts)
         self.n_deferred = o.n_deferred_experts  # link_expert_deferral hands them on
         prefill_op, prefill_device = ((o.generate_op, o.generate_device) if o.prefill_op == "None"
@@ -196,6 +209,9 @@ class KTransformersExperts(BaseInjectedModule):
         stream: `packed`, the pinned inputs (stage_inputs) a launch before stored already, and
         `epilogue`, what the caller does next with y (kernels.cuda_host.MoEEpilogue)."""
         op = self.ops[self.phase]
+        if self.adapters and self.adapters_enabled:
+            y = self._adapted(op, hidden_states, top_k_index, top_k_weights)
+            return lambda: y
         if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
             y = self._trainable(op, hidden_states, top_k_index, top_k_weights)
             return lambda: y
@@ -240,6 +256,54 @@ class KTransformersExperts(BaseInjectedModule):
             return y if gpu_y is None else y + gpu_y.to(out, dtype)
         return wait
 
+
+    def add_adapters(self, rank: int, alpha: float, projections=("gate_up_proj", "down_proj"), use_rslora: bool = False,
+                     init: bool = True, adapter_name: str = "default") -> None:
+        """LoRA adapters (float32, trainable) on these experts' `projections`, beside the experts op
+        on its device (adapters.py says how they compute). They are registered under the names
+        peft gives its wrappers of transformers' experts parameters (gate_up's nested in down's,
+        as base_layer), so that state dicts and saved adapters are the same as with transformers +
+        peft (LoraConfig.target_parameters)."""
+        if self.adapters:
+            raise ValueError(f"{self.key}: the experts have adapters already")
+        unknown = set(projections) - {"gate_up_proj", "down_proj"}
+        if unknown or not projections:
+            raise ValueError(f"{self.key}: expert adapters go on gate_up_proj and/or down_proj, got {list(projections)}")
+        for name, op in {id(op): (n, op) for n, op in self.ops.items()}.values():
+            if not hasattr(op, "pairs"):
+                raise ValueError(f"{self.key}: LoRA on the experts needs KExpertsCPU or KExpertsTorch as the {name} op, "
+                                 f"not {type(op).__name__}")
+        op = self.ops["prefill"]
+        E, H, I = self.n_experts, self.spec.hidden, self.spec.intermediate
+        scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
+        shapes = {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}
+        adapters = {p: ExpertAdapter(E, *shapes[p], rank, scaling, adapter_name, init).to(op.device)
+                    for p in ("gate_up_proj", "down_proj") if p in projections}
+        outer = adapters.get("down_proj") or adapters["gate_up_proj"]
+        self.lora_A, self.lora_B = outer.lora_A, outer.lora_B
+        if len(adapters) == 2:
+            self.base_layer = adapters["gate_up_proj"]
+        self.adapters = adapters
+        for op in self.ops.values():
+            kernel = getattr(op, "kernel", None)
+            if kernel is not None:
+                kernel.adapters = True
+
+    def _adapted(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts with their adapters, on the op's device (differentiable in the hidden
+        states, the routing weights and the adapters)."""
+        if self.hot is not None or self.layerwise is not None and self._threshold():
+            raise ValueError(f"{self.key}: LoRA on the experts runs every expert on the experts op: drop "
+                             "num_gpu_experts and prefill_gpu_threshold from the rule file")
+        check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
+        if not hasattr(op, "pairs"):
+            raise ValueError(f"{self.key}: LoRA on the experts needs KExpertsCPU or KExpertsTorch, not {type(op).__name__}")
+        dev = op.device
+        y = adapted_experts(hidden_states.to(dev, torch.float32), top_k_index.to(dev), top_k_weights.to(dev, torch.float32),
+                            op.pairs(), self.adapters.get("gate_up_proj"), self.adapters.get("down_proj"), self.spec.act,
+                            op.bias_tensors(), self.interleaved)
+        return y.to(self.options.out_device, hidden_states.dtype)
 
     def _trainable(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:

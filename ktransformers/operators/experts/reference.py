@@ -122,6 +122,17 @@ class KExpertsTorch:
         """forward on the op's device, differentiable (torch ops) with respect to x and the weights."""
         return self.forward(x.to(self.device), ids.to(self.device), weights.to(self.device))
 
+    def pairs(self):
+        """The frozen per-pair products adapters on the experts build on (adapters.py)."""
+        if self.gate_up is None:
+            raise RuntimeError(f"{self.key}: experts op used before load()")
+        from .adapters import DensePairs
+        return DensePairs(self.gate_up, self.down)
+
+    def bias_tensors(self):
+        """(gate_up [E, 2I], down [E, H]) in float32, or None."""
+        return None if self.bias is None else tuple(b.float() for b in self.bias)
+
 
 def load_biases(weights, spec: ExpertSpec, device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up bias [E, 2I], down bias [E, H]) of the experts `spec` describes."""
