@@ -120,8 +120,11 @@ def load_model(gguf_path: str | os.PathLike, model_path: str | os.PathLike | Non
         weights = CombinedSource(SafetensorsSource(model_path, config.model_type), weights)
     if lora_path is not None:
         from .optimize.inject import open_weights
+        from .operators.experts.module import gate_up_interleaved
         from .weights.lora import LoraSource
-        weights = LoraSource(weights or open_weights(gguf_path, config.model_type), lora_path)
+        interleaved = frozenset(n for n, m in model.named_modules()
+                                if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) and gate_up_interleaved(m))
+        weights = LoraSource(weights or open_weights(gguf_path, config.model_type), lora_path, interleaved)
     tiles = True
     if weights is not None:
         from .optimize.memory import available_memory, check_budget, plan_memory, tiles_fit

@@ -337,6 +337,32 @@ def test_an_adapter_merged_at_load_gives_the_trained_models_logits(tmp_path):
         load_model(tmp_path / "qwen3_moe.gguf", tokenizer=False, progress=False, lora_path=tmp_path / "deepseek-adapter")
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_an_expert_adapter_merged_at_load_gives_the_trained_models_logits(tmp_path, family):
+    """An adapter on the routed experts (and the attention) merged at load into the experts' stacks
+    (gpt-oss: gate and up alternate in its rows), through the inference rule file: the trained
+    model's logits."""
+    from ktransformers import load_model
+    from ktransformers.train import save_adapter
+    trained, _, config = pair(tmp_path, family, seed=15, targets=["attention", "experts"])
+    trained.save_pretrained(tmp_path / "adapter")  # (save_adapter, through peft's method)
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        got = load_model(tmp_path / f"{family}.gguf", tokenizer=False, progress=False,
+                         lora_path=tmp_path / "adapter").model(input_ids=ids).logits
+        for m in trained.modules():
+            if isinstance(m, KTransformersExperts):
+                m.adapters_enabled = False
+        without = trained(input_ids=ids).logits  # (the attention's adapters alone)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(without, want) > 1e-2
+    assert rel(got, want) < 1e-3
+    save_adapter(trained, tmp_path / "again")
+    assert (tmp_path / "again" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
 def test_the_training_memory_plan_refuses_with_numbers(tmp_path):
     from ktransformers.optimize.memory import MemoryBudgetError
     from ktransformers.train.memory import check_training, plan_training

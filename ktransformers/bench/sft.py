@@ -7,7 +7,8 @@ experts to the CPU (their weights copied to the GPU for each forward), in the sa
     python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 512 --threads 14 --baseline
 
 Each step is one forward and backward over `--batch` sequences of `--seq` random tokens (every one
-learned) and an AdamW step on rank-`--rank` adapters of the attention projections; the first
+learned) and an AdamW step on rank-`--rank` adapters of `--targets` (sft's --lora_targets: the
+attention projections by default; `experts` adds the routed experts'); the first
 `--warmup` steps are not timed, and the table gives the median of the rest, with the share of the
 step the CPU experts took (forward and backward, timed around the kernels' calls).
 """
@@ -39,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", nargs="+", default=["attention"], help="LoRA targets, as sft's --lora_targets")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gradient_checkpointing", action="store_true")
@@ -81,9 +83,11 @@ def ours(args):
     from ..train import add_lora, load_for_training, peak_memory
     loaded = load_for_training(args.gguf_path or DEMO_GGUF, optimize_config_path=args.optimize_config_path,
                                device=args.device, cpu_infer=args.threads, tokenizer=False)
-    model = add_lora(loaded.model, rank=args.rank)
+    model = add_lora(loaded.model, rank=args.rank, targets=args.targets)
     spent = [0.0]
-    forward, backward = MoEKernel.forward, MoEKernel.backward
+    # the kernels' calls: the fused forward and backward, and the per-pair products expert adapters use
+    calls = ("forward", "backward", "pair_gate_up", "pair_down", "pair_down_t", "pair_gate_up_t")
+    originals = {name: getattr(MoEKernel, name) for name in calls}
 
     def timed(fn):
         def wrapper(self, *a):
@@ -92,11 +96,13 @@ def ours(args):
             spent[0] += time.perf_counter() - start
             return out
         return wrapper
-    MoEKernel.forward, MoEKernel.backward = timed(forward), timed(backward)
+    for name, fn in originals.items():
+        setattr(MoEKernel, name, timed(fn))
     try:
         step, share = time_steps(model, args, loaded.config.vocab_size, spent)
     finally:
-        MoEKernel.forward, MoEKernel.backward = forward, backward
+        for name, fn in originals.items():
+            setattr(MoEKernel, name, fn)
     return step, share, peak_memory(args.device), loaded.config, loaded.model.kt_context.cpu_runtime().threads
 
 
@@ -118,7 +124,7 @@ def baseline(args, config):
         device_map = {"": torch.device(args.device).index or 0} | experts
         model = dispatch_model(model, device_map=device_map)
     model.train().requires_grad_(False)
-    model = add_lora(model, rank=args.rank)
+    model = add_lora(model, rank=args.rank, targets=args.targets)
     step, _ = time_steps(model, args, config.vocab_size)
     return step, peak_memory(args.device)
 
@@ -136,7 +142,7 @@ def main(argv=None) -> None:
         rows.append(("transformers + peft, accelerate offloading the experts", base_step, "", base_memory))
     tokens = args.batch * args.seq
     print(f"# {machine(threads)}; device {args.device}")
-    print(f"# {args.gguf_path or 'demo model'}: {config.num_hidden_layers} layers, LoRA rank {args.rank} on attention, "
+    print(f"# {args.gguf_path or 'demo model'}: {config.num_hidden_layers} layers, LoRA rank {args.rank} on {', '.join(args.targets)}, "
           f"batch {args.batch} x {args.seq} tokens")
     print("| engine | step | it/s | tok/s | CPU experts' share | memory (peak so far) |")
     print("|---|---|---|---|---|---|")

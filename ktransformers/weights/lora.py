@@ -2,7 +2,12 @@
 the weights as they load: each adapted linear's weight becomes W + scale * B @ A, dequantized
 (the operators then quantize or keep it as they do any dense weight); every other tensor comes
 from the base source untouched. This is how an adapter trained by `python -m ktransformers.sft`
-runs in local_chat and the server (`--lora_path`)."""
+runs in local_chat and the server (`--lora_path`).
+
+Adapters of the routed experts (peft's target_parameters, "experts.gate_up_proj" and
+"experts.down_proj": lora_A [r*E, in], lora_B [out, r*E], expert e's rows and columns as
+operators/experts/adapters.py reads them) merge into each expert's gate, up and down stacks, which
+then load dense (bf16, or float32 for a float32 model) rather than as stored."""
 from __future__ import annotations
 
 import json
@@ -18,9 +23,10 @@ _PREFIX = "base_model.model."
 _LORA_A = re.compile(r"^(?P<module>.+)\.lora_A(\.[^.]+)?\.weight$")
 
 
-def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
+def read_adapter(path: str | Path, interleaved: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """{HF weight name: float32 delta} of a peft LoRA adapter directory; a WeightError names the
-    file and what it cannot use (another adapter type, DoRA, a missing B for an A)."""
+    file and what it cannot use (another adapter type, DoRA, a missing B for an A). `interleaved`:
+    the experts modules whose gate_up rows alternate gate and up (gpt-oss)."""
     from safetensors.torch import load_file
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -31,6 +37,8 @@ def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightError(f"{config_file}: only plain LoRA adapters merge here, not {config.get('peft_type')}"
                           f"{' with DoRA' if config.get('use_dora') else ''}")
     tensors = load_file(str(weights_file))
+    expert_params = [p for p in ("gate_up_proj", "down_proj")
+                     if any(t.endswith(p) for t in config.get("target_parameters") or [])]
     deltas = {}
     for key, a in tensors.items():
         m = _LORA_A.match(key)
@@ -40,6 +48,12 @@ def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
         b = tensors.get(key.replace(".lora_A", ".lora_B"))
         if b is None:
             raise WeightError(f"{weights_file}: {key} has no lora_B beside it")
+        experts = module.removesuffix(".base_layer")
+        if expert_params and experts.endswith(".experts"):
+            # peft nests gate_up's wrapper inside down's (base_layer) where it adapts both
+            param = expert_params[0] if module.endswith(".base_layer") or len(expert_params) == 1 else "down_proj"
+            deltas.update(_expert_deltas(experts, param, a, b, config, experts in interleaved, weights_file))
+            continue
         rank = a.shape[0]
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", rank))
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -47,6 +61,27 @@ def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
     if not deltas:
         raise WeightError(f"{weights_file}: no LoRA weights (lora_A/lora_B pairs)")
     return deltas
+
+
+def _expert_deltas(module: str, param: str, a: torch.Tensor, b: torch.Tensor, config: dict, interleaved: bool,
+                   where) -> dict[str, torch.Tensor]:
+    """{name: delta} of one adapted experts projection: gate_proj and up_proj [E, I, H] (and their
+    stack gate_up_proj [E, 2I, H]) from gate_up's, or down_proj [E, H, I]."""
+    rank = int(_pattern_value(config.get("rank_pattern") or {}, f"{module}.{param}", config.get("r", 0)) or 0)
+    if rank < 1 or a.shape[0] % rank or b.shape[1] != a.shape[0]:
+        raise WeightError(f"{where}: {module}.{param}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
+                          f"rank-{rank} adapters of stacked experts")
+    E = a.shape[0] // rank
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, f"{module}.{param}", config.get("lora_alpha", rank))
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    A = a.float().reshape(E, rank, a.shape[1])
+    B = b.float().reshape(b.shape[0], rank, E).permute(2, 0, 1)
+    delta = scale * torch.bmm(B, A)  # [E, out, in]
+    if param == "down_proj":
+        return {f"{module}.down_proj": delta}
+    gate, up = (delta[:, 0::2], delta[:, 1::2]) if interleaved else delta.chunk(2, dim=1)
+    return {f"{module}.gate_proj": gate.contiguous(), f"{module}.up_proj": up.contiguous(),
+            f"{module}.gate_up_proj": torch.cat([gate, up], dim=1)}
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -60,11 +95,14 @@ def _pattern_value(patterns: dict, module: str, default):
 class LoraSource(WeightSource):
     """`base` with an adapter's deltas merged into the weights they adapt (read_adapter)."""
 
-    def __init__(self, base: WeightSource, adapter: str | Path):
+    def __init__(self, base: WeightSource, adapter: str | Path, interleaved: frozenset[str] = frozenset()):
+        """`interleaved`: read_adapter's."""
         super().__init__()
-        self.base, self.deltas = base, read_adapter(adapter)
+        self.base, self.deltas = base, read_adapter(adapter, interleaved)
         self.path = f"{base.path} + LoRA {adapter}"
         self.aliases, self.consumed = base.aliases, base.consumed  # (one bookkeeping for both)
+        for name in [n for n in self.deltas if n.endswith(".gate_up_proj") and not base.has(n)]:
+            del self.deltas[name]  # (a source without the stack gives gate and up apart)
         unknown = [n for n in self.deltas if not base.has(n)]
         if unknown:
             raise WeightError(f"LoRA adapter {adapter}: {len(unknown)} adapted weight(s) the model does not have, "

@@ -107,30 +107,30 @@ class DensePairs:
 
     def gate_up(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         K = ids.shape[1]
-        gu = _per_expert(x.repeat_interleave(K, dim=0), ids.reshape(-1), lambda e, rows: rows @ self.gate_up_w[e].T.to(rows.dtype))
+        w = self.gate_up_w.unbind(0)
+        gu = _per_expert(x.repeat_interleave(K, dim=0), ids.reshape(-1), lambda e, rows: rows @ w[e].T.to(rows.dtype))
         return gu.chunk(2, dim=1)
 
     def down(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return _per_expert(h, ids.reshape(-1), lambda e, rows: rows @ self.down_w[e].T.to(rows.dtype))
+        w = self.down_w.unbind(0)
+        return _per_expert(h, ids.reshape(-1), lambda e, rows: rows @ w[e].T.to(rows.dtype))
 
 
 def _per_expert(rows: torch.Tensor, experts: torch.Tensor, fn) -> torch.Tensor:
     """fn(e, rows of expert e) for each expert that `experts` [P] names, back in the rows' order."""
     order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=int(experts.max()) + 1 if experts.numel() else 0).tolist()
-    ordered = rows.index_select(0, order)
-    pieces, at = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            pieces.append(fn(e, ordered[at:at + n]))
-            at += n
-    out = torch.cat(pieces)
+    counts = torch.bincount(experts).tolist()
+    used = [e for e, n in enumerate(counts) if n]
+    # (split, not slices: a slice's backward writes a zero gradient the size of all the rows)
+    groups = rows.index_select(0, order).split([counts[e] for e in used])
+    out = torch.cat([fn(e, group) for e, group in zip(used, groups)])
     return out.index_select(0, torch.argsort(order))
 
 
 def low_rank(rows: torch.Tensor, experts: torch.Tensor, adapter: ExpertAdapter) -> torch.Tensor:
     """s B_e A_e row for each row [P, in] and its expert [P]: [P, out]."""
-    a, b = adapter.factors()
+    # (unbind, not a[e]: each select's backward writes a zero gradient the size of all the experts')
+    a, b = (f.unbind(0) for f in adapter.factors())
     return adapter.scaling * _per_expert(rows, experts, lambda e, r: (r @ a[e].T) @ b[e].T)
 
 
