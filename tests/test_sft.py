@@ -34,14 +34,14 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "lora_" in k}
 
 
-def pair(tmp_path, family, seed=0, int8_backward=False, targets=None):
+def pair(tmp_path, family, seed=0, int8_backward=False, targets=None, **experts_kwargs):
     """(ours: the GGUF through MoE-sft-cpu.yaml, reference: transformers on the same weights), each
     with LoRA adapters on `targets` (default: the attention projections), ours' random A and B
     copied to the reference. `int8_backward`: the rule file's (False: the exact backward)."""
     model = tiny_model(family, seed=seed)
     path = tmp_path / f"{family}.gguf"
     types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
-    rules = with_experts_kwargs(SFT_RULES_CPU, tmp_path, int8_backward=int8_backward)
+    rules = with_experts_kwargs(SFT_RULES_CPU, tmp_path, int8_backward=int8_backward, **experts_kwargs)
     ours = load_for_training(path, optimize_config_path=rules, device="cpu", progress=False, cpu_infer=2,
                              tokenizer=False).model
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
@@ -50,9 +50,10 @@ def pair(tmp_path, family, seed=0, int8_backward=False, targets=None):
     torch.manual_seed(seed)
     ours = add_lora(ours, rank=4, alpha=8, init=False, targets=targets)
     reference = add_lora(reference, rank=4, alpha=8, init=False, targets=targets)
-    state = lora_state(ours)
-    assert state and state.keys() == lora_state(reference).keys()
-    reference.load_state_dict(state, strict=False)
+    state = {k.removeprefix("base_model.model."): v for k, v in lora_state(ours).items()}
+    want = {k.removeprefix("base_model.model."): k for k in lora_state(reference)}
+    assert state and state.keys() == want.keys()  # (ours with expert adapters alone is no peft model)
+    reference.load_state_dict({want[k]: v for k, v in state.items()}, strict=False)
     return ours, reference, model.config
 
 
@@ -139,6 +140,27 @@ def test_a_lora_step_on_the_routed_experts_equals_transformers_and_peft(tmp_path
     with torch.no_grad():
         after = [float(m(input_ids=ids, attention_mask=mask, labels=labels).loss) for m in (ours, reference)]
     assert abs(after[0] - after[1]) < bound * abs(after[1]) and abs(after[1] - losses[1]) > 1e-5
+
+
+def test_expert_adapters_on_the_torch_experts_op(tmp_path):
+    """The experts' adapters on KExpertsTorch (dense weights, torch's own backward) give the same
+    loss and gradients as transformers + peft."""
+    ours, reference, config = pair(tmp_path, "mixtral", seed=17, targets=["experts"], prefill_op="KExpertsTorch",
+                                   generate_op="KExpertsTorch")
+    experts = [m for m in ours.modules() if isinstance(m, KTransformersExperts)]
+    assert experts and all(type(m.ops["prefill"]).__name__ == "KExpertsTorch" and m.adapters for m in experts)
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(18))
+    losses = []
+    for model in (ours, reference):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+    assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1])
+    g_ours = {n.removeprefix("base_model.model."): g for n, g in grads(ours).items()}
+    g_ref = {n.removeprefix("base_model.model."): g for n, g in grads(reference).items()}
+    assert g_ours.keys() == g_ref.keys() and g_ref
+    for name, want in g_ref.items():
+        assert ((g_ours[name] - want).norm() / want.norm()).item() < 1e-3, name
 
 
 def test_expert_adapters_save_and_load_both_ways(tmp_path):
