@@ -559,12 +559,9 @@ class MoEKernel:
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
-        # backward on int8 copies (VNNI/AMX GEMMs; D^T, G^T and U^T cost 1 byte a weight more, 2
-        # with AMX packing) instead of decoding the stored blocks in float32; set before the first backward
-        self.int8_backward = False
-        # adapters on these experts (LoRA) call the per-pair products (pair_gate_up, ...); with
-        # int8_backward they then run on an int8 copy of down as well; set before the first backward
-        self.adapters = False
+        # set before the first backward: int8_backward, its products on int8 copies (D^T, G^T, U^T: 1 byte a
+        # weight more, 2 with AMX), not the blocks decoded; adapters: LoRA here (pair_*; int8: a copy of down)
+        self.int8_backward = self.adapters = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
         shapes = ((experts, intermediate, hidden), (experts, intermediate, hidden), (experts, hidden, intermediate))

@@ -15,24 +15,25 @@ from .reference import ExpertSpec, load_biases
 
 class _CPUExpertsFunction(torch.autograd.Function):
     """y = experts(x, ids, weights) on the C++ kernels, with their backward (MoEKernel.backward):
-    gradients for x and the routing weights, the experts frozen. Keeps x, ids and weights in RAM
-    (float32 on the CPU, T * (H + 2K) * 4 bytes a layer) and recomputes the rest in backward."""
+    gradients for x and the routing weights, the experts frozen. x, ids, weights and y are CPU
+    tensors (the caller moves them, so that autograd runs this backward on its CPU thread). Keeps
+    x, ids and weights (T * (H + 2K) * 4 bytes a layer) and recomputes the rest in backward."""
 
     @staticmethod
-    def forward(ctx, x, weights, ids, kernel, out_dtype):
-        cpu_x = x.detach().to("cpu", torch.float32).contiguous()
-        cpu_ids = ids.detach().to("cpu", torch.int64).contiguous()
-        cpu_w = weights.detach().to("cpu", torch.float32).contiguous()
+    def forward(ctx, x, weights, ids, kernel):
+        cpu_x = x.detach().to(torch.float32).contiguous()
+        cpu_ids = ids.detach().to(torch.int64).contiguous()
+        cpu_w = weights.detach().to(torch.float32).contiguous()
         y = kernel.forward(cpu_x, cpu_ids, cpu_w)
         ctx.save_for_backward(cpu_x, cpu_ids, cpu_w)
-        ctx.kernel, ctx.x_meta, ctx.w_meta = kernel, (x.device, x.dtype), (weights.device, weights.dtype)
-        return y.to(x.device, out_dtype)
+        ctx.kernel, ctx.dtypes = kernel, (x.dtype, weights.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         cpu_x, cpu_ids, cpu_w = ctx.saved_tensors
         dx, dw = ctx.kernel.backward(cpu_x, cpu_ids, cpu_w, dy)
-        return dx.to(*ctx.x_meta), dw.to(*ctx.w_meta), None, None, None
+        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None
 
 
 @EXPERT_OPS.register("KExpertsCPU")
@@ -162,10 +163,12 @@ class KExpertsCPU:
 
     def trainable_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward, differentiable with respect to x and the routing weights (the experts stay
-        frozen), on x's device: what a training step calls."""
+        frozen): CPU tensors in, float32 y [T, H] on the CPU out; what a training step calls."""
         if self.kernel is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
-        return _CPUExpertsFunction.apply(x, weights, ids, self.kernel, x.dtype)
+        if any(t.device.type != "cpu" for t in (x, ids, weights)):
+            raise ValueError(f"{self.key}: trainable_forward takes CPU tensors")
+        return _CPUExpertsFunction.apply(x, weights, ids, self.kernel)
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed=None, epilogue=None):
         """Queue the experts on the CPU threads and return at once; call the result to wait for y.

@@ -11,9 +11,9 @@ from torch import nn
 
 from ..base import BaseInjectedModule, Placement, choices, device_field
 from ..registry import EXPERT_OPS, register_operator
+from .adapters import ExpertAdapter, adapted_experts
 from .gpu import KExpertsGPU
 from .layerwise import LAYERWISE_GROUP_MB, LayerwisePrefill, PinnedSlots
-from .adapters import ExpertAdapter, adapted_experts
 from .placement import ExpertPlacement
 from .reference import SWIGLU, Activation, ExpertSpec, check_routing
 
@@ -209,12 +209,9 @@ class KTransformersExperts(BaseInjectedModule):
         stream: `packed`, the pinned inputs (stage_inputs) a launch before stored already, and
         `epilogue`, what the caller does next with y (kernels.cuda_host.MoEEpilogue)."""
         op = self.ops[self.phase]
-        if self.adapters and self.adapters_enabled:
-            y = self._adapted(op, hidden_states, top_k_index, top_k_weights)
-            return lambda: y
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
-            y = self._trainable(op, hidden_states, top_k_index, top_k_weights)
-            return lambda: y
+        adapted = bool(self.adapters) and self.adapters_enabled
+        if adapted or torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+            return self._trainable(op, hidden_states, top_k_index, top_k_weights, adapted)
         threshold = self._threshold() if self.layerwise is not None else 0
         if threshold and self.phase == "prefill" and hidden_states.shape[0] >= threshold:
             y = self.layerwise.forward(hidden_states, top_k_index, top_k_weights)
@@ -289,33 +286,46 @@ class KTransformersExperts(BaseInjectedModule):
             if kernel is not None:
                 kernel.adapters = True
 
-    def _adapted(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The experts with their adapters, on the op's device (differentiable in the hidden
-        states, the routing weights and the adapters)."""
-        if self.hot is not None or self.layerwise is not None and self._threshold():
+    def _trainable(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   adapted: bool):
+        """A training step's experts (or any step's, with adapters): every expert on `op` (no
+        hot-expert split, no layer-wise prefill: their GPU kernels have no backward),
+        differentiable with respect to the hidden states, the routing weights and the adapters.
+        Returns the wait, as submit does: the inputs' copies to the op's device are queued here,
+        behind the router on the GPU stream, and the experts run when it is called, after the
+        caller has queued its shared experts on the GPU. (The copies are torch's own, so autograd
+        follows them; the CPU op's backward then runs on the autograd engine's CPU thread while
+        the GPU's backward goes on.)"""
+        if adapted and (self.hot is not None or self.layerwise is not None and self._threshold()):
             raise ValueError(f"{self.key}: LoRA on the experts runs every expert on the experts op: drop "
                              "num_gpu_experts and prefill_gpu_threshold from the rule file")
         check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
-        if not hasattr(op, "pairs"):
-            raise ValueError(f"{self.key}: LoRA on the experts needs KExpertsCPU or KExpertsTorch, not {type(op).__name__}")
+        need = "pairs" if adapted else "trainable_forward"
+        if not hasattr(op, need):
+            raise ValueError(f"{self.key}: {type(op).__name__} has no backward; training needs KExpertsCPU or "
+                             "KExpertsTorch as the experts op")
+        out, dtype = torch.device(self.options.out_device), hidden_states.dtype
         dev = op.device
-        y = adapted_experts(hidden_states.to(dev, torch.float32), top_k_index.to(dev), top_k_weights.to(dev, torch.float32),
-                            op.pairs(), self.adapters.get("gate_up_proj"), self.adapters.get("down_proj"), self.spec.act,
-                            op.bias_tensors(), self.interleaved)
-        return y.to(self.options.out_device, hidden_states.dtype)
+        if dev.type == "cpu":  # (float32 there: the kernels' and the adapters' dtype)
+            inputs = (hidden_states.to(dev, torch.float32, non_blocking=True), top_k_index.to(dev, non_blocking=True),
+                      top_k_weights.to(dev, torch.float32, non_blocking=True))
+        else:
+            inputs = (hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+        copied = None
+        if hidden_states.is_cuda and dev.type == "cpu":
+            copied = torch.cuda.Event()
+            copied.record()
 
-    def _trainable(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor) -> torch.Tensor:
-        """A training step's experts: every expert on `op` (no hot-expert split, no layer-wise
-        prefill: their GPU kernels have no backward), differentiable with respect to the hidden
-        states and the routing weights."""
-        check_routing(self.key, hidden_states, top_k_index, top_k_weights, self.n_experts)
-        out = torch.device(self.options.out_device)
-        if hasattr(op, "trainable_forward"):
-            return op.trainable_forward(hidden_states, top_k_index, top_k_weights).to(out, hidden_states.dtype)
-        raise ValueError(f"{self.key}: {type(op).__name__} has no backward; training needs KExpertsCPU or KExpertsTorch "
-                         "as the experts op")
+        def wait() -> torch.Tensor:
+            if copied is not None:
+                copied.synchronize()
+            if adapted:
+                y = adapted_experts(*inputs, op.pairs(), self.adapters.get("gate_up_proj"),
+                                    self.adapters.get("down_proj"), self.spec.act, op.bias_tensors(), self.interleaved)
+            else:
+                y = op.trainable_forward(*inputs)
+            return y.to(out, dtype)
+        return wait
 
 
 def set_prefill_gpu_threshold(model: nn.Module, tokens: int) -> None:
