@@ -142,6 +142,38 @@ def test_a_lora_step_on_the_routed_experts_equals_transformers_and_peft(tmp_path
     assert abs(after[0] - after[1]) < bound * abs(after[1]) and abs(after[1] - losses[1]) > 1e-5
 
 
+@pytest.mark.parametrize("targets", [["attention"], ["attention", "experts"]], ids=["attention", "experts"])
+def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, targets):
+    """MoE-sft.yaml on a CUDA device (float32 there), DeepSeek-V3 with its shared experts on the GPU
+    beside the CPU experts: the loss and the adapters' gradients equal transformers + peft's on
+    the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the training rule file puts the dense part there)")
+    from ktransformers.train import SFT_RULES
+    model = tiny_model("deepseek_v3", seed=19)
+    path = tmp_path / "deepseek_v3.gguf"
+    types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
+    rules = with_experts_kwargs(SFT_RULES, tmp_path, int8_backward=False)
+    ours = load_for_training(path, optimize_config_path=rules, device="cuda", dtype=torch.float32, progress=False,
+                             cpu_infer=2, tokenizer=False).model
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    reference.load_state_dict(reference_state_dict(model, types))
+    reference.train()
+    ours = add_lora(ours, rank=4, alpha=8, init=False, targets=targets)
+    reference = add_lora(reference, rank=4, alpha=8, init=False, targets=targets)
+    reference.load_state_dict({k: v.cpu() for k, v in lora_state(ours).items()}, strict=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(20))
+    loss = ours(input_ids=ids.cuda(), labels=ids.cuda()).loss
+    loss.backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert abs(float(loss) - float(want)) < 1e-4 * abs(float(want))
+    g_ours, g_ref = grads(ours), grads(reference)
+    assert g_ours.keys() == g_ref.keys()
+    for name, g in g_ref.items():
+        assert ((g_ours[name].cpu() - g).norm() / g.norm()).item() < 1e-3, name
+
+
 def test_expert_adapters_on_the_torch_experts_op(tmp_path):
     """The experts' adapters on KExpertsTorch (dense weights, torch's own backward) give the same
     loss and gradients as transformers + peft."""
