@@ -116,7 +116,7 @@ def save_adapter(model: nn.Module, path: str | Path, **kwargs) -> None:
     save_pretrained (its kwargs), with the routed experts' adapters added to its file."""
     from safetensors.torch import load_file, save_file
     path = Path(path)
-    experts = {k: v for name, m in _expert_modules(model) if getattr(m, "adapters", None)
+    experts = {k: v.detach().cpu().contiguous() for name, m in _expert_modules(model) if getattr(m, "adapters", None)
                for k, v in _expert_state(name, m).items()}
     weights = path / "adapter_model.safetensors"
     if hasattr(model, "peft_config"):
@@ -133,9 +133,10 @@ def save_adapter(model: nn.Module, path: str | Path, **kwargs) -> None:
 
 
 def _expert_state(name: str, module: nn.Module) -> dict[str, torch.Tensor]:
-    """{saved key: tensor} of an experts module's adapters, named as peft names them in its files."""
+    """{saved key: tensor} of an experts module's adapters (views of them, on their device), named as
+    peft names them in its files."""
     name = name.removeprefix(_PREFIX)  # (the module's name in the peft model or in the bare one)
-    return {_PREFIX + f"{name}.{k}".replace(".default.", "."): v.detach().contiguous()
+    return {_PREFIX + f"{name}.{k}".replace(".default.", "."): v
             for k, v in module.state_dict().items() if "lora_" in k}
 
 

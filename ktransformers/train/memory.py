@@ -20,9 +20,10 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     """The bytes a step of `tokens` tokens (batch x longest sequence) adds: on the training device,
     the adapters with their gradients and optimizer state, the layers' activations (or, with
     gradient checkpointing, each layer's input and one layer's activations) and the logits with
-    their gradient; on the CPU, the routed experts' adapters with theirs, each MoE layer's saved
-    input (with adapters: its pairs' products, gradient checkpointing keeping one layer's), the
-    backward's int8 copies where they are still to be made, and the kernels' scratch."""
+    their gradient, and with adapters on the routed experts, the pairs' products they keep
+    (gradient checkpointing: one layer's); on the CPU, each MoE layer's saved input, the
+    backward's int8 copies where they are still to be made, and the kernels' scratch. (CPU-only
+    training puts it all in RAM.)"""
     plan = MemoryPlan()
     value = torch.finfo(dtype).bits // 8
     for where in sorted({p.device.type for p in model.parameters() if p.requires_grad}):
@@ -44,7 +45,8 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
         if module.adapters:  # (torch keeps each pair's input rows, g, u, h and output: adapters.py)
-            adapted.append(tokens * K * (2 * H + 4 * I) * 4)
+            where = module.adapter_device()
+            adapted.append((device if where.type == "cuda" else "cpu", tokens * K * (2 * H + 4 * I) * 4))
         if kernel.int8_backward and kernel._grad is None:
             own = getattr(kernel, "_int8", None) is not None  # (the forward's gate, up and down copies)
             copies = 3 + (0 if own else 2) + (1 if kernel.adapters and not own else 0)
@@ -54,7 +56,8 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
         scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * 2 * I)
     plan.add("cpu", "the experts' backward scratch", scratch)
     if adapted:
-        plan.add("cpu", "the expert adapters' saved pairs", max(adapted) if checkpointing else sum(adapted))
+        per_layer = [n for _, n in adapted]
+        plan.add(adapted[0][0], "the expert adapters' saved pairs", max(per_layer) if checkpointing else sum(per_layer))
     return plan
 
 

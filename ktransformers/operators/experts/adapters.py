@@ -11,8 +11,10 @@ gpt-oss's alternate rows).
 
 The frozen products come per (token, expert) pair from the experts op (MoEKernel.pair_*: the
 activation needs g and u whole, adapters included); the activation, the low-rank terms and the
-routing weights' sum run in torch, whose autograd joins them. RAM for the backward: the pairs'
-g, u and h, 3 I floats a (token, expert) pair of each layer.
+routing weights' sum run in torch, whose autograd joins them, on the adapters' device: the GPU
+where the model trains on one (the pairs' products cross the bus, a few MB a layer), so that the
+CPU threads do the experts' products alone. Kept for the backward there: each pair's input row,
+g, u, h and output, (2 H + 4 I) floats a (token, expert) pair of each layer.
 """
 from __future__ import annotations
 
@@ -59,30 +61,32 @@ class ExpertAdapter(nn.Module):
 
 
 class _FrozenGateUp(torch.autograd.Function):
-    """(g, u) [T*K, I]: each (token, slot) pair's G_e x and U_e x on a MoEKernel's frozen experts;
-    the backward gives dx [T, H] = the sum over a token's pairs of G_e^T dg + U_e^T du."""
+    """(g, u) [T*K, I]: each (token, slot) pair's G_e x and U_e x on a MoEKernel's frozen experts
+    (computed in RAM, returned on x's device); the backward gives dx [T, H] = the sum over a
+    token's pairs of G_e^T dg + U_e^T du."""
 
     @staticmethod
     def forward(ctx, x, ids, kernel):
-        ctx.kernel, ctx.ids = kernel, ids
-        return kernel.pair_gate_up(x, ids)
+        ctx.kernel, ctx.ids, ctx.device = kernel, ids, x.device
+        return tuple(t.to(x.device) for t in kernel.pair_gate_up(x, ids))
 
     @staticmethod
     def backward(ctx, dg, du):
-        return ctx.kernel.pair_gate_up_t(dg, du, ctx.ids), None, None
+        return ctx.kernel.pair_gate_up_t(dg, du, ctx.ids).to(ctx.device), None, None
 
 
 class _FrozenDown(torch.autograd.Function):
-    """o [T*K, H]: each pair's D_e h on a MoEKernel's frozen experts; the backward D_e^T do."""
+    """o [T*K, H]: each pair's D_e h on a MoEKernel's frozen experts (on h's device); the
+    backward D_e^T do."""
 
     @staticmethod
     def forward(ctx, h, ids, kernel):
-        ctx.kernel, ctx.ids = kernel, ids
-        return kernel.pair_down(h, ids)
+        ctx.kernel, ctx.ids, ctx.device = kernel, ids, h.device
+        return kernel.pair_down(h, ids).to(h.device)
 
     @staticmethod
     def backward(ctx, do):
-        return ctx.kernel.pair_down_t(do, ctx.ids), None, None
+        return ctx.kernel.pair_down_t(do, ctx.ids).to(ctx.device), None, None
 
 
 class KernelPairs:
@@ -106,14 +110,17 @@ class DensePairs:
         self.gate_up_w, self.down_w = gate_up, down
 
     def gate_up(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        K = ids.shape[1]
+        K, device = ids.shape[1], x.device
+        x, ids = x.to(self.gate_up_w.device), ids.to(self.gate_up_w.device)
         w = self.gate_up_w.unbind(0)
         gu = _per_expert(x.repeat_interleave(K, dim=0), ids.reshape(-1), lambda e, rows: rows @ w[e].T.to(rows.dtype))
-        return gu.chunk(2, dim=1)
+        return tuple(t.to(device) for t in gu.chunk(2, dim=1))
 
     def down(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        device = h.device
+        h, ids = h.to(self.down_w.device), ids.to(self.down_w.device)
         w = self.down_w.unbind(0)
-        return _per_expert(h, ids.reshape(-1), lambda e, rows: rows @ w[e].T.to(rows.dtype))
+        return _per_expert(h, ids.reshape(-1), lambda e, rows: rows @ w[e].T.to(rows.dtype)).to(device)
 
 
 def _per_expert(rows: torch.Tensor, experts: torch.Tensor, fn) -> torch.Tensor:
@@ -127,11 +134,26 @@ def _per_expert(rows: torch.Tensor, experts: torch.Tensor, fn) -> torch.Tensor:
     return out.index_select(0, torch.argsort(order))
 
 
+# pairs a low-rank term takes at a time on a GPU: its gathered factors, pairs x r x (in + out)
+# values, stay within about 32 Mi values
+_GATHER_VALUES = 32 << 20
+
+
 def low_rank(rows: torch.Tensor, experts: torch.Tensor, adapter: ExpertAdapter) -> torch.Tensor:
-    """s B_e A_e row for each row [P, in] and its expert [P]: [P, out]."""
-    # (unbind, not a[e]: each select's backward writes a zero gradient the size of all the experts')
-    a, b = (f.unbind(0) for f in adapter.factors())
-    return adapter.scaling * _per_expert(rows, experts, lambda e, r: (r @ a[e].T) @ b[e].T)
+    """s B_e A_e row for each row [P, in] and its expert [P]: [P, out]. On a GPU each pair's factors
+    are gathered and multiplied in two batched products, a run of pairs at a time; on the CPU,
+    whose memory reads the gathered factors slower than it runs a loop, expert by expert."""
+    a, b = adapter.factors()
+    if not rows.is_cuda:
+        # (unbind, not a[e]: each select's backward writes a zero gradient the size of all the experts')
+        a, b = a.unbind(0), b.unbind(0)
+        return adapter.scaling * _per_expert(rows, experts, lambda e, r: (r @ a[e].T) @ b[e].T)
+    step = max(1, _GATHER_VALUES // (adapter.rank * (adapter.in_features + adapter.out_features)))
+    parts = []
+    for r, e in zip(rows.split(step), experts.split(step)):
+        z = torch.bmm(a.index_select(0, e), r.unsqueeze(-1))  # [n, r, 1]
+        parts.append(torch.bmm(b.index_select(0, e), z).squeeze(-1))
+    return adapter.scaling * (torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
 def adapted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, frozen, gate_up: ExpertAdapter | None,

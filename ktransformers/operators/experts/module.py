@@ -256,8 +256,8 @@ class KTransformersExperts(BaseInjectedModule):
 
     def add_adapters(self, rank: int, alpha: float, projections=("gate_up_proj", "down_proj"), use_rslora: bool = False,
                      init: bool = True, adapter_name: str = "default") -> None:
-        """LoRA adapters (float32, trainable) on these experts' `projections`, beside the experts op
-        on its device (adapters.py says how they compute). They are registered under the names
+        """LoRA adapters (float32, trainable) on these experts' `projections`, on the adapters' device
+        (adapter_device; adapters.py says how they compute). They are registered under the names
         peft gives its wrappers of transformers' experts parameters (gate_up's nested in down's,
         as base_layer), so that state dicts and saved adapters are the same as with transformers +
         peft (LoraConfig.target_parameters)."""
@@ -270,11 +270,10 @@ class KTransformersExperts(BaseInjectedModule):
             if not hasattr(op, "pairs"):
                 raise ValueError(f"{self.key}: LoRA on the experts needs KExpertsCPU or KExpertsTorch as the {name} op, "
                                  f"not {type(op).__name__}")
-        op = self.ops["prefill"]
         E, H, I = self.n_experts, self.spec.hidden, self.spec.intermediate
         scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
         shapes = {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}
-        adapters = {p: ExpertAdapter(E, *shapes[p], rank, scaling, adapter_name, init).to(op.device)
+        adapters = {p: ExpertAdapter(E, *shapes[p], rank, scaling, adapter_name, init).to(self.adapter_device())
                     for p in ("gate_up_proj", "down_proj") if p in projections}
         outer = adapters.get("down_proj") or adapters["gate_up_proj"]
         self.lora_A, self.lora_B = outer.lora_A, outer.lora_B
@@ -285,6 +284,12 @@ class KTransformersExperts(BaseInjectedModule):
             kernel = getattr(op, "kernel", None)
             if kernel is not None:
                 kernel.adapters = True
+
+    def adapter_device(self) -> torch.device:
+        """Where the experts' adapters live and their arithmetic runs: out_device where it is a GPU
+        (the model trains there), else the experts op's device."""
+        out = torch.device(self.options.out_device)
+        return out if out.type == "cuda" else self.ops["prefill"].device
 
     def _trainable(self, op, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    adapted: bool):
@@ -305,7 +310,7 @@ class KTransformersExperts(BaseInjectedModule):
             raise ValueError(f"{self.key}: {type(op).__name__} has no backward; training needs KExpertsCPU or "
                              "KExpertsTorch as the experts op")
         out, dtype = torch.device(self.options.out_device), hidden_states.dtype
-        dev = op.device
+        dev = self.adapter_device() if adapted else op.device
         if dev.type == "cpu":  # (float32 there: the kernels' and the adapters' dtype)
             inputs = (hidden_states.to(dev, torch.float32, non_blocking=True), top_k_index.to(dev, non_blocking=True),
                       top_k_weights.to(dev, torch.float32, non_blocking=True))
