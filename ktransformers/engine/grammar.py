@@ -103,26 +103,38 @@ class Constraint:
         return bool(self._matcher.is_accepting())
 
 
-def mask_rows(logits: torch.Tensor, constraints: list[Constraint], rows: list[int]) -> None:
-    """Mask rows `rows` of a step's logits [B, V] (in place, on their device) by the matching
-    constraints: the bitmasks [n, ceil(V / 32)] (bit i % 32 of word i // 32: token i allowed) are
-    made on the host, then applied where the logits are, in one go on a GPU (a few kilobytes
-    cross the bus, not the logits). (llguidance's own helper goes through torch.compile: a
-    compile on a server's first constrained request.)"""
+def fill(constraints: list[Constraint], vocab: int) -> torch.Tensor:
+    """The constraints' next-token bitmasks [n, ceil(V / 32)] int32 on the host (bit i % 32 of word
+    i // 32: token i allowed), V the widest of `vocab` and theirs (which a model's logits never
+    pass: Grammars' vocabulary is the wider of the model's and the tokenizer's)."""
     import llguidance.torch as lt
-    with torch.inference_mode():  # (a step's logits are inference tensors: updated in place only in this mode)
-        _mask_rows(lt, logits, constraints, rows)
-
-
-def _mask_rows(lt, logits: torch.Tensor, constraints: list[Constraint], rows: list[int]) -> None:
-    V = logits.shape[-1]
-    bitmask = lt.allocate_token_bitmask(len(rows), max([V, *(c.vocab_size for c in constraints)]))
+    bitmask = lt.allocate_token_bitmask(len(constraints), max([vocab, *(c.vocab_size for c in constraints)]))
     for j, c in enumerate(constraints):
         c.fill(bitmask, j)
+    return bitmask
+
+
+def mask_rows(logits: torch.Tensor, constraints: list[Constraint], rows: list[int]) -> None:
+    """Mask rows `rows` of a step's logits [B, V] (in place, on their device) by the matching
+    constraints: their bitmasks are made on the host (fill), then applied where the logits are, in
+    one go (on a GPU a few kilobytes cross the bus, not the logits). (llguidance's own helper goes
+    through torch.compile: a compile on a server's first constrained request.)"""
+    bitmask = fill(constraints, logits.shape[-1])
+    with torch.inference_mode():  # (a step's logits are inference tensors: updated in place only in this mode)
+        _mask_rows(logits, bitmask, rows)
+
+
+def _mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    V = logits.shape[-1]
+    every = rows == list(range(logits.shape[0]))
     if logits.device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V].view(bool)
-        for j, i in enumerate(rows):
-            logits[i].masked_fill_(~torch.from_numpy(bits[j]), float("-inf"))
+        allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
+                                   .view(bool))
+        if every:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            for j, i in enumerate(rows):
+                logits[i].masked_fill_(~allowed[j], float("-inf"))
         return
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     words = bitmask.to(logits.device, non_blocking=True)
