@@ -222,6 +222,17 @@ def test_int8_copies_equal_torch(runtime, name, transpose):
     assert torch.equal(got.row_sum, got.w.sum(dim=2, dtype=torch.int32))
 
 
+def pair_products(kernel, ids, gate_up, down, gen):
+    """(got, want): the kernel's five pair products and pair_reference's, on random inputs."""
+    T, K, H, I = ids.shape[0], ids.shape[1], down.shape[1], down.shape[2]
+    x = torch.randn(T, H, generator=gen)
+    h, dg, du = (torch.randn(T * K, I, generator=gen) for _ in range(3))
+    dout = torch.randn(T * K, H, generator=gen)
+    got = (*kernel.pair_gate_up(x, ids), kernel.pair_down(h, ids), kernel.pair_down_t(dout, ids),
+           kernel.pair_gate_up_t(dg, du, ids))
+    return got, pair_reference(x, ids, gate_up, down, h, dout, dg, du)
+
+
 def pair_reference(x, ids, gate_up, down, h, dout, dg, du):
     """The per-pair products in plain torch (zero rows for slots of id -1): G x, U x, D h, D^T dout
     per (token, slot), and per token the sum of G^T dg + U^T du."""
@@ -254,12 +265,7 @@ def test_pair_products_match_torch(runtime, case):
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
                        down=weights[2], max_tokens=max_tokens, name="pair-test")
     ids, _ = routing(T, K, E, gen, empty=T > 8)
-    x = torch.randn(T, H, generator=gen)
-    h, dg, du = (torch.randn(T * K, I, generator=gen) for _ in range(3))
-    dout = torch.randn(T * K, H, generator=gen)
-    want = pair_reference(x, ids, gate_up, down, h, dout, dg, du)
-    got = (*kernel.pair_gate_up(x, ids), kernel.pair_down(h, ids), kernel.pair_down_t(dout, ids),
-           kernel.pair_gate_up_t(dg, du, ids))
+    got, want = pair_products(kernel, ids, gate_up, down, gen)
     for name, a, b in zip(("g", "u", "o", "dh", "dx"), got, want):
         assert a.shape == b.shape, name
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (name, runtime.isa)
@@ -278,12 +284,7 @@ def test_int8_pair_products_match_torch(runtime, adapters):
     kernel.int8_backward, kernel.adapters = True, adapters
     gen = torch.Generator().manual_seed(4)
     ids, _ = routing(T, K, E, gen, empty=True)
-    x = torch.randn(T, H, generator=gen)
-    h, dg, du = (torch.randn(T * K, I, generator=gen) for _ in range(3))
-    dout = torch.randn(T * K, H, generator=gen)
-    want = pair_reference(x, ids, gate_up, down, h, dout, dg, du)
-    got = (*kernel.pair_gate_up(x, ids), kernel.pair_down(h, ids), kernel.pair_down_t(dout, ids),
-           kernel.pair_gate_up_t(dg, du, ids))
+    got, want = pair_products(kernel, ids, gate_up, down, gen)
     assert kernel._grad.int8 and len(kernel._grad_int8) == (6 if adapters else 5)
     for name, a, b in zip(("g", "u", "o", "dh", "dx"), got, want):
         rel = ((a - b).norm() / b.norm()).item()
