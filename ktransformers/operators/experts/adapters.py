@@ -164,6 +164,8 @@ def adapted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, f
     alternate gate and up (gpt-oss) rather than being its halves."""
     T, K = ids.shape
     flat = ids.reshape(-1)
+    if bias is not None:  # (the op's, in RAM for the CPU kernels; small)
+        bias = tuple(b.to(x.device) for b in bias)
     g, u = frozen.gate_up(x, ids)
     if gate_up is not None:
         d = low_rank(x.repeat_interleave(K, dim=0), flat, gate_up)
