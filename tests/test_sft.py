@@ -142,16 +142,17 @@ def test_a_lora_step_on_the_routed_experts_equals_transformers_and_peft(tmp_path
     assert abs(after[0] - after[1]) < bound * abs(after[1]) and abs(after[1] - losses[1]) > 1e-5
 
 
-@pytest.mark.parametrize("targets", [["attention"], ["attention", "experts"]], ids=["attention", "experts"])
-def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, targets):
-    """MoE-sft.yaml on a CUDA device (float32 there), DeepSeek-V3 with its shared experts on the GPU
-    beside the CPU experts: the loss and the adapters' gradients equal transformers + peft's on
-    the CPU."""
+@pytest.mark.parametrize("family, targets", [("deepseek_v3", ["attention"]), ("deepseek_v3", ["attention", "experts"]),
+                                             ("gpt_oss", ["attention", "experts"])])
+def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, family, targets):
+    """MoE-sft.yaml on a CUDA device (float32 there): DeepSeek-V3 with its shared experts on the GPU
+    beside the CPU experts, gpt-oss with its experts' biases; the experts' adapters on the GPU.
+    The loss and the adapters' gradients equal transformers + peft's on the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (the training rule file puts the dense part there)")
     from ktransformers.train import SFT_RULES
-    model = tiny_model("deepseek_v3", seed=19)
-    path = tmp_path / "deepseek_v3.gguf"
+    model = tiny_model(family, seed=19)
+    path = tmp_path / f"{family}.gguf"
     types = write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
     rules = with_experts_kwargs(SFT_RULES, tmp_path, int8_backward=False)
     ours = load_for_training(path, optimize_config_path=rules, device="cuda", dtype=torch.float32, progress=False,
