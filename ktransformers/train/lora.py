@@ -97,9 +97,9 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, targets: list
                              target_parameters=[f"experts.{p}" for p in projections] if theirs else None)
     for m in ours:
         m.add_adapters(rank, alpha, projections, use_rslora=use_rslora, init=init)
-    if not names and not theirs:
-        model._expert_lora_config = config  # (save_adapter writes it)
-        model._expert_lora_config.target_parameters = [f"experts.{p}" for p in projections]
+    if not names and not theirs:  # (no peft model: save_adapter writes this config)
+        config.target_parameters = [f"experts.{p}" for p in projections]
+        model._expert_lora_config = config
         return model
     wrapped = peft.get_peft_model(model, config)
     if ours:
