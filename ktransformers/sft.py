@@ -9,7 +9,8 @@ prompt/completion), rendered through the model's chat template; the loss is on t
 tokens only. The rule file (default MoE-sft.yaml, or MoE-sft-cpu.yaml with --device cpu) keeps the
 routed experts on the CPU kernels, forward and backward, and everything else as transformers'
 modules on the device, where the adapters attach. The adapter is saved in peft's format
-(adapter_config.json + adapter_model.safetensors), loadable with peft's PeftModel.from_pretrained.
+(adapter_config.json + adapter_model.safetensors): `ktransformers.train.load_adapter` loads it on
+this model, peft's PeftModel.from_pretrained on transformers' own, `--lora_path` merges it.
 """
 from __future__ import annotations
 
