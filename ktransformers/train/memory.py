@@ -3,6 +3,8 @@ free before the first step: a step that cannot fit is refused with the numbers, 
 memory halfway."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..operators.experts import KTransformersExperts
@@ -26,9 +28,12 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     training puts it all in RAM.)"""
     plan = MemoryPlan()
     value = torch.finfo(dtype).bits // 8
-    for where in sorted({p.device.type for p in model.parameters() if p.requires_grad}):
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.device.type == where)
-        plan.add("cpu" if where == "cpu" else device, "adapters, gradients and optimizer state", trainable * ADAM_BYTES)
+    trainable = Counter()
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable["cpu" if p.device.type == "cpu" else device] += p.numel()
+    for where, n in sorted(trainable.items()):
+        plan.add(where, "adapters, gradients and optimizer state", n * ADAM_BYTES)
     layers, hidden = config.num_hidden_layers, config.hidden_size
     if checkpointing:
         plan.add(device, "activations (checkpointed)", tokens * hidden * value * (layers + LAYER_VALUES))
@@ -45,8 +50,8 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
         if module.adapters:  # (torch keeps each pair's input rows, g, u, h and output: adapters.py)
-            where = module.adapter_device()
-            adapted.append((device if where.type == "cuda" else "cpu", tokens * K * (2 * H + 4 * I) * 4))
+            adapted.append(tokens * K * (2 * H + 4 * I) * 4)
+            kept_on = device if module.adapter_device().type == "cuda" else "cpu"
         if kernel.int8_backward and kernel._grad is None:
             own = getattr(kernel, "_int8", None) is not None  # (the forward's gate, up and down copies)
             copies = 3 + (0 if own else 2) + (1 if kernel.adapters and not own else 0)
@@ -56,8 +61,7 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
         scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * 2 * I)
     plan.add("cpu", "the experts' backward scratch", scratch)
     if adapted:
-        per_layer = [n for _, n in adapted]
-        plan.add(adapted[0][0], "the expert adapters' saved pairs", max(per_layer) if checkpointing else sum(per_layer))
+        plan.add(kept_on, "the expert adapters' saved pairs", max(adapted) if checkpointing else sum(adapted))
     return plan
 
 

@@ -56,11 +56,23 @@ def read_adapter(path: str | Path, interleaved: frozenset[str] = frozenset()) ->
             continue
         rank = a.shape[0]
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", rank))
-        scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        deltas[f"{module}.weight"] = scale * (b.float() @ a.float())
+        deltas[f"{module}.weight"] = lora_scale(alpha, rank, config.get("use_rslora", False)) * (b.float() @ a.float())
     if not deltas:
         raise WeightError(f"{weights_file}: no LoRA weights (lora_A/lora_B pairs)")
     return deltas
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """peft's scaling of B A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [E, r, in], B [E, out, r]), views of peft's adapters of a stacked experts parameter:
+    lora_A [r*E, in] holds expert e's rows at e*r .. e*r + r - 1, lora_B [out, r*E] its columns at
+    e, E + e, 2E + e, ..."""
+    rank = a.shape[0] // experts
+    return a.reshape(experts, rank, a.shape[1]), b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)
 
 
 def _expert_deltas(module: str, param: str, a: torch.Tensor, b: torch.Tensor, config: dict, interleaved: bool,
@@ -71,12 +83,9 @@ def _expert_deltas(module: str, param: str, a: torch.Tensor, b: torch.Tensor, co
     if rank < 1 or a.shape[0] % rank or b.shape[1] != a.shape[0]:
         raise WeightError(f"{where}: {module}.{param}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
                           f"rank-{rank} adapters of stacked experts")
-    E = a.shape[0] // rank
     alpha = _pattern_value(config.get("alpha_pattern") or {}, f"{module}.{param}", config.get("lora_alpha", rank))
-    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    A = a.float().reshape(E, rank, a.shape[1])
-    B = b.float().reshape(b.shape[0], rank, E).permute(2, 0, 1)
-    delta = scale * torch.bmm(B, A)  # [E, out, in]
+    A, B = expert_factors(a.float(), b.float(), a.shape[0] // rank)
+    delta = lora_scale(alpha, rank, config.get("use_rslora", False)) * torch.bmm(B, A)  # [E, out, in]
     if param == "down_proj":
         return {f"{module}.down_proj": delta}
     gate, up = (delta[:, 0::2], delta[:, 1::2]) if interleaved else delta.chunk(2, dim=1)

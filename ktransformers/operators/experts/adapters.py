@@ -23,6 +23,8 @@ import math
 import torch
 from torch import nn
 
+from ...weights.lora import expert_factors
+
 
 class ExpertAdapter(nn.Module):
     """One projection's LoRA adapters for all the experts of a layer, in peft's layout."""
@@ -48,13 +50,7 @@ class ExpertAdapter(nn.Module):
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [E, r, in], B [E, out, r]), views of the trained matrices."""
-        E, r = self.experts, self.rank
-        return self.a_weight.reshape(E, r, self.in_features), self.b_weight.reshape(self.out_features, r, E).permute(2, 0, 1)
-
-    def delta(self) -> torch.Tensor:
-        """s B_e A_e for every expert, [E, out, in] (merging)."""
-        a, b = self.factors()
-        return self.scaling * torch.bmm(b.float(), a.float())
+        return expert_factors(self.a_weight, self.b_weight, self.experts)
 
     def extra_repr(self) -> str:
         return f"experts={self.experts}, in={self.in_features}, out={self.out_features}, rank={self.rank}"
@@ -164,8 +160,8 @@ def adapted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, f
     alternate gate and up (gpt-oss) rather than being its halves."""
     T, K = ids.shape
     flat = ids.reshape(-1)
-    if bias is not None:  # (the op's, in RAM for the CPU kernels; small)
-        bias = tuple(b.to(x.device) for b in bias)
+    if bias is not None:  # (the op's: in RAM for the CPU kernels, in the model's dtype for the torch op; small)
+        bias = tuple(b.to(x.device, x.dtype) for b in bias)
     g, u = frozen.gate_up(x, ids)
     if gate_up is not None:
         d = low_rank(x.repeat_interleave(K, dim=0), flat, gate_up)

@@ -70,7 +70,7 @@ class KExpertsCPU:
         int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
         if self.spec.int4_decode and int4 is not None:
             gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
-        biases, self.bias = None, None
+        biases, self.bias = None, None  # (self.bias: gate_up [E, 2I], down [E, H] float32, or None)
         if self.spec.bias:
             self.bias = load_biases(weights, self.spec, "cpu", torch.float32)
             biases = (*self.bias[0].chunk(2, dim=1), self.bias[1])
@@ -149,10 +149,6 @@ class KExpertsCPU:
         if self.kernel is None:
             raise RuntimeError(f"{self.key}: experts op used before load()")
         return KernelPairs(self.kernel)
-
-    def bias_tensors(self):
-        """(gate_up [E, 2I], down [E, H]) float32, or None."""
-        return self.bias
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

@@ -3,12 +3,12 @@
 on the GPU."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ...weights.lora import lora_scale
 from ..base import BaseInjectedModule, Placement, choices, device_field
 from ..registry import EXPERT_OPS, register_operator
 from .adapters import ExpertAdapter, adapted_experts
@@ -271,7 +271,7 @@ class KTransformersExperts(BaseInjectedModule):
                 raise ValueError(f"{self.key}: LoRA on the experts needs KExpertsCPU or KExpertsTorch as the {name} op, "
                                  f"not {type(op).__name__}")
         E, H, I = self.n_experts, self.spec.hidden, self.spec.intermediate
-        scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
+        scaling = lora_scale(alpha, rank, use_rslora)
         shapes = {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}
         adapters = {p: ExpertAdapter(E, *shapes[p], rank, scaling, adapter_name, init).to(self.adapter_device())
                     for p in ("gate_up_proj", "down_proj") if p in projections}
@@ -326,7 +326,7 @@ class KTransformersExperts(BaseInjectedModule):
                 copied.synchronize()
             if adapted:
                 y = adapted_experts(*inputs, op.pairs(), self.adapters.get("gate_up_proj"),
-                                    self.adapters.get("down_proj"), self.spec.act, op.bias_tensors(), self.interleaved)
+                                    self.adapters.get("down_proj"), self.spec.act, op.bias, self.interleaved)
             else:
                 y = op.trainable_forward(*inputs)
             return y.to(out, dtype)

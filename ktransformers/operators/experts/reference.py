@@ -129,10 +129,6 @@ class KExpertsTorch:
         from .adapters import DensePairs
         return DensePairs(self.gate_up, self.down)
 
-    def bias_tensors(self):
-        """(gate_up [E, 2I], down [E, H]) in float32, or None."""
-        return None if self.bias is None else tuple(b.float() for b in self.bias)
-
 
 def load_biases(weights, spec: ExpertSpec, device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up bias [E, 2I], down bias [E, H]) of the experts `spec` describes."""
