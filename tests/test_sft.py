@@ -175,6 +175,31 @@ def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, family, targets):
         assert ((g_ours[name].cpu() - g).norm() / g.norm()).item() < 1e-3, name
 
 
+def test_expert_adapters_train_a_bf16_model_on_the_gpu(tmp_path):
+    """MoE-sft.yaml as shipped (bf16 on the GPU, int8 backward), adapters on the attention and the
+    experts: the loss and the experts' adapters' gradients within bf16's reach of the float32
+    model's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the training rule file puts the dense part there)")
+    model = tiny_model("qwen3_moe", seed=21)
+    path = tmp_path / "qwen3_moe.gguf"
+    write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(22)).cuda()
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = load_for_training(path, device="cuda", dtype=dtype, progress=False, cpu_infer=2, tokenizer=False).model
+        torch.manual_seed(23)
+        ours = add_lora(ours, rank=4, alpha=8, init=False, targets=["attention", "experts"])
+        loss = ours(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), {n: g for n, g in grads(ours).items() if ".experts." in n}))
+    (want, g_want), (got, g_got) = results
+    assert g_want and g_got.keys() == g_want.keys()
+    assert abs(got - want) < 2e-2 * abs(want)
+    for name, g in g_want.items():
+        assert ((g_got[name] - g).norm() / g.norm()).item() < 0.1, name
+
+
 def test_expert_adapters_on_the_torch_experts_op(tmp_path):
     """The experts' adapters on KExpertsTorch (dense weights, torch's own backward) give the same
     loss and gradients as transformers + peft."""

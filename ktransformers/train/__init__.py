@@ -142,4 +142,5 @@ def perplexity(loss: float) -> float:
 
 
 __all__ = ["Example", "StepReport", "adapters_disabled", "add_lora", "batches", "load_adapter", "load_examples",
-           "load_for_training", "mean_loss", "peak_memory", "perplexity", "save_adapter", "target_modules", "train", "SFT_RULES", "SFT_RULES_CPU"]
+           "load_for_training", "mean_loss", "peak_memory", "perplexity", "save_adapter", "target_modules", "train",
+           "SFT_RULES", "SFT_RULES_CPU"]

@@ -311,11 +311,12 @@ class KTransformersExperts(BaseInjectedModule):
                              "KExpertsTorch as the experts op")
         out, dtype = torch.device(self.options.out_device), hidden_states.dtype
         dev = self.adapter_device() if adapted else op.device
-        if dev.type == "cpu":  # (float32 there: the kernels' and the adapters' dtype)
-            inputs = (hidden_states.to(dev, torch.float32, non_blocking=True), top_k_index.to(dev, non_blocking=True),
-                      top_k_weights.to(dev, torch.float32, non_blocking=True))
-        else:
-            inputs = (hidden_states.to(dev), top_k_index.to(dev), top_k_weights.to(dev))
+        # float32 for the CPU kernels and for the adapters (a bf16 model's hidden states too)
+        f32 = torch.float32 if adapted or dev.type == "cpu" else None
+        later = dev.type == "cpu"  # (copies to RAM are waited for below)
+        inputs = (hidden_states.to(dev, f32 or hidden_states.dtype, non_blocking=later),
+                  top_k_index.to(dev, non_blocking=later),
+                  top_k_weights.to(dev, f32 or top_k_weights.dtype, non_blocking=later))
         copied = None
         if hidden_states.is_cuda and dev.type == "cpu":
             copied = torch.cuda.Event()
