@@ -58,7 +58,8 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
             tiles = 2 if kernel.runtime.ext.amx_available() else 1
             plan.add("cpu", "the backward's int8 copies", E * H * I * copies * tiles)
         pairs = kernel.max_tokens * K
-        scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * 2 * I)
+        # (float32 g, u, D^T dy [P, I] and dx parts [P, H]; int8 rows of dg, du [P, I] and the pairs' dout [P, H])
+        scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * (2 * I + H))
     plan.add("cpu", "the experts' backward scratch", scratch)
     if adapted:
         plan.add(kept_on, "the expert adapters' saved pairs", max(adapted) if checkpointing else sum(adapted))
