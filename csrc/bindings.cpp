@@ -52,6 +52,9 @@ void int8_weights(const py::tuple& addresses, std::initializer_list<Int8Weights*
         w->scale = cptr<float>(addresses[at++].cast<uintptr_t>());
         w->row_sum = cptr<int32_t>(addresses[at++].cast<uintptr_t>());
         w->amx = cptr<int8_t>(addresses[at++].cast<uintptr_t>());
+        if (!w->w && !(w->amx && amx_available()))
+            throw std::invalid_argument(std::string(what) + ": an int8 copy without its rows (only AMX tiles, which this " +
+                                        "process cannot use, may stand for them)");
     }
 }
 
@@ -217,6 +220,12 @@ PYBIND11_MODULE(KT_MODULE, m) {
         .def("forward", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y, int dtype) {
                  moe.forward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y, dtype_of(dtype));
              }, py::call_guard<py::gil_scoped_release>())
+        .def("forward_keeping", [](MoE& moe, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t y,
+                                   int dtype, uintptr_t gate_up) {
+                 moe.forward_keeping(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<void>(x), (void*)y,
+                                     dtype_of(dtype), reinterpret_cast<float*>(gate_up));
+             }, py::call_guard<py::gil_scoped_release>(),
+             "forward, also writing each pair's g and u (biases added, before the activation) to gate_up [T*K, 2I]")
         .def_property_readonly("last_ns", &MoE::last_ns, "nanoseconds of the last call, inside the kernel")
         .def_property_readonly("experts_read", &MoE::experts_read,
                                "experts whose weights the calls read, summed since construction (once a call each)")
@@ -260,11 +269,12 @@ PYBIND11_MODULE(KT_MODULE, m) {
              py::arg("int8") = py::tuple())
         .def_property_readonly("int8", &MoEGrad::int8, "the products run on int8 copies")
         .def("backward", [](MoEGrad& g, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t x, uintptr_t dy,
-                            uintptr_t dx, uintptr_t dw) {
+                            uintptr_t dx, uintptr_t dw, uintptr_t gate_up) {
                  g.backward(tokens, cptr<int64_t>(ids), cptr<float>(weights), cptr<float>(x), cptr<float>(dy),
-                            reinterpret_cast<float*>(dx), reinterpret_cast<float*>(dw));
+                            reinterpret_cast<float*>(dx), reinterpret_cast<float*>(dw), cptr<float>(gate_up));
              }, py::call_guard<py::gil_scoped_release>(),
-             "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K] (shapes checked in Python)")
+             "dx [T, H] and dw [T, K] (float32) from x, dy [T, H] and ids, weights [T, K], and the forward's g and u "
+             "[T*K, 2I] (0: recomputed; shapes checked in Python)")
         .def("pairs", [](MoEGrad& g, int op, int tokens, uintptr_t ids, uintptr_t a, uintptr_t b, uintptr_t out,
                          uintptr_t out2) {
                  if (op < 0 || op > 3) throw std::invalid_argument("MoEGrad: pairs op must be 0 to 3");

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 #if defined(KT_AMX)
 #include <sys/syscall.h>
@@ -225,17 +227,35 @@ int amx_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* 
 }  // namespace
 #endif
 
+#if defined(KT_AMX)
+namespace {
+// Rows [r0, r1) through the AVX-512 loop, for rows AMX's whole 16-row blocks leave over. A copy
+// kept as AMX tiles alone (whole blocks: Int8Rows.pack_amx) has none: every caller splits rows
+// in whole blocks.
+void edge_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
+               float* out, size_t out_stride) {
+    if (r0 >= r1) return;
+    if (!w.w)
+        throw std::logic_error("int8_rows: rows " + std::to_string(r0) + ".." + std::to_string(r1) +
+                               " are not whole 16-row blocks of a copy kept as AMX tiles alone");
+    int8_rows(Int8Weights{w.w, w.scale, w.row_sum, nullptr}, k, r0, r1, xs, sx, count, out, out_stride);
+}
+}  // namespace
+#endif
+
 void int8_rows(const Int8Weights& w, int k, int r0, int r1, const uint8_t* const* xs, const float* sx, int count,
                float* out, size_t out_stride) {
 #if defined(KT_AMX)
     if (w.amx) {
-        const int first = (r0 + 15) / 16 * 16;
+        const int first = std::min(r1, (r0 + 15) / 16 * 16);
         const int done_to = amx_rows(w, k, r0, r1, xs, sx, count, out, out_stride);
-        if (done_to != r0) {  // AMX did [first, done_to): the AVX-512 loop takes the edges
-            if (first > r0) int8_rows(Int8Weights{w.w, w.scale, w.row_sum, nullptr}, k, r0, first, xs, sx, count, out, out_stride);
-            if (done_to < r1) int8_rows(Int8Weights{w.w, w.scale, w.row_sum, nullptr}, k, done_to, r1, xs, sx, count, out, out_stride);
+        if (done_to == r0) {  // no whole block (or no tiles for this process): all rows are edges
+            edge_rows(w, k, r0, r1, xs, sx, count, out, out_stride);
             return;
         }
+        edge_rows(w, k, r0, first, xs, sx, count, out, out_stride);  // AMX did [first, done_to)
+        edge_rows(w, k, done_to, r1, xs, sx, count, out, out_stride);
+        return;
     }
 #endif
 #if defined(KT_INT8_GEMM) || defined(KT_INT8_GEMM_256)

@@ -26,6 +26,7 @@
 namespace kt {
 
 // Int8 copy of one projection of all experts: w [E, rows, cols] int8, scale and sum [E, rows].
+// In AMX builds the copy may keep its values as the AMX tiles alone (w null), half the RAM.
 struct Int8Weights {
     const int8_t* w = nullptr;
     const float* scale = nullptr;
@@ -33,6 +34,12 @@ struct Int8Weights {
     // The same values packed for AMX (AMX builds): [E, rows/16, cols/64] tiles of 16 x 64 bytes,
     // tile row kk holding w[n][4kk..4kk+3] for n = 0..15 (the VNNI layout TDPBUSD reads).
     const int8_t* amx = nullptr;
+    bool values() const { return w || amx; }
+    // expert e's part of a copy of e's `rows` x `cols` matrices
+    Int8Weights expert(size_t e, size_t rows, size_t cols) const {
+        const size_t at = e * rows;
+        return {w ? w + at * cols : nullptr, scale + at, row_sum + at, amx ? amx + at * cols : nullptr};
+    }
 };
 
 bool int8_gemm_available();  // built with AVX512-VNNI, AVX-VNNI or AVX2

@@ -144,7 +144,7 @@ MoE::MoE(std::shared_ptr<Runtime> runtime, const MoEConfig& c) : rt_(std::move(r
                 throw std::invalid_argument("MoE: int4 group " + std::to_string(g) + " must be a multiple of 64 dividing hidden (" +
                                             std::to_string(c.hidden) + ") and intermediate (" +
                                             std::to_string(c.intermediate) + ")");
-        } else if (!c.gate8.w || !c.up8.w || !c.down8.w || !c.gate8.scale || !c.gate8.row_sum) {
+        } else if (!c.gate8.values() || !c.up8.values() || !c.down8.values() || !c.gate8.scale || !c.gate8.row_sum) {
             throw std::invalid_argument("MoE: int8 prefill asked for without int8 weights");
         }
     }
@@ -172,6 +172,30 @@ void MoE::forward(int tokens, const int64_t* ids, const float* weights, const vo
     rt_->run_inline([&] {  // after anything queued before
         run(tokens, ids, weights, x, y, dtype);
         if (!hold_deferred) compute_deferred();
+    });
+}
+
+void MoE::forward_keeping(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype,
+                          float* gate_up) {
+    check(tokens, ids);
+    if (next_) throw std::invalid_argument("MoE: forward_keeping does not defer experts; set_deferral(0) first");
+    const size_t row = 2 * (size_t)cfg_.intermediate, K = cfg_.top_k;
+    rt_->run_inline([&] {
+        for (size_t s = 0; s < (size_t)tokens * K; s++)
+            if (ids[s] < 0) std::fill_n(gate_up + s * row, row, 0.f);
+        for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // (run's chunks, one at a time)
+            const int n = std::min(cfg_.max_tokens, tokens - start);
+            keep_ = gate_up + (size_t)start * K * row;
+            try {
+                run(n, ids + (size_t)start * K, weights + (size_t)start * K,
+                    (const uint8_t*)x + (size_t)start * cfg_.hidden * (dtype == Dtype::F32 ? 4 : 2),
+                    (uint8_t*)y + (size_t)start * cfg_.hidden * (dtype == Dtype::F32 ? 4 : 2), dtype);
+            } catch (...) {
+                keep_ = nullptr;
+                throw;
+            }
+        }
+        keep_ = nullptr;
     });
 }
 
@@ -410,12 +434,7 @@ void MoE::quant_rows(int proj, int e, int r0, int r1, const uint8_t* const* xs, 
         return;
     }
     const Int8Weights& all = proj == 0 ? cfg_.gate8 : proj == 1 ? cfg_.up8 : cfg_.down8;
-    Int8Weights w;
-    w.w = all.w + at * cols;
-    w.scale = all.scale + at;
-    w.row_sum = all.row_sum + at;
-    w.amx = all.amx ? all.amx + at * cols : nullptr;
-    int8_rows(w, cols, r0, r1, xs, sx, m, out, stride);
+    int8_rows(all.expert(e, rows, cols), cols, r0, r1, xs, sx, m, out, stride);
 }
 
 void MoE::gate_up_int8(int e, int r0, int r1) {
@@ -448,6 +467,11 @@ void MoE::activate_pair(int p) {
         const size_t at = (size_t)pair_expert_[p] * I;
         add_row(g, cfg_.gate_bias + at, I);
         add_row(u, cfg_.up_bias + at, I);
+    }
+    if (keep_) {
+        float* row = keep_ + (size_t)pair_slot_[p] * 2 * I;
+        std::copy(g, g + I, row);
+        std::copy(u, u + I, row + I);
     }
     if (cfg_.swiglu_limit > 0.f) swiglu_clamped(g, u, I, cfg_.swiglu_limit, cfg_.swiglu_alpha);
     else silu_mul(g, u, I);

@@ -55,6 +55,11 @@ class MoE {
     void forward(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype,
                  bool hold_deferred = false);
     void submit(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype);
+    // forward, also writing each (token, slot) pair's g and u (biases added, before the activation)
+    // to gate_up [T*K, 2I] float32 (g then u a row; zeros for a slot of id -1): what the training
+    // backward (MoEGrad) would otherwise recompute from x. Not with deferral (training defers none).
+    void forward_keeping(int tokens, const int64_t* ids, const float* weights, const void* x, void* y, Dtype dtype,
+                         float* gate_up);
     // Expert deferral (upstream's n_deferred_experts). While deferring, a call of at most max_tokens
     // tokens leaves out each token's `defer` lowest-weight experts (where another token of the call
     // keeps an expert, it is kept for all: its weights are read once), writes y, and then computes
@@ -138,6 +143,7 @@ class MoE {
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert
+    float* keep_ = nullptr;                    // forward_keeping's gate_up rows of the chunk being run
     struct alignas(64) Countdown {  // a cache line each: spinning readers do not slow other experts' counts
         std::atomic<int> left{0};
     };

@@ -62,16 +62,16 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
     per_thread_ = std::max({2 * H, 2 * I, (size_t)i_step_, 2 * (size_t)h_step_});
     pair_token_.resize(P), pair_slot_.resize(P), slot_pair_.resize(P);
     expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
-    if (int8.gate.w || int8.up.w || int8.down_t.w || int8.gate_t.w || int8.up_t.w) {
+    if (int8.gate.values() || int8.up.values() || int8.down_t.values() || int8.gate_t.values() || int8.up_t.values()) {
         if (!int8.set()) throw std::invalid_argument("MoEGrad: pass all five int8 copies (gate, up, D^T, G^T, U^T) or none");
         if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX2 or newer)");
         if (H % 64 || I % 64)
             throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
         for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})
             if (!w->scale || !w->row_sum) throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
-        if (int8.down.w && (!int8.down.scale || !int8.down.row_sum))
+        if (int8.down.values() && (!int8.down.scale || !int8.down.row_sum))
             throw std::invalid_argument("MoEGrad: the int8 copy of down lacks its scales or row sums");
-    } else if (int8.down.w) {
+    } else if (int8.down.values()) {
         throw std::invalid_argument("MoEGrad: an int8 copy of down needs the other five");
     }
     // the buffers, in the runtime's scratch arena (which every kernel of the runtime shares: its
@@ -114,16 +114,26 @@ void MoEGrad::check_ids(int tokens, const int64_t* ids) const {
 }
 
 void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
-                       float* dw) {
+                       float* dw, const float* gate_up) {
     check_ids(tokens, ids);
-    const size_t K = cfg_.top_k, H = cfg_.hidden;
+    const size_t K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
     rt_->run_inline([&] {
         bind_scratch();  // (the arena may have moved since the last call)
         for (int t0 = 0; t0 < tokens; t0 += cfg_.max_tokens) {
             const int n = std::min(cfg_.max_tokens, tokens - t0);
-            chunk(n, ids + t0 * K, w + t0 * K, x + t0 * H, dy + t0 * H, dx + t0 * H, dw + t0 * K);
+            chunk(n, ids + t0 * K, w + t0 * K, x + t0 * H, dy + t0 * H, dx + t0 * H, dw + t0 * K,
+                  gate_up ? gate_up + t0 * K * 2 * I : nullptr);
         }
     });
+}
+
+void MoEGrad::kept_gate_up(int e, int i0, int i1, const float* gate_up) {
+    const size_t I = cfg_.intermediate;
+    for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) {
+        const float* row = gate_up + (size_t)pair_slot_[p] * 2 * I;
+        std::copy(row + i0, row + i1, g_ + p * I + i0);
+        std::copy(row + I + i0, row + I + i1, u_ + p * I + i0);
+    }
 }
 
 void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
@@ -153,10 +163,7 @@ void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
 void MoEGrad::int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0, int r1, int p0, int p1,
                          const uint8_t* act, const float* scale, bool by_token, float* out, size_t stride) const {
     constexpr int kGroup = 64;  // pairs whose activations stay in L2 while a block of rows passes
-    const size_t at = (size_t)e * rows;
-    Int8Weights w;
-    w.w = all.w + at * k, w.scale = all.scale + at, w.row_sum = all.row_sum + at;
-    w.amx = all.amx ? all.amx + at * k : nullptr;
+    const Int8Weights w = all.expert(e, rows, k);
     const uint8_t* xs[kGroup];
     float sx[kGroup];
     for (int g0 = p0; g0 < p1; g0 += kGroup) {
@@ -197,13 +204,17 @@ void MoEGrad::group(int tokens, const int64_t* ids) {
     }
 }
 
-void MoEGrad::inner_int8(int e, int i0, int i1, const float* w) {
+void MoEGrad::inner_int8(int e, int i0, int i1, const float* w, const float* gate_up) {
     const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
-    int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
-    int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
+    if (gate_up) {
+        kept_gate_up(e, i0, i1, gate_up);
+    } else {
+        int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
+        int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
+    }
     int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_, dy8s_, true, dhr_, I);
     for (int p = p0; p < p1; p++) {
-        if (cfg_.gate_bias) {
+        if (cfg_.gate_bias && !gate_up) {
             const size_t row = (size_t)e * I;
             for (int i = i0; i < i1; i++) g_[(size_t)p * I + i] += cfg_.gate_bias[row + i];
             for (int i = i0; i < i1; i++) u_[(size_t)p * I + i] += cfg_.up_bias[row + i];
@@ -253,8 +264,10 @@ void MoEGrad::down_blocks(int e, int r0, int r1, const float* h, float* buf) {
     }
 }
 
-void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf) {
-    gate_up_blocks(e, i0, i1, x, true, buf);
+void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy,
+                           const float* gate_up, float* buf) {
+    if (gate_up) kept_gate_up(e, i0, i1, gate_up);
+    else gate_up_blocks(e, i0, i1, x, true, buf);
     down_t_blocks(e, i0, i1, dy, true, buf);
     for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
 }
@@ -277,19 +290,19 @@ void MoEGrad::outer_blocks(int e, int c0, int c1, float* buf) {
 }
 
 void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx,
-                    float* dw) {
+                    float* dw, const float* gate_up) {
     const int K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
     group(tokens, ids);
     if (int8()) quantize_inputs(tokens, x, dy);
     const size_t per_thread = per_thread_;
     ThreadPool& pool = rt_->pool();
 
-    // g, u recomputed; D^T dy; then dw's parts and dg, du, by column runs of I
+    // g, u (the forward's, or recomputed); D^T dy; then dw's parts and dg, du, by column runs of I
     const int chunks_i = (I + i_step_ - 1) / i_step_;
     pool.parallel_for((int)active_.size() * chunks_i, [&](int task, int thread) {
         const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
-        if (int8()) inner_int8(e, i0, i1, w);
-        else inner_blocks(e, i0, i1, w, x, dy, rows_ + thread * per_thread);
+        if (int8()) inner_int8(e, i0, i1, w, gate_up);
+        else inner_blocks(e, i0, i1, w, x, dy, gate_up, rows_ + thread * per_thread);
     });
 
     pairs_dx();
@@ -412,7 +425,7 @@ void MoEGrad::pairs_chunk(PairOp op, int tokens, const int64_t* ids, const float
             scatter_pairs(tokens, u_, I, out2);
             break;
         case kDown: {
-            const bool q = q_.down.w != nullptr;
+            const bool q = q_.down.values();
             if (q) quantize_pairs(a, I, dg8_, dg8s_);
             const int chunks_r = (H + kRows - 1) / kRows;
             pool.parallel_for(active * chunks_r, [&](int task, int thread) {

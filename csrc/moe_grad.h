@@ -30,7 +30,7 @@ struct MoEGradInt8 {
     Int8Weights down_t;          // [E, I, H]: D^T
     Int8Weights gate_t, up_t;    // [E, H, I]: G^T, U^T (apart: dg and du get a scale each)
     Int8Weights down;            // [E, H, I]: D, the forward's copy (optional: pairs' kDown, else the stored blocks)
-    bool set() const { return gate.w && up.w && down_t.w && gate_t.w && up_t.w; }
+    bool set() const { return gate.values() && up.values() && down_t.values() && gate_t.values() && up_t.values(); }
 };
 
 class MoEGrad {
@@ -42,8 +42,10 @@ class MoEGrad {
     bool int8() const { return q_.set(); }
     // x, dy [T, H] float32; ids [T, K] (-1: no expert in that slot), w [T, K] float32; writes
     // dx [T, H] and dw [T, K]. Runs on the calling thread with the runtime's pool, max_tokens
-    // tokens at a time.
-    void backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw);
+    // tokens at a time. gate_up: the forward's g and u [T*K, 2I] (MoE::forward_keeping), which
+    // then are not recomputed (null: recomputed from x).
+    void backward(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw,
+                  const float* gate_up = nullptr);
 
     // Products per (token, slot) pair of ids [T, K] (a slot of id -1 gets a zero row), without the
     // biases (the caller adds them); float32, run like backward:
@@ -61,7 +63,9 @@ class MoEGrad {
     void scatter_pairs(int tokens, const float* src, int n, float* dst);  // pair rows -> slot rows (zeros for -1)
     void pairs_dx();  // each pair's dx = G^T g_ + U^T u_ (dg, du there), into dxp_ (and dxp_up_)
     void token_dx(int t, float* out) const;  // the sum of token t's pairs' dx
-    void chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw);
+    void chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw,
+               const float* gate_up);
+    void kept_gate_up(int e, int i0, int i1, const float* gate_up);  // g_, u_ over [i0, i1) from the forward's rows
     void activation_grad(int p, int i0, int i1, float wt);  // dg, du over columns [i0, i1) of pair p
     // rows [r0, r1) of expert e's int8 matrix `all` (rows x k) against pairs p0..p1's int8 rows
     // (act + p or its token's row, k bytes apart): out[p * stride + r]
@@ -70,8 +74,9 @@ class MoEGrad {
     void quantize_inputs(int tokens, const float* x, const float* dy);  // x, dy -> int8 rows (int8 mode)
     void group(int tokens, const int64_t* ids);  // the (token, expert) pairs by expert
     // expert e's columns [i0, i1) of I: g, u, D^T dy, then dw's part and dg, du (int8 copies / stored blocks)
-    void inner_int8(int e, int i0, int i1, const float* w);
-    void inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, float* buf);
+    void inner_int8(int e, int i0, int i1, const float* w, const float* gate_up);
+    void inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, const float* gate_up,
+                      float* buf);
     // stored-block products of expert e: g_, u_ over columns [i0, i1) of I from x (rows by token);
     // dhr_ over [i0, i1) from src (rows by token or by slot); dxp_ rows [r0, r1) of H from h by slot
     void gate_up_blocks(int e, int i0, int i1, const float* x, bool bias, float* buf);

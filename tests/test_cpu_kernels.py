@@ -584,6 +584,39 @@ def test_int8_prefill_path(runtime, fmt, H, I):
     assert rel_err(mixed.forward(x, ids, w), moe_reference(x, ids, w, torch.cat([gd, ud], dim=1), dd)) < 5e-2
 
 
+def test_int8_copies_as_amx_tiles_alone(runtime):
+    """pack_amx keeps an int8 copy as its AMX tiles alone, in place of the rows (half the RAM):
+    they unpack to the same rows and scales, and count once in the bytes a call reads. On an AMX
+    machine a kernel computes on them as on the rows; elsewhere it refuses them by name."""
+    from ktransformers.kernels.cpu import Int8Rows, _copy_bytes, round_activations_rows
+    E, H, I, K = 4, 192, 128, 2
+    gen = torch.Generator().manual_seed(17)
+    dense = (torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen), torch.randn(E, H, I, generator=gen))
+    rows = tuple(Int8Rows.from_dense(w) for w in dense)
+    tiles = tuple(r.pack_amx() for r in rows)
+    for r, t in zip(rows, tiles):
+        assert t.w is None and t.amx is not None and t.shape == r.shape
+        assert torch.equal(t.rows(), r.w) and torch.equal(t.dequantized(), r.dequantized())
+        assert _copy_bytes(t) == _copy_bytes(r) and t.pack_amx() is t
+    odd = Int8Rows.from_dense(torch.randn(2, 24, 64, generator=gen))  # (no whole 16-row blocks: kept as rows)
+    assert odd.pack_amx() is odd
+    with pytest.raises(ValueError, match="rows w or their AMX tiles"):
+        Int8Rows(None, rows[0].scale, rows[0].row_sum)
+    make = lambda: MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=None, up=None, down=None,
+                             int8=tiles, int8_min_tokens=1, max_tokens=64)
+    if not runtime.ext.amx_available():
+        with pytest.raises(ValueError, match="AMX tiles"):
+            make()
+        return
+    kernel = make()
+    for T in (3, 40):
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, K, gen)
+        gate_up8 = torch.cat([rows[0].dequantized(), rows[1].dequantized()], dim=1)
+        want = moe_reference(x, ids, w, gate_up8, rows[2].dequantized(), round_activations_rows, round_activations_rows)
+        assert rel_err(kernel.forward(x, ids, w), want) < 1e-3, T
+
+
 def test_int4_rows_layout_round_trip():
     """Int4Rows packs weights that lie on its grid exactly (dequantized() reads the packed tiles
     back, so this checks the layout the kernels read), and quantizes Gaussian weights to ~10%."""

@@ -162,6 +162,47 @@ def test_backward_bad_inputs_are_value_errors(runtime):
         bad.backward(x, ids.clamp(max=3), w, torch.randn(3, H))
 
 
+@pytest.mark.parametrize("types, bias, int8", [((0, 0, 0), False, False), ((12, 12, 14), False, False),
+                                               ((39, 39, 39), True, False), ((12, 12, 14), False, True)],
+                         ids=["F32", "Q4_K", "MXFP4-biases", "Q4_K-int8"])
+def test_backward_takes_the_forwards_gate_and_up(runtime, types, bias, int8):
+    """forward_keeping hands each pair's g and u (biases added, before the activation) to the
+    backward, which then does not recompute them: they equal torch's (zeros for -1 slots, across
+    max_tokens chunks), the forward's output is forward's, and the gradients equal autograd's (F32
+    weights: to 1e-4; quantized ones: within the forward's int8/Q8 activation rounding). The
+    backward reads them: other values change its result."""
+    E, K, H, I, T = 4, 2, 256, 256, 21
+    gen = torch.Generator().manual_seed(7 + types[0])
+    weights, gate_up, down = experts(types, E, H, I, seed=5, trained_like=types[0] == 12)
+    biases = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else None
+    act = Activation(7.0, 1.702) if bias else Activation()
+    kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
+                       down=weights[2], max_tokens=8, name="grad-test", swiglu_limit=act.limit,
+                       biases=(*biases[0].chunk(2, dim=1), biases[1]) if bias else None,
+                       swiglu_alpha=act.alpha if bias else 1.702)
+    kernel.int8_backward = int8
+    x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    ids, w = routing(T, K, E, gen, empty=True)
+    y, kept = kernel.forward_keeping(x, ids, w)
+    assert torch.equal(y, kernel.forward(x, ids, w))
+    want = torch.einsum("th,tkih->tki", x, gate_up[ids.clamp(min=0)])
+    if bias:
+        want = want + biases[0][ids.clamp(min=0)]
+    want = torch.where((ids >= 0)[..., None], want, 0.0).reshape(T * K, 2 * I)
+    exact = types[0] == 0
+    assert ((kept - want).norm() / want.norm()).item() < (1e-5 if exact else 2e-2)
+    assert torch.equal(kept[(ids < 0).reshape(-1)], torch.zeros_like(kept[(ids < 0).reshape(-1)]))
+    dx, dw = kernel.backward(x, ids, w, dy, kept)
+    want_dx, want_dw = torch_grads(x, ids, w, gate_up, down, dy, act, biases)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    limit = 4e-2 if int8 else 1e-4 if exact else 2e-2
+    assert rel(dx, want_dx) < limit and rel(dw, want_dw) < limit
+    other, _ = kernel.backward(x, ids, w, dy, kept * 1.5)
+    assert rel(other, dx) > 1e-2
+    with pytest.raises(ValueError, match="gate_up must be float32"):
+        kernel.backward(x, ids, w, dy, kept[1:])
+
+
 INT8_CASES = [((12, 12, 14), 8, 2, 256, 512, 37), ((8, 8, 8), 6, 3, 128, 64, 5), ((39, 39, 39), 4, 2, 128, 64, 70)]
 
 

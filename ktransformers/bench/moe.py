@@ -156,7 +156,7 @@ def expert_budget(shape: dict, fmt: str, copies: int, ram_fraction: float = 0.5,
                   int4: int = 0) -> int:
     """Experts per layer that fit in a fraction of available RAM (the full count when it fits)."""
     weights = 3 * shape["intermediate"] * shape["hidden"]
-    copy = weights * 2 if int8 else weights * (0.5 + 4 / int4) if int4 else 0  # (int8: rows and AMX tiles)
+    copy = weights if int8 else weights * (0.5 + 4 / int4) if int4 else 0  # (int8: the rows, or their AMX tiles)
     per_expert = expert_bytes(shape, fmt) + copy
     fit = int(psutil.virtual_memory().available * ram_fraction / (per_expert * copies))
     return max(shape["top_k"], min(shape["experts"], fit))

@@ -218,9 +218,10 @@ class CPURuntime:
 
 
 def _copy_bytes(rows) -> int:
-    """Bytes of an int8/int4 copy's tensors a call reads (its AMX packing is the same bytes again)."""
+    """Bytes of an int8/int4 copy's tensors a call reads (its values once: the rows or their AMX tiles)."""
+    values = getattr(rows, "w", None)
     return sum(t.numel() * t.element_size() for f, t in vars(rows).items()
-               if isinstance(t, torch.Tensor) and f != "amx")
+               if isinstance(t, torch.Tensor) and not (f == "amx" and values is not None))
 
 
 def _address(data) -> tuple[int, int]:
@@ -302,23 +303,45 @@ def _check_tilings(name: str, weights, experts: int, hidden: int, intermediate: 
 @dataclass(frozen=True)
 class Int8Rows:
     """A projection of all experts re-quantized for the int8 prefill GEMM: w [E, rows, cols]
-    int8, one float scale per row, and each row's sum of int8 values."""
-    w: torch.Tensor
+    int8, one float scale per row, and each row's sum of int8 values; on AMX builds the values
+    may live in the AMX tiles alone (pack_amx: w None)."""
+    w: torch.Tensor | None
     scale: torch.Tensor
     row_sum: torch.Tensor
-    amx: torch.Tensor | None = None  # w packed in AMX tiles (pack_amx), for AMX builds
+    amx: torch.Tensor | None = None  # the values packed in AMX tiles (pack_amx), for AMX builds
 
     def __post_init__(self):  # the kernel reads float32 scales and int32 sums
+        if self.w is None and self.amx is None:
+            raise ValueError("Int8Rows needs its values: the rows w or their AMX tiles")
         object.__setattr__(self, "scale", self.scale.to(torch.float32).contiguous())
         object.__setattr__(self, "row_sum", self.row_sum.to(torch.int32).contiguous())
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, rows, cols)"""
+        if self.w is not None:
+            return tuple(self.w.shape)
+        E, blocks, col_tiles = self.amx.shape[:3]
+        return E, blocks * 16, col_tiles * 64
+
     def pack_amx(self) -> Int8Rows:
-        """The AMX copy: [E, rows/16, cols/64, 16, 64], tile row kk = w[n, 4kk:4kk+4] for n = 0..15."""
+        """The copy as AMX tiles alone, in place of the rows (the kernels read only the tiles, but
+        for rows outside whole 16-row blocks, which they unpack): [E, rows/16, cols/64, 16, 64],
+        tile row kk = w[n, 4kk:4kk+4] for n = 0..15. Unchanged where the shape has no whole tiles."""
+        if self.amx is not None:
+            return self
         E, rows, cols = self.w.shape
         if rows % 16 or cols % 64:
             return self
         tiles = self.w.reshape(E, rows // 16, 16, cols // 64, 16, 4).permute(0, 1, 3, 4, 2, 5).contiguous()
-        return Int8Rows(self.w, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
+        return Int8Rows(None, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
+
+    def rows(self) -> torch.Tensor:
+        """w [E, rows, cols] int8 (unpacked from the AMX tiles where only those are kept)."""
+        if self.w is not None:
+            return self.w
+        E, rows, cols = self.shape
+        return self.amx.reshape(E, rows // 16, cols // 64, 16, 16, 4).permute(0, 1, 4, 2, 3, 5).reshape(E, rows, cols)
 
     @staticmethod
     def from_experts(shape: tuple[int, int, int], expert) -> Int8Rows:
@@ -344,15 +367,17 @@ class Int8Rows:
         return Int8Rows.from_experts(shape, _expert_source(weights, shape, "Int8Rows.from_blocks"))
 
     def dequantized(self) -> torch.Tensor:
-        return self.w.float() * self.scale[..., None]
+        return self.rows().float() * self.scale[..., None]
 
     def addresses(self, shape: tuple[int, int, int]) -> tuple[int, int, int, int]:
-        if tuple(self.w.shape) != shape or self.w.dtype != torch.int8 or not self.w.is_contiguous():
-            raise ValueError(f"int8 weights must be a contiguous int8 tensor {shape}, got {tuple(self.w.shape)} {self.w.dtype}")
+        for t in (self.w, self.amx):
+            if t is not None and (t.numel() != math.prod(shape) or t.dtype != torch.int8 or not t.is_contiguous()):
+                raise ValueError(f"int8 weights must be a contiguous int8 tensor {shape}, got {tuple(t.shape)} {t.dtype}")
+        if self.shape != tuple(shape):
+            raise ValueError(f"int8 weights must be {shape}, got {self.shape}")
         if tuple(self.scale.shape) != shape[:2] or tuple(self.row_sum.shape) != shape[:2]:
             raise ValueError(f"int8 scales and row sums must be {shape[:2]}")
-        amx = 0 if self.amx is None else self.amx.data_ptr()
-        return self.w.data_ptr(), self.scale.data_ptr(), self.row_sum.data_ptr(), amx
+        return tuple(0 if t is None else t.data_ptr() for t in (self.w, self.scale, self.row_sum, self.amx))
 
 
 def _expert_source(weights: ExpertWeights, shape: tuple[int, int, int], what: str):
@@ -559,8 +584,9 @@ class MoEKernel:
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
-        # set before the first backward: int8_backward, its products on int8 copies (D^T, G^T, U^T: 1 byte a
-        # weight more, 2 with AMX), not the blocks decoded; adapters: LoRA here (pair_*; int8: a copy of down)
+        # set before the first backward: int8_backward, its products on int8 copies (gate and up where the
+        # forward has none, D^T, G^T, U^T: E x H x I bytes each), not the blocks decoded; adapters: LoRA
+        # here (pair_*; int8: a copy of down)
         self.int8_backward = self.adapters = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
@@ -618,18 +644,36 @@ class MoEKernel:
         self._moe.forward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(), _DTYPE_CODE[x.dtype])
         return y
 
-    def backward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_keeping(self, x: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, gate_up): forward, and each (token, slot) pair's g and u [T*K, 2I] float32 (biases
+        added, before the activation; zeros for a slot of id -1), which backward then takes
+        instead of recomputing them: a training step's forward."""
+        x, ids, weights, y = self._args(x, ids, weights)
+        gate_up = torch.empty(x.shape[0] * self.top_k, 2 * self.intermediate)
+        self._moe.forward_keeping(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), y.data_ptr(),
+                                  _DTYPE_CODE[x.dtype], gate_up.data_ptr())
+        return y, gate_up
+
+    def backward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor,
+                 gate_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients (dx [T, H], dw [T, K], float32) of a forward call on (x, ids, weights)
         whose output's gradient is dy, the experts frozen (the C++ MoEGrad: the stored rows, as
-        the GGUF holds them, decoded in place; g and u recomputed from x)."""
+        the GGUF holds them, decoded in place, or its int8 copies). g and u are forward_keeping's
+        `gate_up` where given, else recomputed from x."""
         x, ids, weights, _ = self._args(x.float(), ids, weights)
         if dy.shape != x.shape:
             raise ValueError(f"{self.name}: dy must be [{x.shape[0]}, {self.hidden}] like x, got {tuple(dy.shape)}")
+        if gate_up is not None:
+            want = (x.shape[0] * self.top_k, 2 * self.intermediate)
+            if tuple(gate_up.shape) != want or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu":
+                raise ValueError(f"{self.name}: gate_up must be float32 {list(want)} on the CPU (forward_keeping's), got "
+                                 f"{gate_up.dtype} {list(gate_up.shape)} on {gate_up.device}")
+            gate_up = gate_up.contiguous()
         dy = dy.to("cpu", torch.float32).contiguous()
         dx, dw = torch.empty_like(x), torch.empty_like(weights)
         self._grad_kernel().backward(x.shape[0], ids.data_ptr(), weights.data_ptr(), x.data_ptr(), dy.data_ptr(),
-                                     dx.data_ptr(), dw.data_ptr())
+                                     dx.data_ptr(), dw.data_ptr(), 0 if gate_up is None else gate_up.data_ptr())
         return dx, dw
 
     # (MoEGrad.pairs' ops)
@@ -708,7 +752,7 @@ class MoEKernel:
             copies += (own[2] if own is not None else _int8_copy(self.runtime, down, (E, H, I), False),)
             shapes += ((E, H, I),)
         if ext.amx_available():
-            copies = tuple(c if c.amx is not None else c.pack_amx() for c in copies)
+            copies = tuple(c.pack_amx() for c in copies)
         return tuple(zip(copies, shapes))
 
     def last_seconds(self) -> float:

@@ -23,8 +23,9 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     the adapters with their gradients and optimizer state, the layers' activations (or, with
     gradient checkpointing, each layer's input and one layer's activations) and the logits with
     their gradient, and with adapters on the routed experts, the pairs' products they keep
-    (gradient checkpointing: one layer's); on the CPU, each MoE layer's saved input, the
-    backward's int8 copies where they are still to be made, and the kernels' scratch. (CPU-only
+    (gradient checkpointing: one layer's); on the CPU, each MoE layer's saved input and its
+    experts' g and u (checkpointing: one layer's), the backward's int8 copies where they are still
+    to be made, and the kernels' scratch. (CPU-only
     training puts it all in RAM.)"""
     plan = MemoryPlan()
     value = torch.finfo(dtype).bits // 8
@@ -40,7 +41,7 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     else:
         plan.add(device, "activations", tokens * hidden * value * LAYER_VALUES * layers)
     plan.add(device, "logits and their gradient", tokens * config.vocab_size * (value + 8))
-    scratch, adapted = 0, []
+    scratch, adapted, kept = 0, [], []
     for module in model.modules():
         if not isinstance(module, KTransformersExperts):
             continue
@@ -49,20 +50,23 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
             continue
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
+        if not module.adapters:  # (the forward's g and u [T*K, 2I] float32, which the backward takes)
+            kept.append(tokens * K * 2 * I * 4)
         if module.adapters:  # (torch keeps each pair's input rows, g, u, h and output: adapters.py)
             adapted.append(tokens * K * (2 * H + 4 * I) * 4)
             kept_on = device if module.adapter_device().type == "cuda" else "cpu"
         if kernel.int8_backward and kernel._grad is None:
             own = getattr(kernel, "_int8", None) is not None  # (the forward's gate, up and down copies)
             copies = 3 + (0 if own else 2) + (1 if kernel.adapters and not own else 0)
-            tiles = 2 if kernel.runtime.ext.amx_available() else 1
-            plan.add("cpu", "the backward's int8 copies", E * H * I * copies * tiles)
+            plan.add("cpu", "the backward's int8 copies", E * H * I * copies)
         pairs = kernel.max_tokens * K
         # (float32 g, u, D^T dy [P, I] and dx parts [P, H]; int8 rows of dg, du [P, I] and the pairs' dout [P, H])
         scratch = max(scratch, pairs * (3 * I + 2 * H) * 4 + pairs * (2 * I + H))
     plan.add("cpu", "the experts' backward scratch", scratch)
     if adapted:
         plan.add(kept_on, "the expert adapters' saved pairs", max(adapted) if checkpointing else sum(adapted))
+    if kept:
+        plan.add("cpu", "the MoE layers' g and u", max(kept) if checkpointing else sum(kept))
     return plan
 
 

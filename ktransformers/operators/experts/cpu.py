@@ -17,22 +17,23 @@ class _CPUExpertsFunction(torch.autograd.Function):
     """y = experts(x, ids, weights) on the C++ kernels, with their backward (MoEKernel.backward):
     gradients for x and the routing weights, the experts frozen. x, ids, weights and y are CPU
     tensors (the caller moves them, so that autograd runs this backward on its CPU thread). Keeps
-    x, ids and weights (T * (H + 2K) * 4 bytes a layer) and recomputes the rest in backward."""
+    x, ids and weights, and each pair's g and u from the forward (T * (H + 2K + 2 K I) * 4 bytes a
+    layer), so that the backward reads only the three matrices its products need."""
 
     @staticmethod
     def forward(ctx, x, weights, ids, kernel):
         cpu_x = x.detach().to(torch.float32).contiguous()
         cpu_ids = ids.detach().to(torch.int64).contiguous()
         cpu_w = weights.detach().to(torch.float32).contiguous()
-        y = kernel.forward(cpu_x, cpu_ids, cpu_w)
-        ctx.save_for_backward(cpu_x, cpu_ids, cpu_w)
+        y, gate_up = kernel.forward_keeping(cpu_x, cpu_ids, cpu_w)
+        ctx.save_for_backward(cpu_x, cpu_ids, cpu_w, gate_up)
         ctx.kernel, ctx.dtypes = kernel, (x.dtype, weights.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        cpu_x, cpu_ids, cpu_w = ctx.saved_tensors
-        dx, dw = ctx.kernel.backward(cpu_x, cpu_ids, cpu_w, dy)
+        cpu_x, cpu_ids, cpu_w, gate_up = ctx.saved_tensors
+        dx, dw = ctx.kernel.backward(cpu_x, cpu_ids, cpu_w, dy, gate_up)
         return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None, None
 
 
@@ -67,24 +68,31 @@ class KExpertsCPU:
         E, H, I = self.spec.experts, self.spec.hidden, self.spec.intermediate
         gate, up = self._projection(weights, "gate", (E, I, H)), self._projection(weights, "up", (E, I, H))
         down = self._projection(weights, "down", (E, H, I))
-        int8, int4 = self._prefill_copies(context.cpu_runtime(), (gate, up, down))
+        runtime = context.cpu_runtime()
+        # training on AMX: the forward on int8 copies too (gate and up are the backward's own; down one
+        # more), every expert of a step, and no tiles: AMX's GEMM beats the blocks' kernels at a
+        # step's token counts (VNNI's and AVX2's do not)
+        amx_training = self.spec.int8_backward and not self.spec.int4_group and runtime.ext.amx_available()
+        int8, int4 = self._prefill_copies(runtime, (gate, up, down), amx_training)
         if self.spec.int4_decode and int4 is not None:
             gate = up = down = None  # (the int4 copies are the only weights; the stored bytes are let go)
         biases, self.bias = None, None  # (self.bias: gate_up [E, 2I], down [E, H] float32, or None)
         if self.spec.bias:
             self.bias = load_biases(weights, self.spec, "cpu", torch.float32)
             biases = (*self.bias[0].chunk(2, dim=1), self.bias[1])
-        self.kernel = MoEKernel(context.cpu_runtime(), experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I,
-                                gate=gate, up=up, down=down, name=self.key, int8=int8, int4=int4, tiles=context.cpu_tiles,
+        self.kernel = MoEKernel(runtime, experts=E, top_k=self.spec.top_k, hidden=H, intermediate=I, gate=gate, up=up,
+                                down=down, name=self.key, int8=int8, int4=int4,
+                                tiles=context.cpu_tiles and not amx_training, int8_min_tokens=1 if amx_training else 4,
                                 biases=biases, swiglu_limit=self.spec.act.limit, swiglu_alpha=self.spec.act.alpha)
         self.kernel.int8_backward = self.spec.int8_backward
         self.pcie = self._pcie_share() if self.spec.pcie_experts else None
 
-    def _prefill_copies(self, runtime, projections) -> tuple:
+    def _prefill_copies(self, runtime, projections, amx_training: bool = False) -> tuple:
         """(int8, int4) re-quantized copies of (gate, up, down) for the prefill GEMM, as the spec
-        asks, from the bytes just mapped, one expert at a time; (None, None) without them."""
+        asks (or amx_training: int8), from the bytes just mapped, one expert at a time; (None, None)
+        without them."""
         spec = self.spec
-        if not (spec.int8_prefill or spec.int4_group):
+        if not (spec.int8_prefill or spec.int4_group or amx_training):
             return None, None
         if not (runtime.ext.int4_gemm if spec.int4_group else runtime.ext.int8_gemm_vnni):  # (one warning for all layers)
             what = f"int4_prefill{'/int4_decode' if spec.int4_decode else ''}" if spec.int4_group else "int8_prefill"
