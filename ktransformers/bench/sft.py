@@ -86,7 +86,7 @@ def ours(args):
     model = add_lora(loaded.model, rank=args.rank, targets=args.targets)
     spent = [0.0]
     # the kernels' calls: the fused forward and backward, and the per-pair products expert adapters use
-    calls = ("forward", "backward", "pair_gate_up", "pair_down", "pair_down_t", "pair_gate_up_t")
+    calls = ("forward", "forward_keeping", "backward", "pair_gate_up", "pair_down", "pair_down_t", "pair_gate_up_t")
     originals = {name: getattr(MoEKernel, name) for name in calls}
 
     def timed(fn):
