@@ -42,7 +42,8 @@ Dtype dtype_of(int code) {
     return (Dtype)code;
 }
 // The int8 copies `dst` from a tuple of (w, scale, row_sum, amx) addresses, four a copy (amx 0:
-// none), in the order of `dst`; `what` names the caller in the error (sizes are checked in Python).
+// none; all four 0: no copy), in the order of `dst`; `what` names the caller in the error (sizes
+// are checked in Python).
 void int8_weights(const py::tuple& addresses, std::initializer_list<Int8Weights*> dst, const char* what) {
     if (addresses.size() != 4 * dst.size())
         throw std::invalid_argument(std::string(what) + ": int8 needs " + std::to_string(4 * dst.size()) + " addresses");
@@ -52,6 +53,7 @@ void int8_weights(const py::tuple& addresses, std::initializer_list<Int8Weights*
         w->scale = cptr<float>(addresses[at++].cast<uintptr_t>());
         w->row_sum = cptr<int32_t>(addresses[at++].cast<uintptr_t>());
         w->amx = cptr<int8_t>(addresses[at++].cast<uintptr_t>());
+        if (!w->w && !w->scale && !w->row_sum && !w->amx) continue;
         if (!w->w && !(w->amx && amx_available()))
             throw std::invalid_argument(std::string(what) + ": an int8 copy without its rows (only AMX tiles, which this " +
                                         "process cannot use, may stand for them)");

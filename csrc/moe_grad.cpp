@@ -63,12 +63,15 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
     pair_token_.resize(P), pair_slot_.resize(P), slot_pair_.resize(P);
     expert_start_.resize(E + 1), fill_.resize(E), active_.reserve(E);
     if (int8.gate.values() || int8.up.values() || int8.down_t.values() || int8.gate_t.values() || int8.up_t.values()) {
-        if (!int8.set()) throw std::invalid_argument("MoEGrad: pass all five int8 copies (gate, up, D^T, G^T, U^T) or none");
+        if (!int8.set() || int8.gate.values() != int8.up.values())
+            throw std::invalid_argument("MoEGrad: pass the int8 copies D^T, G^T and U^T (with gate and up together, or "
+                                        "neither), or none");
         if (!int8_gemm_available()) throw std::invalid_argument("MoEGrad: this build has no int8 GEMM (needs AVX2 or newer)");
         if (H % 64 || I % 64)
             throw std::invalid_argument("MoEGrad: the int8 copies need hidden and intermediate sizes divisible by 64");
         for (const Int8Weights* w : {&int8.gate, &int8.up, &int8.down_t, &int8.gate_t, &int8.up_t})
-            if (!w->scale || !w->row_sum) throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
+            if (w->values() && (!w->scale || !w->row_sum))
+                throw std::invalid_argument("MoEGrad: an int8 copy lacks its scales or row sums");
         if (int8.down.values() && (!int8.down.scale || !int8.down.row_sum))
             throw std::invalid_argument("MoEGrad: the int8 copy of down lacks its scales or row sums");
     } else if (int8.down.values()) {
@@ -204,17 +207,20 @@ void MoEGrad::group(int tokens, const int64_t* ids) {
     }
 }
 
-void MoEGrad::inner_int8(int e, int i0, int i1, const float* w, const float* gate_up) {
+void MoEGrad::inner_int8(int e, int i0, int i1, const float* w, const float* x, const float* gate_up, float* buf) {
     const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
+    const bool products = !gate_up && q_.gate_up();  // (else g, u with their biases from the forward or the blocks)
     if (gate_up) {
         kept_gate_up(e, i0, i1, gate_up);
-    } else {
+    } else if (products) {
         int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
         int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
+    } else {
+        gate_up_blocks(e, i0, i1, x, true, buf);
     }
     int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_, dy8s_, true, dhr_, I);
     for (int p = p0; p < p1; p++) {
-        if (cfg_.gate_bias && !gate_up) {
+        if (cfg_.gate_bias && products) {
             const size_t row = (size_t)e * I;
             for (int i = i0; i < i1; i++) g_[(size_t)p * I + i] += cfg_.gate_bias[row + i];
             for (int i = i0; i < i1; i++) u_[(size_t)p * I + i] += cfg_.up_bias[row + i];
@@ -301,7 +307,7 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
     const int chunks_i = (I + i_step_ - 1) / i_step_;
     pool.parallel_for((int)active_.size() * chunks_i, [&](int task, int thread) {
         const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
-        if (int8()) inner_int8(e, i0, i1, w, gate_up);
+        if (int8()) inner_int8(e, i0, i1, w, x, gate_up, rows_ + thread * per_thread);
         else inner_blocks(e, i0, i1, w, x, dy, gate_up, rows_ + thread * per_thread);
     });
 
@@ -407,14 +413,14 @@ void MoEGrad::pairs_chunk(PairOp op, int tokens, const int64_t* ids, const float
     };
     switch (op) {
         case kGateUp:
-            if (int8())
+            if (q_.gate_up())
                 pool.parallel_for(tokens, [&](int t, int) {
                     x8s_[t] = quantize_row_u8(a + (size_t)t * H, x8_ + (size_t)t * H, H);
                 });
             pool.parallel_for(active * chunks_i, [&](int task, int thread) {
                 const int e = active_[task / chunks_i], i0 = (task % chunks_i) * i_step_, i1 = std::min(I, i0 + i_step_);
                 const int p0 = expert_start_[e], p1 = expert_start_[e + 1];
-                if (int8()) {
+                if (q_.gate_up()) {
                     int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
                     int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
                 } else {

@@ -8,9 +8,10 @@
 // tiled layouts), never copied or transposed. g and u are recomputed from x (no activations are
 // kept from the forward: RAM stays at the scratch, about (3 I + H) * 4 bytes a (token, expert)
 // pair of a max_tokens chunk, in the runtime's arena that every layer shares). All in float32.
-// With int8 copies (MoEGradInt8: the forward's gate and up, and the transposed D^T, G^T and
-// U^T, re-quantized once by the caller) the three products run on the int8 GEMM (VNNI, AMX or
-// AVX2's vpmaddubsw) instead, activations rounded to int8 per row as the forward's are.
+// With int8 copies (MoEGradInt8: the transposed D^T, G^T and U^T, and the forward's gate and up
+// where g and u are to be recomputed, re-quantized once by the caller) the products run on the
+// int8 GEMM (VNNI, AMX or AVX2's vpmaddubsw) instead, activations rounded to int8 per row as the
+// forward's are.
 //
 // pairs() gives the same products one at a time, per (token, slot) pair, for adapters on the
 // experts (LoRA): the activation, the adapters' low-rank terms and the weighted sum then run in
@@ -26,11 +27,13 @@
 namespace kt {
 
 struct MoEGradInt8 {
-    Int8Weights gate, up;        // [E, I, H]
+    // [E, I, H], optional (g and u, where the forward does not hand them over, else from the stored blocks)
+    Int8Weights gate, up;
     Int8Weights down_t;          // [E, I, H]: D^T
     Int8Weights gate_t, up_t;    // [E, H, I]: G^T, U^T (apart: dg and du get a scale each)
     Int8Weights down;            // [E, H, I]: D, the forward's copy (optional: pairs' kDown, else the stored blocks)
-    bool set() const { return gate.values() && up.values() && down_t.values() && gate_t.values() && up_t.values(); }
+    bool set() const { return down_t.values() && gate_t.values() && up_t.values(); }
+    bool gate_up() const { return gate.values() && up.values(); }
 };
 
 class MoEGrad {
@@ -74,7 +77,7 @@ class MoEGrad {
     void quantize_inputs(int tokens, const float* x, const float* dy);  // x, dy -> int8 rows (int8 mode)
     void group(int tokens, const int64_t* ids);  // the (token, expert) pairs by expert
     // expert e's columns [i0, i1) of I: g, u, D^T dy, then dw's part and dg, du (int8 copies / stored blocks)
-    void inner_int8(int e, int i0, int i1, const float* w, const float* gate_up);
+    void inner_int8(int e, int i0, int i1, const float* w, const float* x, const float* gate_up, float* buf);
     void inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy, const float* gate_up,
                       float* buf);
     // stored-block products of expert e: g_, u_ over columns [i0, i1) of I from x (rows by token);

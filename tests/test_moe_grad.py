@@ -206,20 +206,28 @@ def test_backward_takes_the_forwards_gate_and_up(runtime, types, bias, int8):
 INT8_CASES = [((12, 12, 14), 8, 2, 256, 512, 37), ((8, 8, 8), 6, 3, 128, 64, 5), ((39, 39, 39), 4, 2, 128, 64, 70)]
 
 
+@pytest.mark.parametrize("prefill_copies", [False, True], ids=["blocks", "int8-prefill"])
 @pytest.mark.parametrize("case", INT8_CASES, ids=lambda c: f"types{c[0][0]}-T{c[5]}")
-def test_int8_backward_matches_autograd(runtime, case):
+def test_int8_backward_matches_autograd(runtime, case, prefill_copies):
     """int8_backward: the products on int8 copies (the transposed ones made from the stored blocks),
-    activations rounded to int8 per row: within int8's rounding of autograd's result."""
+    activations rounded to int8 per row: within int8's rounding of autograd's result. g and u
+    recomputed (no forward's handed over) from the stored blocks, or, where the forward has int8
+    copies of gate and up, on those."""
+    from ktransformers.kernels.cpu import Int8Rows
     types, E, K, H, I, T = case
     weights, gate_up, down = experts(types, E, H, I, seed=T, trained_like=True)
+    int8 = None
+    if prefill_copies:
+        int8 = tuple(Int8Rows.from_blocks(w, s) for w, s in zip(weights, ((E, I, H), (E, I, H), (E, H, I))))
     kernel = MoEKernel(runtime, experts=E, top_k=K, hidden=H, intermediate=I, gate=weights[0], up=weights[1],
-                       down=weights[2], max_tokens=32, name="grad-test")
+                       down=weights[2], max_tokens=32, name="grad-test", int8=int8)
     kernel.int8_backward = True
     gen = torch.Generator().manual_seed(T)
     x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
     ids, w = routing(T, K, E, gen, empty=T > 8)
     dx, dw = kernel.backward(x, ids, w, dy)
     assert kernel._grad.int8
+    assert [rows is not None for rows, _ in kernel._grad_int8] == [prefill_copies] * 2 + [True] * 3
     want_dx, want_dw = torch_grads(x, ids, w, gate_up, down, dy, Activation(), None)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     # (each product rounds both sides to int8 per row, ~0.7% an element, and dx is two products

@@ -584,9 +584,9 @@ class MoEKernel:
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
-        # set before the first backward: int8_backward, its products on int8 copies (gate and up where the
-        # forward has none, D^T, G^T, U^T: E x H x I bytes each), not the blocks decoded; adapters: LoRA
-        # here (pair_*; int8: a copy of down)
+        # set before the first backward: int8_backward, its products on int8 copies (D^T, G^T, U^T: E x H x I
+        # bytes each), not the blocks decoded; adapters: LoRA here (pair_*; int8: copies of gate, up and
+        # down too, where the forward has none)
         self.int8_backward = self.adapters = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
@@ -725,7 +725,8 @@ class MoEKernel:
                                  "keeps none (int4_decode copies only, or weights passed as tiles)")
             (g, gb), (u, ub), (d, db) = (_address(w.data) for w in stored)
             self._grad_int8 = self._backward_copies(stored) if self.int8_backward else ()
-            addresses = tuple(a for rows, shape in self._grad_int8 for a in rows.addresses(shape))
+            addresses = tuple(a for rows, shape in self._grad_int8
+                              for a in (rows.addresses(shape) if rows is not None else (0, 0, 0, 0)))
             self._grad = self.runtime.ext.MoEGrad(
                 self.runtime._rt, self.experts, self.top_k, self.hidden, self.intermediate, self.max_tokens,
                 *(w.ggml_type for w in stored), g, gb, u, ub, d, db,
@@ -734,8 +735,10 @@ class MoEKernel:
 
     def _backward_copies(self, stored) -> tuple:
         """((copy, shape), ...) of gate, up, D^T, G^T and U^T as int8 rows for the backward's
-        GEMMs (the forward's own gate and up copies where it has them), or () where the sizes do
-        not fit that GEMM (a warning says so)."""
+        GEMMs, or () where the sizes do not fit that GEMM (a warning says so). Gate and up are the
+        forward's own copies where it has them; else, with adapters (whose pairs' products
+        recompute g and u) made here, and without, None: the training forward hands g and u over
+        (forward_keeping), and a backward without them recomputes them from the stored blocks."""
         ext = self.runtime.ext
         E, H, I = self.experts, self.hidden, self.intermediate
         if H % 64 or I % 64:
@@ -744,7 +747,8 @@ class MoEKernel:
             return ()
         gate, up, down = stored
         own = getattr(self, "_int8", None)
-        forward = own[:2] if own is not None else tuple(_int8_copy(self.runtime, w, (E, I, H), False) for w in (gate, up))
+        forward = own[:2] if own is not None else \
+            tuple(_int8_copy(self.runtime, w, (E, I, H), False) if self.adapters else None for w in (gate, up))
         copies = (*forward, _int8_copy(self.runtime, down, (E, H, I), True),
                   *(_int8_copy(self.runtime, w, (E, I, H), True) for w in (gate, up)))
         shapes = ((E, I, H), (E, I, H), (E, I, H), (E, H, I), (E, H, I))
@@ -752,7 +756,7 @@ class MoEKernel:
             copies += (own[2] if own is not None else _int8_copy(self.runtime, down, (E, H, I), False),)
             shapes += ((E, H, I),)
         if ext.amx_available():
-            copies = tuple(c.pack_amx() for c in copies)
+            copies = tuple(c and c.pack_amx() for c in copies)
         return tuple(zip(copies, shapes))
 
     def last_seconds(self) -> float:

@@ -50,14 +50,14 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
             continue
         E, H, I, K = kernel.experts, kernel.hidden, kernel.intermediate, kernel.top_k
         plan.add("cpu", "MoE layers' saved inputs", tokens * (H * 4 + K * 16))
-        if not module.adapters:  # (the forward's g and u [T*K, 2I] float32, which the backward takes)
-            kept.append(tokens * K * 2 * I * 4)
         if module.adapters:  # (torch keeps each pair's input rows, g, u, h and output: adapters.py)
             adapted.append(tokens * K * (2 * H + 4 * I) * 4)
             kept_on = device if module.adapter_device().type == "cuda" else "cpu"
+        else:  # (the forward's g and u [T*K, 2I] float32, which the backward takes)
+            kept.append(tokens * K * 2 * I * 4)
         if kernel.int8_backward and kernel._grad is None:
             own = getattr(kernel, "_int8", None) is not None  # (the forward's gate, up and down copies)
-            copies = 3 + (0 if own else 2) + (1 if kernel.adapters and not own else 0)
+            copies = 3 + (3 if kernel.adapters and not own else 0)  # (D^T, G^T, U^T; gate, up, down for adapters)
             plan.add("cpu", "the backward's int8 copies", E * H * I * copies)
         pairs = kernel.max_tokens * K
         # (float32 g, u, D^T dy [P, I] and dx parts [P, H]; int8 rows of dg, du [P, I] and the pairs' dout [P, H])

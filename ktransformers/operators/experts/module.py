@@ -55,10 +55,10 @@ class ExpertsOptions(Placement):
     # the next layer's attention, and their output joins the next MoE layer's (a KExpertsCPU
     # generate op; the model's last MoE layer defers none)
     n_deferred_experts: int = field(default=0, metadata={"min": 0})
-    # KExpertsCPU in training: the backward's products on int8 copies (gate, up and the transposed experts,
-    # made once: ~1.7 bytes an expert weight more; the VNNI/AMX GEMMs, ~10x faster on the CPU) instead of
-    # decoding the stored blocks in float32 (exact, no copies); with AMX the forward runs on int8 copies
-    # too (down one more: 2 bytes a weight), faster there than the tiles
+    # KExpertsCPU in training: the backward's products on int8 copies (the transposed experts, made once:
+    # 1 byte an expert weight more; the VNNI/AMX GEMMs, ~10x faster on the CPU) instead of decoding the
+    # stored blocks in float32 (exact, no copies); with AMX the forward runs on int8 copies too (2 bytes
+    # a weight), faster there than the tiles
     int8_backward: bool = False
 
 
