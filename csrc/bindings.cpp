@@ -13,6 +13,7 @@
 #include "linear.h"
 #include "attention.h"
 #include "deltanet.h"
+#include "logits.h"
 #include "checked.h"
 #include "moe.h"
 #include "moe_grad.h"
@@ -286,6 +287,11 @@ PYBIND11_MODULE(KT_MODULE, m) {
              "per-pair products (moe_grad.h's PairOp: 0 gate_up, 1 down, 2 down^T, 3 gate_up^T; 0 for an unused "
              "address; shapes checked in Python)");
 
+    m.def("mask_logits", [](uintptr_t logits, bool bf16, int64_t logit_rows, int64_t row_stride, int64_t vocab,
+                            uintptr_t rows, int64_t n_rows, uintptr_t words, int64_t words_per_row) {
+              mask_logits(reinterpret_cast<void*>(logits), bf16, logit_rows, row_stride, vocab, cptr<int64_t>(rows), n_rows,
+                          cptr<int32_t>(words), words_per_row);
+          }, "logits rows set to -inf where a packed token bitmask has a 0 (logits.h; shapes checked in Python)");
     m.def("int8_copies", [](Runtime& r, int type, uintptr_t src, size_t src_bytes, int E, int rows, int cols, bool transpose,
                             uintptr_t w, uintptr_t scale, uintptr_t row_sum) {
               r.run_inline([&] {

@@ -884,3 +884,32 @@ def test_pin_order_puts_a_thread_on_each_fast_core_first(tmp_path):
     assert pin_order([3, 1, 2], tmp_path / "absent") == [1, 2, 3]
     runtime = CPURuntime(2)
     assert runtime.cpus and set(runtime.cpus) <= os.sched_getaffinity(0) and not CPURuntime(2, pin=False).cpus
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grammar_masks_on_cpu_logits(runtime, dtype):
+    """mask_logits (a grammar's packed bitmask applied to a step's CPU logits) against torch: the
+    rows named get -inf exactly where their bit is 0 (bit t % 32 of word t // 32), other values
+    and rows untouched, over a vocabulary not a multiple of 32; bad rows and narrow masks refused."""
+    gen = torch.Generator().manual_seed(3)
+    B, V = 5, 1000
+    words = torch.randint(-2**31, 2**31 - 1, (3, -(-V // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    words[1, :4] = -1  # (whole words allowed)
+    rows = [4, 0, 2]
+    logits = torch.randn(B, V, generator=gen).to(dtype)
+    before = logits.clone()
+    ext = runtime.ext
+    index = torch.tensor(rows)
+    ext.mask_logits(logits.data_ptr(), dtype == torch.bfloat16, B, V, V, index.data_ptr(), len(rows), words.data_ptr(),
+                    words.shape[1])
+    bits = ((words.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1).reshape(3, -1)[:, :V].bool()
+    want = before.clone()
+    for j, i in enumerate(rows):
+        want[i] = before[i].masked_fill(~bits[j], float("-inf"))
+    assert torch.equal(logits, want) and (~bits).any() and bits.any()
+    with pytest.raises(ValueError, match="row 5 is outside"):
+        bad = torch.tensor([1, 5])
+        ext.mask_logits(logits.data_ptr(), dtype == torch.bfloat16, B, V, V, bad.data_ptr(), 2, words.data_ptr(),
+                        words.shape[1])
+    with pytest.raises(ValueError, match="covers fewer"):
+        ext.mask_logits(logits.data_ptr(), dtype == torch.bfloat16, B, V, V, index.data_ptr(), 3, words.data_ptr(), 31)

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("llguidance", reason="structured output needs llguidance")
 from tiny import train_tokenizer  # noqa: E402
 
-from ktransformers.engine.grammar import GrammarError, grammars_for, mask_rows, tool_call_schema  # noqa: E402
+from ktransformers.engine.grammar import GrammarError, Grammars, grammars_for, mask_rows, tool_call_schema  # noqa: E402
 
 SCHEMA = {"type": "object", "required": ["word", "n"], "additionalProperties": False,
           "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}}}
@@ -91,3 +91,23 @@ def test_forced_tool_call_schemas_and_bad_schemas(tok):
     assert not all(wrong.accept(t) for t in tok.encode('[{"name":"h"'))
     with pytest.raises(GrammarError, match="JSON schema"):
         grammars.json_schema({"type": "object", "properties": {"x": {"type": "no-such-type"}}})
+
+
+def test_requests_of_one_schema_share_its_compile_not_its_state(tok, monkeypatch):
+    """A schema is compiled once (the same schema with its keys in another order too); each
+    request's matcher starts from a copy of the compiled one's fresh state, so one request's
+    tokens leave the next request's matcher at the start. The compiled schemas kept are bounded."""
+    grammars = Grammars(tok, 320, [tok.eos_token_id])
+    first = grammars.json_schema(SCHEMA)
+    start = bits(first, 320)
+    assert all(first.accept(t) for t in tok.encode('{"word":"th'))
+    assert bits(first, 320) != start
+    second = grammars.json_schema(dict(reversed(list(SCHEMA.items()))))
+    assert len(grammars._templates) == 1 and bits(second, 320) == start
+    assert all(second.accept(t) for t in tok.encode('{"word":"the","n":42}')) and second.done
+    assert not first.done and bits(grammars.json_schema(SCHEMA), 320) == start
+    grammars.json_schema(SCHEMA, strict=False)
+    assert len(grammars._templates) == 2
+    monkeypatch.setattr(Grammars, "TEMPLATES", 2)
+    grammars.json_schema({"type": "array"})
+    assert [strict for _, strict in grammars._templates] == [False, True]  # (the least recently used went)

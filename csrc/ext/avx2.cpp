@@ -12,4 +12,5 @@
 #include "../stream.cpp"
 #include "../attention.cpp"
 #include "../deltanet.cpp"
+#include "../logits.cpp"
 #include "../bindings.cpp"

@@ -13,4 +13,5 @@
 #include "../stream.cpp"
 #include "../attention.cpp"
 #include "../deltanet.cpp"
+#include "../logits.cpp"
 #include "../bindings.cpp"

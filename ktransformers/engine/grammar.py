@@ -11,6 +11,8 @@ which no step can draw)."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
@@ -32,9 +34,16 @@ def available() -> str | None:
 
 
 class Grammars:
-    """Grammars over one tokenizer and vocabulary size."""
+    """Grammars over one tokenizer and vocabulary size. Each schema is compiled once (its grammar
+    checked and a matcher built: about half a millisecond); a request's matcher is a copy of that
+    one's fresh state (about a microsecond), so requests sharing a schema (an agent's tools, a
+    response format) start without the compile."""
+
+    TEMPLATES = 64  # compiled schemas kept, the least recently used dropped first
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self._templates: OrderedDict[tuple[str, bool], object] = OrderedDict()
+        self._lock = threading.Lock()
         import llguidance.hf
         # (llguidance needs every id the tokenizer has; the masks are cut to the logits' width)
         self.vocab_size = vocab_size = max(vocab_size, len(tokenizer))
@@ -50,22 +59,33 @@ class Grammars:
         grammar cannot enforce are ignored rather than refused)."""
         from llguidance import LLMatcher
         try:
-            json.dumps(schema)
+            key = (json.dumps(schema, sort_keys=True), bool(strict))
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return Constraint(template.deep_copy(), self.vocab_size)
         # (compact JSON: a weak model given free whitespace may never stop writing it)
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False,
                                                                            "lenient": not strict})
         except Exception as e:  # (llguidance raises ValueError/RuntimeError with its parser's message)
             raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
-        return self._constraint(grammar)
+        template = self._matcher(grammar)
+        with self._lock:
+            self._templates[key] = template
+            while len(self._templates) > self.TEMPLATES:
+                self._templates.popitem(last=False)
+        return Constraint(template.deep_copy(), self.vocab_size)
 
     def json_object(self) -> "Constraint":
         """Output that is one JSON object."""
         return self.json_schema({"type": "object"}, strict=False)
 
-    def _constraint(self, grammar: str) -> "Constraint":
+    def _matcher(self, grammar: str):
+        """A fresh matcher of `grammar`, or GrammarError."""
         from llguidance import LLMatcher
         error = LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
@@ -73,7 +93,7 @@ class Grammars:
         matcher = LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
             raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
+        return matcher
 
 
 class Constraint:
@@ -107,10 +127,12 @@ def fill(constraints: list[Constraint], vocab: int) -> torch.Tensor:
     """The constraints' next-token bitmasks [n, ceil(V / 32)] int32 on the host (bit i % 32 of word
     i // 32: token i allowed), V the widest of `vocab` and theirs (which a model's logits never
     pass: Grammars' vocabulary is the wider of the model's and the tokenizer's)."""
-    import llguidance.torch as lt
-    bitmask = lt.allocate_token_bitmask(len(constraints), max([vocab, *(c.vocab_size for c in constraints)]))
-    for j, c in enumerate(constraints):
-        c.fill(bitmask, j)
+    width = -(-max([vocab, *(c.vocab_size for c in constraints)]) // 32)
+    bitmask = torch.zeros(len(constraints), width, dtype=torch.int32)  # (a word llguidance leaves: nothing allowed)
+    row = bitmask.shape[1] * 4
+    base = bitmask.data_ptr()
+    for j, c in enumerate(constraints):  # (Constraint.fill's call, without its per-row checks: the rows are ours)
+        c._matcher.unsafe_compute_mask_ptr(base + j * row, row)
     return bitmask
 
 
@@ -124,17 +146,25 @@ def mask_rows(logits: torch.Tensor, constraints: list[Constraint], rows: list[in
         _mask_rows(logits, bitmask, rows)
 
 
+@lru_cache(maxsize=1)
+def _extension():
+    from ..kernels.cpu import load_extension
+    return load_extension()
+
+
 def _mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     V = logits.shape[-1]
-    every = rows == list(range(logits.shape[0]))
     if logits.device.type == "cpu":
+        if logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1 and bitmask.is_contiguous():
+            index = torch.tensor(rows, dtype=torch.int64)  # (one pass in C++: torch's and numpy's ops take longer to start)
+            _extension().mask_logits(logits.data_ptr(), logits.dtype == torch.bfloat16, logits.shape[0],
+                                         logits.stride(0), V, index.data_ptr(), len(rows), bitmask.data_ptr(),
+                                         bitmask.shape[1])
+            return
         allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
                                    .view(bool))
-        if every:
-            logits.masked_fill_(~allowed, float("-inf"))
-        else:
-            for j, i in enumerate(rows):
-                logits[i].masked_fill_(~allowed[j], float("-inf"))
+        for j, i in enumerate(rows):
+            logits[i].masked_fill_(~allowed[j], float("-inf"))
         return
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     words = bitmask.to(logits.device, non_blocking=True)
