@@ -75,7 +75,7 @@ MoEGrad::MoEGrad(std::shared_ptr<Runtime> runtime, const MoEConfig& c, const MoE
         if (int8.down.values() && (!int8.down.scale || !int8.down.row_sum))
             throw std::invalid_argument("MoEGrad: the int8 copy of down lacks its scales or row sums");
     } else if (int8.down.values()) {
-        throw std::invalid_argument("MoEGrad: an int8 copy of down needs the other five");
+        throw std::invalid_argument("MoEGrad: an int8 copy of down needs those of D^T, G^T and U^T");
     }
     // the buffers, in the runtime's scratch arena (which every kernel of the runtime shares: its
     // jobs run one at a time), each part 64-byte aligned, every size checked against overflow
@@ -182,7 +182,7 @@ void MoEGrad::int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0,
 void MoEGrad::quantize_inputs(int tokens, const float* x, const float* dy) {
     const size_t H = cfg_.hidden;
     rt_->pool().parallel_for(tokens, [&](int t, int) {
-        x8s_[t] = quantize_row_u8(x + t * H, x8_ + t * H, (int)H);
+        if (x) x8s_[t] = quantize_row_u8(x + t * H, x8_ + t * H, (int)H);
         dy8s_[t] = quantize_row_u8(dy + t * H, dy8_ + t * H, (int)H);
     });
 }
@@ -299,7 +299,7 @@ void MoEGrad::chunk(int tokens, const int64_t* ids, const float* w, const float*
                     float* dw, const float* gate_up) {
     const int K = cfg_.top_k, H = cfg_.hidden, I = cfg_.intermediate;
     group(tokens, ids);
-    if (int8()) quantize_inputs(tokens, x, dy);
+    if (int8()) quantize_inputs(tokens, !gate_up && q_.gate_up() ? x : nullptr, dy);  // (x: for g and u's products)
     const size_t per_thread = per_thread_;
     ThreadPool& pool = rt_->pool();
 

@@ -74,7 +74,7 @@ class MoEGrad {
     // (act + p or its token's row, k bytes apart): out[p * stride + r]
     void int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0, int r1, int p0, int p1,
                     const uint8_t* act, const float* scale, bool by_token, float* out, size_t stride) const;
-    void quantize_inputs(int tokens, const float* x, const float* dy);  // x, dy -> int8 rows (int8 mode)
+    void quantize_inputs(int tokens, const float* x, const float* dy);  // x (null: not), dy -> int8 rows (int8 mode)
     void group(int tokens, const int64_t* ids);  // the (token, expert) pairs by expert
     // expert e's columns [i0, i1) of I: g, u, D^T dy, then dw's part and dg, du (int8 copies / stored blocks)
     void inner_int8(int e, int i0, int i1, const float* w, const float* x, const float* gate_up, float* buf);

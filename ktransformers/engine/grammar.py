@@ -158,8 +158,8 @@ def _mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> 
         if logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1 and bitmask.is_contiguous():
             index = torch.tensor(rows, dtype=torch.int64)  # (one pass in C++: torch's and numpy's ops take longer to start)
             _extension().mask_logits(logits.data_ptr(), logits.dtype == torch.bfloat16, logits.shape[0],
-                                         logits.stride(0), V, index.data_ptr(), len(rows), bitmask.data_ptr(),
-                                         bitmask.shape[1])
+                                     logits.stride(0), V, index.data_ptr(), len(rows), bitmask.data_ptr(),
+                                     bitmask.shape[1])
             return
         allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
                                    .view(bool))

@@ -325,9 +325,9 @@ class Int8Rows:
         return E, blocks * 16, col_tiles * 64
 
     def pack_amx(self) -> Int8Rows:
-        """The copy as AMX tiles alone, in place of the rows (the kernels read only the tiles, but
-        for rows outside whole 16-row blocks, which they unpack): [E, rows/16, cols/64, 16, 64],
-        tile row kk = w[n, 4kk:4kk+4] for n = 0..15. Unchanged where the shape has no whole tiles."""
+        """The copy as AMX tiles alone, in place of the rows (the kernels split rows in whole
+        16-row blocks, which the tiles hold): [E, rows/16, cols/64, 16, 64], tile row kk =
+        w[n, 4kk:4kk+4] for n = 0..15. Unchanged where the shape has no whole tiles."""
         if self.amx is not None:
             return self
         E, rows, cols = self.w.shape
@@ -584,9 +584,8 @@ class MoEKernel:
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
-        # set before the first backward: int8_backward, its products on int8 copies (D^T, G^T, U^T: E x H x I
-        # bytes each), not the blocks decoded; adapters: LoRA here (pair_*; int8: copies of gate, up and
-        # down too, where the forward has none)
+        # set before the first backward: int8_backward, its products on int8 copies (D^T, G^T, U^T), not the
+        # blocks decoded; adapters: LoRA here (pair_*; int8: gate, up and down copies where the forward has none)
         self.int8_backward = self.adapters = False
         (g, gb), (u, ub), (d, db) = ((0, 0) if w is None else _address(w.data) for w in self._weights)
         addresses, addresses4, group, min_tokens = (), (), 0, 0
