@@ -183,17 +183,12 @@ void MoE::forward_keeping(int tokens, const int64_t* ids, const float* weights, 
     rt_->run_inline([&] {
         for (size_t s = 0; s < (size_t)tokens * K; s++)
             if (ids[s] < 0) std::fill_n(gate_up + s * row, row, 0.f);
-        for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // (run's chunks, one at a time)
-            const int n = std::min(cfg_.max_tokens, tokens - start);
-            keep_ = gate_up + (size_t)start * K * row;
-            try {
-                run(n, ids + (size_t)start * K, weights + (size_t)start * K,
-                    (const uint8_t*)x + (size_t)start * cfg_.hidden * (dtype == Dtype::F32 ? 4 : 2),
-                    (uint8_t*)y + (size_t)start * cfg_.hidden * (dtype == Dtype::F32 ? 4 : 2), dtype);
-            } catch (...) {
-                keep_ = nullptr;
-                throw;
-            }
+        keep_ = gate_up;
+        try {
+            run(tokens, ids, weights, x, y, dtype);
+        } catch (...) {
+            keep_ = nullptr;
+            throw;
         }
         keep_ = nullptr;
     });
@@ -255,6 +250,7 @@ void MoE::run(int tokens, const int64_t* ids, const float* weights, const void* 
     const size_t elem = dtype == Dtype::F32 ? 4 : 2;
     for (int start = 0; start < tokens; start += cfg_.max_tokens) {  // longer inputs in max_tokens chunks
         const int n = std::min(cfg_.max_tokens, tokens - start);
+        chunk_slot0_ = (size_t)start * cfg_.top_k;
         prepare_inputs(n, (const uint8_t*)x + start * cfg_.hidden * elem, dtype);
         group_by_expert(n, ids + (size_t)start * cfg_.top_k);
         compute();
@@ -469,7 +465,7 @@ void MoE::activate_pair(int p) {
         add_row(u, cfg_.up_bias + at, I);
     }
     if (keep_) {
-        float* row = keep_ + (size_t)pair_slot_[p] * 2 * I;
+        float* row = keep_ + (chunk_slot0_ + pair_slot_[p]) * 2 * I;
         std::copy(g, g + I, row);
         std::copy(u, u + I, row + I);
     }

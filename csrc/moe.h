@@ -143,7 +143,8 @@ class MoE {
     std::vector<int> expert_start_, active_;   // pairs of expert e: [start[e], start[e+1]); experts hit
     std::vector<int> slot_pair_;               // t*K + k -> pair
     std::vector<int> fill_;                    // scratch for group_by_expert
-    float* keep_ = nullptr;                    // forward_keeping's gate_up rows of the chunk being run
+    float* keep_ = nullptr;                    // forward_keeping's gate_up rows
+    size_t chunk_slot0_ = 0;                   // the first slot (t*K + k) of the max_tokens chunk being run
     struct alignas(64) Countdown {  // a cache line each: spinning readers do not slow other experts' counts
         std::atomic<int> left{0};
     };

@@ -34,6 +34,10 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "lora_" in k}
 
 
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                             reason="needs a CUDA device (the training rule file puts the dense part there)")
+
+
 def pair(tmp_path, family, seed=0, int8_backward=False, targets=None, **experts_kwargs):
     """(ours: the GGUF through MoE-sft-cpu.yaml, reference: transformers on the same weights), each
     with LoRA adapters on `targets` (default: the attention projections), ours' random A and B
@@ -142,14 +146,13 @@ def test_a_lora_step_on_the_routed_experts_equals_transformers_and_peft(tmp_path
     assert abs(after[0] - after[1]) < bound * abs(after[1]) and abs(after[1] - losses[1]) > 1e-5
 
 
+@ON_CUDA
 @pytest.mark.parametrize("family, targets", [("deepseek_v3", ["attention"]), ("deepseek_v3", ["attention", "experts"]),
                                              ("gpt_oss", ["attention", "experts"])])
 def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, family, targets):
     """MoE-sft.yaml on a CUDA device (float32 there): DeepSeek-V3 with its shared experts on the GPU
     beside the CPU experts, gpt-oss with its experts' biases; the experts' adapters on the GPU.
     The loss and the adapters' gradients equal transformers + peft's on the CPU."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (the training rule file puts the dense part there)")
     from ktransformers.train import SFT_RULES
     model = tiny_model(family, seed=19)
     path = tmp_path / f"{family}.gguf"
@@ -175,12 +178,11 @@ def test_a_lora_step_with_the_dense_part_on_the_gpu(tmp_path, family, targets):
         assert ((g_ours[name].cpu() - g).norm() / g.norm()).item() < 1e-3, name
 
 
+@ON_CUDA
 def test_expert_adapters_train_a_bf16_model_on_the_gpu(tmp_path):
     """MoE-sft.yaml as shipped (bf16 on the GPU, int8 backward), adapters on the attention and the
     experts: the loss and the experts' adapters' gradients within bf16's reach of the float32
     model's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (the training rule file puts the dense part there)")
     model = tiny_model("qwen3_moe", seed=21)
     path = tmp_path / "qwen3_moe.gguf"
     write_gguf(path, model.config, model.state_dict(), types=GGMLType.F32)

@@ -104,9 +104,17 @@ class Constraint:
         self.vocab_size = vocab_size
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of a packed int32 bitmask [B, ceil(V / 32)]."""
-        import llguidance.torch as lt
-        lt.fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Write the tokens allowed next into row `row` of a packed int32 bitmask [B, ceil(V / 32)]
+        (contiguous, on the host)."""
+        if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2
+                or not bitmask.is_contiguous() or not 0 <= row < bitmask.shape[0]):
+            raise ValueError(f"a bitmask must be a contiguous int32 host tensor [B, W] and the row in [0, B), got "
+                             f"{bitmask.dtype} {list(bitmask.shape)} on {bitmask.device}, row {row}")
+        self._write(bitmask.data_ptr() + row * bitmask.shape[1] * 4, bitmask.shape[1] * 4)
+
+    def _write(self, address: int, nbytes: int) -> None:
+        """The tokens allowed next as bits into `nbytes` bytes at `address` (a bitmask row)."""
+        self._matcher.unsafe_compute_mask_ptr(address, nbytes)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with the tokens the grammar forbids next set to -inf (in place)."""
@@ -131,8 +139,8 @@ def fill(constraints: list[Constraint], vocab: int) -> torch.Tensor:
     bitmask = torch.zeros(len(constraints), width, dtype=torch.int32)  # (a word llguidance leaves: nothing allowed)
     row = bitmask.shape[1] * 4
     base = bitmask.data_ptr()
-    for j, c in enumerate(constraints):  # (Constraint.fill's call, without its per-row checks: the rows are ours)
-        c._matcher.unsafe_compute_mask_ptr(base + j * row, row)
+    for j, c in enumerate(constraints):  # (Constraint.fill without its checks: this buffer is made to fit)
+        c._write(base + j * row, row)
     return bitmask
 
 

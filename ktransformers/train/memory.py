@@ -25,8 +25,7 @@ def plan_training(model, config, *, tokens: int, device: str, checkpointing: boo
     their gradient, and with adapters on the routed experts, the pairs' products they keep
     (gradient checkpointing: one layer's); on the CPU, each MoE layer's saved input and its
     experts' g and u (checkpointing: one layer's), the backward's int8 copies where they are still
-    to be made, and the kernels' scratch. (CPU-only
-    training puts it all in RAM.)"""
+    to be made, and the kernels' scratch. (CPU-only training puts it all in RAM.)"""
     plan = MemoryPlan()
     value = torch.finfo(dtype).bits // 8
     trainable = Counter()
