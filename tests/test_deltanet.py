@@ -201,3 +201,123 @@ def test_fused_decode_bad_rows_are_errors(runtime):
         gated_delta_decode(runtime, conv_in=torch.tensor([0, 1]), conv_out=torch.tensor([0, 1]),
                            ssm_in=torch.tensor([0, 1]), ssm_out=torch.tensor([0, 1]),
                            **(args | {"mixed": torch.randn(n, C + 1)}))
+
+
+# -- the GPU decode kernel (kernels/triton/deltanet.py): on CUDA, else in Triton's interpreter ---------------
+
+def projections_reference(projections, heads, tiled):
+    """(mixed [n, C], z [n, Hv, Dv], b, a [n, Hv]) from the layer's projections: Qwen3-Next's fused
+    pair split by transformers' own fix_query_key_value_ordering, Qwen3.5's four as they are."""
+    from types import SimpleNamespace
+    Hk, Hv, Dk, Dv = heads
+    if len(projections) == 4:
+        qkv, z, b, a = projections
+        return qkv, z.reshape(-1, Hv, Dv), b, a
+    qkvz, ba = projections
+    layout = SimpleNamespace(num_k_heads=Hk, num_v_heads=Hv, head_k_dim=Dk, head_v_dim=Dv)
+    q, k, v, z, b, a = qwen3_next.Qwen3NextGatedDeltaNet.fix_query_key_value_ordering(layout, qkvz[None], ba[None])
+    n = qkvz.shape[0]
+    return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1), z[0], b[0], a[0]
+
+
+def triton_decode_reference(projections, conv_w, conv_states, ssm_states, neg_a, dt_bias, norm, heads, tiled):
+    """One token through the layer's torch ops, rounded where they round (the conv output and the
+    delta rule's output to the projections' dtype): transformers' delta rule and gated norm."""
+    Hk, Hv, Dk, Dv = heads
+    mixed, z, b, a = projections_reference(projections, heads, tiled)
+    n, dtype = mixed.shape[0], mixed.dtype
+    window = torch.cat([conv_states, mixed.float()[:, :, None]], dim=2)
+    x = torch.nn.functional.silu((window * conv_w[None]).sum(-1)).to(dtype)
+    q, k, v = torch.split(x, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.reshape(n, 1, Hk, Dk), k.reshape(n, 1, Hk, Dk), v.reshape(n, 1, Hv, Dv)
+    if tiled:
+        q, k = q.repeat(1, 1, Hv // Hk, 1), k.repeat(1, 1, Hv // Hk, 1)
+    else:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    beta = b.float().sigmoid()
+    g = neg_a * torch.nn.functional.softplus(a.float() + dt_bias)
+    out, state = qwen3_next.torch_recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g[:, None], beta[:, None],
+                                                             initial_state=ssm_states.clone(), output_final_state=True,
+                                                             use_qk_l2norm_in_kernel=True)
+    normed = norm(out[:, 0].to(dtype).reshape(-1, Dv), z.reshape(-1, Dv))
+    return normed.reshape(n, Hv * Dv), window[:, :, 1:], state
+
+
+def triton_decode_case(shape, fused, tiled, dtype, device, seed):
+    n, Hk, Hv, Dk, Dv, K = shape
+    R, C, rows = Hv // Hk, 2 * Hk * Dk + Hv * Dv, 2 * n + 1
+    gen = torch.Generator().manual_seed(seed)
+    widths = (Hk * (2 * Dk + 2 * R * Dv), 2 * Hv) if fused else (C, Hv * Dv, Hv, Hv)
+    projections = tuple(torch.randn(n, w, generator=gen).to(dtype) for w in widths)
+    conv_w = 0.5 * torch.randn(C, K, generator=gen)
+    conv, ssm = torch.randn(rows, C, K - 1, generator=gen), 0.1 * torch.randn(rows, Hv, Dk, Dv, generator=gen)
+    neg_a, dt_bias = -torch.rand(Hv, generator=gen) * 2, torch.randn(Hv, generator=gen)
+    norm = qwen3_next.Qwen3NextRMSNormGated(Dv, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(Dv, generator=gen))
+    on = lambda *ts: tuple(t.to(device) for t in ts)  # noqa: E731
+    return dict(projections=on(*projections), conv=conv.to(device), conv_w=conv_w.to(device), ssm=ssm.to(device),
+                neg_a=neg_a.to(device), dt_bias=dt_bias.to(device), norm=norm.to(device), heads=(Hk, Hv, Dk, Dv))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["fused", "grouped", "tiled"])
+@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3), (2, 2, 4, 128, 128, 4)],
+                         ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
+def test_triton_decode_matches_transformers(shape, layout, dtype):
+    """The one-launch decode kernel from the raw projections (Qwen3-Next's fused pair, Qwen3.5's
+    four in either value-head order) over state rows read from one row and written to another,
+    one sequence fresh, then in place: the output, the conv states (exact) and the delta states."""
+    from tiny import kernel_device
+
+    from ktransformers.kernels.triton.deltanet import gated_delta_decode
+    device = kernel_device()
+    fused, tiled = layout == "fused", layout == "tiled"
+    case = triton_decode_case(shape, fused, tiled, dtype, device, seed=sum(shape) + len(layout))
+    n = shape[0]
+    reads = torch.arange(n) * 2
+    reads[-1] = -1  # a fresh sequence: zero states
+    writes = torch.arange(n) * 2 + 1
+    for reads, writes in ((reads, writes), (torch.arange(n) * 2, torch.arange(n) * 2)):  # then in place
+        conv, ssm = case["conv"].clone(), case["ssm"].clone()
+        fresh = (reads < 0).to(device)
+        safe = reads.clamp(min=0).to(device)
+        want, want_conv, want_ssm = triton_decode_reference(
+            case["projections"], case["conv_w"], conv[safe].masked_fill(fresh[:, None, None], 0),
+            ssm[safe].masked_fill(fresh[:, None, None, None], 0), case["neg_a"], case["dt_bias"], case["norm"],
+            case["heads"], tiled)
+        got = gated_delta_decode(case["projections"], conv, case["conv_w"], ssm, reads.to(device), writes.to(device),
+                                 case["neg_a"], case["dt_bias"], case["norm"].weight.detach(), 1e-6, case["heads"], tiled)
+        assert got.dtype == dtype and got.shape == want.shape
+        bound = 5e-5 if dtype == torch.float32 else 2e-2  # bf16: a conv output a rounding step apart moves the rest
+        assert rel_err(got.float(), want.detach().float()) < bound
+        assert torch.equal(conv[writes], want_conv)  # the raw inputs, as they are
+        assert rel_err(ssm[writes], want_ssm) < (5e-5 if dtype == torch.float32 else 2e-2)
+        if not torch.equal(reads, writes):
+            untouched = torch.ones(conv.shape[0], dtype=torch.bool)
+            untouched[writes] = False
+            assert torch.equal(ssm[untouched], case["ssm"][untouched]) and torch.equal(conv[untouched],
+                                                                                     case["conv"][untouched])
+
+
+@pytest.mark.triton
+def test_triton_decode_bad_inputs_name_the_tensor():
+    from tiny import kernel_device
+
+    from ktransformers.kernels.triton.deltanet import gated_delta_decode
+    device = kernel_device()
+    case = triton_decode_case((2, 1, 2, 16, 16, 4), True, False, torch.float32, device, seed=1)
+    rows = torch.tensor([0, 1], device=device)
+    args = dict(conv=case["conv"], conv_w=case["conv_w"], ssm=case["ssm"], reads=rows, writes=rows,
+                neg_a=case["neg_a"], dt_bias=case["dt_bias"], norm_w=case["norm"].weight.detach(), eps=1e-6,
+                heads=case["heads"], tiled=False)
+    qkvz, ba = case["projections"]
+    with pytest.raises(ValueError, match="qkvz must be"):
+        gated_delta_decode((qkvz[:, 1:], ba), **args)
+    with pytest.raises(ValueError, match="ba must be"):
+        gated_delta_decode((qkvz, ba.to(torch.bfloat16)), **args)
+    with pytest.raises(ValueError, match="ssm must be"):
+        gated_delta_decode((qkvz, ba), **{**args, "ssm": case["ssm"][:, :1]})
+    with pytest.raises(ValueError, match="reads must be"):
+        gated_delta_decode((qkvz, ba), **{**args, "reads": rows.int()})

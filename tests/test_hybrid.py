@@ -71,15 +71,27 @@ def test_gated_deltanet_equals_transformers_layer(tmp_path, shape, family):
 
 
 @pytest.mark.parametrize("family", HYBRID)
-@pytest.mark.parametrize("torch_ops", [False, True])
-def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops, family):
+@pytest.mark.parametrize("path", ["cpp", "torch_ops", pytest.param("triton", marks=pytest.mark.triton)])
+def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, path, family, monkeypatch):
     """Three sequences of different lengths prefilled in chunks, then decoded together in batched
-    steps, give each one's own full forward; steps taken back (drop) and redone give them again."""
+    steps, give each one's own full forward; steps taken back (drop) and redone give them again.
+    The decode steps' delta rule: the C++ kernel, transformers' torch functions, or the GPU's
+    one-launch kernel (here in Triton's interpreter)."""
     hf, model = _loaded(tmp_path, family=family)
-    if torch_ops:  # the delta rule by transformers' torch functions instead of the C++ kernel
+    if path != "cpp":
         for layer in model.model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn._runtime = None
+    if path == "triton":
+        from tiny import kernel_device
+
+        from ktransformers.kernels.triton.common import runs_on
+        from ktransformers.operators.deltanet import KGatedDeltaNet
+        kernel_device()  # (skips where the interpreter cannot run)
+        monkeypatch.setattr(KGatedDeltaNet, "triton_decodes", lambda self, device: runs_on(device))
+        calls = []
+        real = KGatedDeltaNet._decode_triton
+        monkeypatch.setattr(KGatedDeltaNet, "_decode_triton", lambda self, *a: calls.append(1) or real(self, *a))
     engine = Engine(model, cache_lens=256, page_size=8, chunk_size=6, max_batch=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (4, 11, 17)]
@@ -100,6 +112,8 @@ def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, torch_ops
             engine.drop([first, second])
     for s in seqs:
         engine.release(s)
+    if path == "triton":
+        assert calls, "the decode steps did not run the Triton kernel"
 
 
 def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):

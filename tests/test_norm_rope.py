@@ -56,6 +56,12 @@ def test_rms_norm(dev, dtype, D):
     if dtype == torch.bfloat16:  # a float32 weight promotes the result, as torch's product does
         w32 = w.float()
         assert_match(rms_norm(x, w32, 1e-6), rms_norm_reference(x, w32, 1e-6), "float32 weight")
+    # the zero-centred norms' order: x's dtype, the float32 product rounded once
+    scale = 1.0 + torch.randn(D, generator=g).to(dev) * 0.3
+    for shape in rows:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype).to(dev)
+        got, want = rms_norm(x, scale, 1e-6, round_normed=False), rms_norm_reference(x, scale, 1e-6, round_normed=False)
+        assert_match(got, want, f"zero-centred {shape}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

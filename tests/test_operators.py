@@ -196,6 +196,42 @@ def test_rmsnorm_operator_matches_transformers(dtype, shape):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 256)])
+def test_zero_centred_rmsnorm_matches_transformers(family, dtype, shape):
+    """KRMSNorm with zero_centred (Qwen3-Next / Qwen3.5: scale 1 + w, one rounding of the float32
+    product) against transformers' own norm: equal in float32 up to a sum's order, and bit for
+    bit in bf16 on the torch path; the plain option (1 x w) does not match it."""
+    import importlib
+
+    from ktransformers.operators.layernorm import KRMSNorm
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = m.Qwen3NextRMSNorm if family == "qwen3_next" else m.Qwen3_5MoeRMSNorm
+    hidden = shape[-1]
+    hf = cls(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(hidden) * 0.3)
+
+    class Weights:
+        def load(self, name, device, dtype, shape):
+            return hf.weight.detach().to(device, dtype).reshape(shape)
+    x = (torch.randn(shape) * 3).to(dtype)
+    want = hf(x)
+    for zero_centred in (True, False):
+        op = KRMSNorm("model.norm", Weights(), None, hf, zero_centred=zero_centred)
+        op.load()
+        got = op(x)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        if not zero_centred:
+            assert err > 0.1
+            continue
+        assert got.dtype == want.dtype and got.shape == want.shape and op.path(x) in ("cpp", "torch", "triton")
+        if dtype == torch.bfloat16 and op.path(x) == "torch":
+            assert torch.equal(got, want)
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 def test_moe_block_waits_for_started_experts_when_shared_experts_fail():
     """A CPU call the block started is waited for even when the shared experts raise (on a GPU
     stream an unwaited doorbell call would leave its `done` word set for the next step's wait)."""

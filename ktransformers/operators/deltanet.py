@@ -22,8 +22,10 @@ When the engine has set a ForwardBatch, the input is the step's packed tokens [1
 sequences: each reads its states from the batch's `state_read` rows (zeros where
 `state_fresh`) and writes them to its `state_write` rows. With no batch, each row of [B, S, H]
 is one sequence from zero states. On the CPU the delta rule runs on the C++ kernel, over the
-cache's state rows (kernels.cpu.gated_delta_rule_rows), on a GPU on flash-linear-attention's Triton kernels where that
-package is installed, else on transformers' own torch functions.
+cache's state rows (kernels.cpu.gated_delta_rule_rows; a decode step, conv and norm included, in one
+call). On a GPU a decode step runs in one Triton launch from the projections' rows to the gated norm
+(kernels.triton.deltanet), and prompts on flash-linear-attention's kernels where that package is
+installed, else on transformers' own torch functions.
 """
 from __future__ import annotations
 
@@ -135,17 +137,21 @@ class KGatedDeltaNet(BaseInjectedModule):
     # -- the layer ----------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         B, S, _ = hidden_states.shape
-        mixed, z, beta, g = self._project(hidden_states)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
         batch = self.context.batch if self.context is not None else None
-        if batch is None:  # no cache: each row one sequence from zero states
-            outs = [self._sequence(mixed[b], beta[b], g[b], None, None) for b in range(B)]
-            out = torch.stack(outs)
-        else:
+        if batch is not None:
             if B != 1 or S != batch.num_tokens:
                 raise ValueError(f"{self.key}: a ForwardBatch of {batch.num_tokens} tokens needs hidden_states of "
                                  f"shape [1, {batch.num_tokens}, H], got {list(hidden_states.shape)}")
             if batch.state_read is None:
                 raise ValueError(f"{self.key}: the engine's cache keeps no recurrent states (a HybridCache is needed)")
+            if self.triton_decodes(hidden_states.device) and all(q == 1 for q in batch.q_lens):
+                out = self._decode_triton(hidden_states[0], batch)
+                return self.out_proj(out.reshape(B, S, self.value_dim))
+        mixed, z, beta, g = self._project(hidden_states)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
+        if batch is None:  # no cache: each row one sequence from zero states
+            outs = [self._sequence(mixed[b], beta[b], g[b], None, None) for b in range(B)]
+            out = torch.stack(outs)
+        else:
             fused = self._decode_fused(mixed[0], z[0], beta[0], g[0], batch)
             if fused is not None:
                 return self.out_proj(fused.reshape(B, S, self.value_dim).to(hidden_states.dtype))
@@ -200,6 +206,28 @@ class KGatedDeltaNet(BaseInjectedModule):
             outs.append(self._sequence(mixed[rows].to(dev), beta[rows].to(dev), g[rows].to(dev), conv_in[i:i + 1],
                                        (conv, ssm, ssm_in[i:i + 1], writes[i:i + 1])))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def triton_decodes(self, device: torch.device) -> bool:
+        """Whether a decode step on `device` runs the one-launch Triton kernel (on a GPU)."""
+        from ..kernels.triton.common import runs_on
+        return device.type == "cuda" and self._runtime is None and runs_on(device)
+
+    def _decode_triton(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """One token of each sequence, x [N, H] -> the gated norm's output [N, Hv * Dv], by
+        kernels.triton.deltanet from the projections' rows over the cache's state rows."""
+        from ..kernels.triton.deltanet import gated_delta_decode
+        cache = self.context.cache
+        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
+        reads, writes = batch.state_rows(conv.device)
+        if any(batch.state_fresh):  # (never in a CUDA-graph step: decode steps follow a prefill)
+            reads = torch.where(torch.tensor(batch.state_fresh, device=conv.device), -1, reads)
+        if self.fused:
+            projections = (self.in_proj_qkvz(x), self.in_proj_ba(x))
+        else:
+            projections = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
+        return gated_delta_decode(projections, conv, self._conv_weight(), ssm, reads, writes, self.neg_A, self.dt_bias,
+                                  self.norm.weight.detach(), self.norm.variance_epsilon, (self.Hk, self.Hv, self.Dk, self.Dv),
+                                  self.tiled)
 
     def _decode_fused(self, mixed: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch):
         """A float32 decode step on the CPU: the conv step, the delta rule and the gated norm in one

@@ -5,12 +5,14 @@ inputs run it in one Triton launch where Triton runs (kernels/triton/norm_rope),
 the CPU in the C++ row norm."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu import rms_norm
-from .base import BaseInjectedModule
+from .base import BaseInjectedModule, Placement
 from .registry import OPERATORS
 
 # Up to this many rows (decode steps, short prefill chunks; q/k norms have a row per head) one
@@ -19,7 +21,16 @@ TRITON_ROWS = 4096
 CPP_ROWS = 64  # float32 rows on the CPU up to this many: the C++ row norm
 
 
+@dataclass(frozen=True)
+class NormOptions(Placement):
+    # Qwen3-Next / Qwen3.5's norms: the stored weight w scales by (1 + w), and the float32 product is
+    # rounded once (transformers' Qwen3NextRMSNorm)
+    zero_centred: bool = False
+
+
 class KRMSNorm(BaseInjectedModule):
+    Options = NormOptions
+
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
         weight = getattr(orig_module, "weight", None)
@@ -33,6 +44,8 @@ class KRMSNorm(BaseInjectedModule):
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.dtype, shape=self.shape)
+        if self.options.zero_centred:  # the scale as transformers computes it: 1 + w in float32
+            self.weight = 1.0 + self.weight.float()
         self.ext = self.triton_norm = None
         if runs_on(self.device):
             from ..kernels.triton.norm_rope import rms_norm as triton_norm
@@ -58,8 +71,11 @@ class KRMSNorm(BaseInjectedModule):
         path = self.path(hidden_states)
         if path == "cpp":
             return rms_norm(self.ext, hidden_states, self.weight, self.eps)
+        zero_centred = self.options.zero_centred
         if path == "triton":
-            return self.triton_norm(hidden_states, self.weight, self.eps)
+            return self.triton_norm(hidden_states, self.weight, self.eps, round_normed=not zero_centred)
+        if zero_centred:
+            return (F.rms_norm(hidden_states.float(), self.shape, None, self.eps) * self.weight).to(hidden_states.dtype)
         if hidden_states.dtype == torch.float32:
             return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
         normed = F.rms_norm(hidden_states.float(), self.shape, None, self.eps)

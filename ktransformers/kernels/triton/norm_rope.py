@@ -20,8 +20,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from .pdl import gdc_enter, pdl
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """KRMSNorm's torch path: rows of x [.., D] normalized, times weight [D]."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+    """KRMSNorm's torch path: rows of x [.., D] normalized, times weight [D]. `round_normed=False`:
+    the zero-centred norms' order (Qwen3-Next: the float32 product rounded once, to x's dtype)."""
+    if not round_normed:
+        return (F.rms_norm(x.float(), weight.shape, None, eps) * weight.float()).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
@@ -57,7 +60,7 @@ def normalize_row(x, w, D, eps, ROUND_TY: tl.constexpr, OUT_TY: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
-                     GDC: tl.constexpr):
+                     ROUND_NORMED: tl.constexpr, GDC: tl.constexpr):
     """A row's norm; ADD: of the row's sum with b's (x + b, stored at s_ptr, rounded as torch's add
     rounds: a float32 sum rounded once), the norm reading the rounded sum."""
     row = tl.program_id(0).to(tl.int64)
@@ -71,7 +74,10 @@ def _rms_norm_kernel(x_ptr, b_ptr, w_ptr, s_ptr, y_ptr, D, s_x, s_b, eps, BLOCK_
         x_ty = s_ptr.dtype.element_ty
         x = round_to(x + tl.load(b_ptr + row * s_b + d, mask=m, other=0.0).to(tl.float32), x_ty)
         tl.store(s_ptr + row * D + d, x.to(x_ty), mask=m)
-    y = normalize_row(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
+    if ROUND_NORMED:
+        y = normalize_row(x, w, D, eps, x_ty, y_ptr.dtype.element_ty)
+    else:
+        y = round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps) * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -85,19 +91,22 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Rows of x [.., D] (bf16/fp16/fp32, any leading dims) normalized, times weight [D]; the result
-    has torch's promoted dtype of x and weight, as rms_norm_reference."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+    """Rows of x [.., D] (bf16/fp16/fp32, any leading dims) normalized, times weight [D], as
+    rms_norm_reference: the result in torch's promoted dtype of x and weight, or with
+    `round_normed=False` in x's dtype, rounded once."""
     D = x.shape[-1]
     if weight.shape != (D,) or weight.device != x.device or not weight.is_contiguous():
         raise ValueError(f"rms_norm: weight must be a contiguous [{D}] on {x.device}, got "
                          f"{tuple(weight.shape)} on {weight.device}")
     rows = _rows(x)
-    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    dtype = torch.promote_types(x.dtype, weight.dtype) if round_normed else x.dtype
+    out = torch.empty(x.shape, device=x.device, dtype=dtype)
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, D, rows.stride(0), 0, float(eps),
-                                           BLOCK_D=block, ADD=False, num_warps=_warps(block), **pdl(x.device))
+                                           BLOCK_D=block, ADD=False, ROUND_NORMED=round_normed,
+                                           num_warps=_warps(block), **pdl(x.device))
     return out
 
 
@@ -117,7 +126,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     if ra.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(ra.shape[0],)](ra, rb, weight, s, y, D, ra.stride(0), rb.stride(0), float(eps),
-                                         BLOCK_D=block, ADD=True, num_warps=_warps(block), **pdl(a.device))
+                                         BLOCK_D=block, ADD=True, ROUND_NORMED=True, num_warps=_warps(block),
+                                         **pdl(a.device))
     return s, y
 
 
