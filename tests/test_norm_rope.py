@@ -56,12 +56,20 @@ def test_rms_norm(dev, dtype, D):
     if dtype == torch.bfloat16:  # a float32 weight promotes the result, as torch's product does
         w32 = w.float()
         assert_match(rms_norm(x, w32, 1e-6), rms_norm_reference(x, w32, 1e-6), "float32 weight")
-    # the zero-centred norms' order: x's dtype, the float32 product rounded once
+    # the zero-centred norms' order: x's dtype, the float32 product rounded once. One rounding of
+    # x * r * w lets an r one float32 step apart (mean(x^2) summed in another order) move a bf16
+    # result by one step: a few such steps are allowed, nothing more
     scale = 1.0 + torch.randn(D, generator=g).to(dev) * 0.3
     for shape in rows:
         x = (torch.randn(shape, generator=g) * 3).to(dtype).to(dev)
         got, want = rms_norm(x, scale, 1e-6, round_normed=False), rms_norm_reference(x, scale, 1e-6, round_normed=False)
-        assert_match(got, want, f"zero-centred {shape}")
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        if dtype == torch.float32:
+            assert rel_max(got, want) < 1e-6, f"zero-centred {shape}"
+        else:
+            step = want.float().abs() * 2.0 ** -7  # (at least one bf16 step of the value)
+            assert ((got.float() - want.float()).abs() <= step).all(), f"zero-centred {shape}"
+            assert (got != want).float().mean().item() < 1e-3, f"zero-centred {shape}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
