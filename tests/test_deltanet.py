@@ -321,3 +321,11 @@ def test_triton_decode_bad_inputs_name_the_tensor():
         gated_delta_decode((qkvz, ba), **{**args, "ssm": case["ssm"][:, :1]})
     with pytest.raises(ValueError, match="reads must be"):
         gated_delta_decode((qkvz, ba), **{**args, "reads": rows.int()})
+    # rows past the tables are neither read (zeros) nor written: no store lands outside them
+    conv, ssm = case["conv"].clone(), case["ssm"].clone()
+    far = torch.tensor([conv.shape[0] + 3, -2], device=device)
+    out = gated_delta_decode((qkvz, ba), **{**args, "conv": conv, "ssm": ssm, "reads": far, "writes": far})
+    assert torch.equal(conv, case["conv"]) and torch.equal(ssm, case["ssm"]) and torch.isfinite(out).all()
+    fresh = gated_delta_decode((qkvz, ba), **{**args, "conv": conv, "ssm": ssm, "reads": torch.full_like(far, -1),
+                                                "writes": far})
+    assert torch.equal(out, fresh)  # (an unreadable row reads as zero states)

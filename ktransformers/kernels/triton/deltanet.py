@@ -29,11 +29,14 @@ from .pdl import gdc_enter, pdl
 
 
 @triton.jit
-def _conv_step(conv_ptr, w_ptr, rrow, wrow, s_row, c, m, x, KS: tl.constexpr, BLOCK_S: tl.constexpr, X_TY: tl.constexpr):
+def _conv_step(conv_ptr, w_ptr, rrow, wrow, rows, s_row, c, m, x, KS: tl.constexpr, BLOCK_S: tl.constexpr,
+               X_TY: tl.constexpr):
     """Channels c (mask m) of one sequence: SiLU(conv over the state row `rrow` (zeros if < 0) and
-    x), rounded to X_TY; the window's last KS - 1 inputs are stored at row `wrow`."""
+    x), rounded to X_TY; the window's last KS - 1 inputs are stored at row `wrow` (rows outside
+    [0, rows) are neither read nor written: the engine's never are)."""
     j = tl.arange(0, BLOCK_S)
-    has = (c * 0 + rrow) >= 0  # (a vector: the interpreter takes masks of one shape and dtype)
+    rv, wv = c * 0 + rrow, c * 0 + wrow  # (vectors: the interpreter takes masks of one shape and dtype)
+    has, put = (rv >= 0) & (rv < rows), (wv >= 0) & (wv < rows)
     mj = m[:, None] & (j[None, :] < KS - 1)
     cell = c[:, None] * (KS - 1) + j[None, :]
     state = tl.load(conv_ptr + rrow * s_row + cell, mask=mj & has[:, None], other=0.0)
@@ -42,13 +45,13 @@ def _conv_step(conv_ptr, w_ptr, rrow, wrow, s_row, c, m, x, KS: tl.constexpr, BL
     shifted = tl.load(conv_ptr + rrow * s_row + cell + 1, mask=mj & (j[None, :] < KS - 2) & has[:, None], other=0.0)
     shifted = tl.where(j[None, :] == KS - 2, x[:, None], shifted)
     tl.debug_barrier()  # (every thread has read the row before any writes it: read and write rows may be one)
-    tl.store(conv_ptr + wrow * s_row + cell, shifted, mask=mj)
+    tl.store(conv_ptr + wrow * s_row + cell, shifted, mask=mj & put[:, None])
     return round_to(y / (1.0 + tl.exp(-y)), X_TY)
 
 
 @triton.jit
 def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
-                   conv_ptr, convw_ptr, s_conv, ssm_ptr, s_ssm, read_ptr, write_ptr,
+                   conv_ptr, convw_ptr, s_conv, ssm_ptr, s_ssm, read_ptr, write_ptr, rows,
                    neg_a_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, eps, scale,
                    HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KS: tl.constexpr,
                    FUSED: tl.constexpr, TILED: tl.constexpr, P_TY: tl.constexpr,
@@ -69,8 +72,8 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
     k_at = q_at + DK if FUSED else row + HK * DK + kh * DK
     q = tl.load(q_at + dk, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(k_at + dk, mask=mk, other=0.0).to(tl.float32)
-    q = _conv_step(conv_ptr, convw_ptr, rrow, wrow, s_conv, kh * DK + dk, mk, q, KS, BLOCK_S, x_ty)
-    k = _conv_step(conv_ptr, convw_ptr, rrow, wrow, s_conv, HK * DK + kh * DK + dk, mk, k, KS, BLOCK_S, x_ty)
+    q = _conv_step(conv_ptr, convw_ptr, rrow, wrow, rows, s_conv, kh * DK + dk, mk, q, KS, BLOCK_S, x_ty)
+    k = _conv_step(conv_ptr, convw_ptr, rrow, wrow, rows, s_conv, HK * DK + kh * DK + dk, mk, k, KS, BLOCK_S, x_ty)
     q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-6) / scale
     k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-6)
     for i in tl.static_range(R):
@@ -84,17 +87,18 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
             v_at, z_at = row + 2 * HK * DK + h * DV, z_ptr + n * s_z + h * DV
             b_at, a_at = b_ptr + n * s_b + h, a_ptr + n * s_a + h
         v = tl.load(v_at + dv, mask=mv, other=0.0).to(tl.float32)
-        v = _conv_step(conv_ptr, convw_ptr, rrow, wrow, s_conv, 2 * HK * DK + h * DV + dv, mv, v, KS, BLOCK_S, x_ty)
+        v = _conv_step(conv_ptr, convw_ptr, rrow, wrow, rows, s_conv, 2 * HK * DK + h * DV + dv, mv, v, KS, BLOCK_S, x_ty)
         beta = tl.sigmoid(tl.load(b_at).to(tl.float32))
         a = tl.load(a_at).to(tl.float32) + tl.load(dt_bias_ptr + h)
         g = tl.load(neg_a_ptr + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, as torch's
         cell = h * DK * DV + dk[:, None] * DV + dv[None, :]
         ms = mk[:, None] & mv[None, :]
-        has = (dk * 0 + rrow) >= 0
+        rv, wv = dk * 0 + rrow, dk * 0 + wrow
+        has, put = (rv >= 0) & (rv < rows), (wv >= 0) & (wv < rows)
         s = tl.load(ssm_ptr + rrow * s_ssm + cell, mask=ms & has[:, None], other=0.0) * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
-        tl.store(ssm_ptr + wrow * s_ssm + cell, s, mask=ms)
+        tl.store(ssm_ptr + wrow * s_ssm + cell, s, mask=ms & put[:, None])
         o = round_to(tl.sum(s * q[:, None], 0), x_ty)
         normed = round_to(o * tl.math.rsqrt(tl.sum(o * o, 0) / DV + eps), x_ty)
         zg = tl.load(z_at + dv, mask=mv, other=0.0).to(tl.float32)
@@ -114,7 +118,8 @@ def gated_delta_decode(projections: tuple, conv: torch.Tensor, conv_w: torch.Ten
     projections: (qkvz, ba) fused, or (qkv, z, b, a), rows [N, ...] as the layer's projections
     give them. conv [rows, C, K-1] and ssm [rows, Hv, Dk, Dv] float32: the cache's state tables;
     sequence i reads row reads[i] (-1: zero states) and writes row writes[i] (int64 on the GPU;
-    a CUDA graph's static buffers). conv_w [C, K] float32; neg_a = -exp(A_log), dt_bias [Hv]
+    a CUDA graph's static buffers, so not checked on the host: a row outside the tables is read
+    as zeros and not written). conv_w [C, K] float32; neg_a = -exp(A_log), dt_bias [Hv]
     float32; norm_w [Dv]."""
     Hk, Hv, Dk, Dv = heads
     fused = len(projections) == 2
@@ -149,7 +154,7 @@ def gated_delta_decode(projections: tuple, conv: torch.Tensor, conv_w: torch.Ten
     block_k, block_v = triton.next_power_of_2(Dk), triton.next_power_of_2(Dv)
     warps = max(1, min(8, block_k * block_v // 2048))
     _decode_kernel[(N, Hk)](qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
-                            conv, conv_w, conv.stride(0), ssm, ssm.stride(0), reads, writes,
+                            conv, conv_w, conv.stride(0), ssm, ssm.stride(0), reads, writes, rows,
                             neg_a, dt_bias, norm_w, out, float(eps), math.sqrt(Dk),
                             HK=Hk, R=R, DK=Dk, DV=Dv, KS=K, FUSED=fused, TILED=tiled,
                             P_TY=_TL[torch.promote_types(norm_w.dtype, x.dtype)],
