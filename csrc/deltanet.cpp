@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "checked.h"
+#include "quants.h"
 
 namespace kt {
 namespace {
@@ -134,7 +135,6 @@ void check_rows(const char* what, int n, int64_t rows, const int64_t* in, const 
     }
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 }  // namespace
 
@@ -156,21 +156,24 @@ void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv,
     static thread_local std::vector<float> x_buf;
     x_buf.resize((size_t)n * C);
     float* x = x_buf.data();
-    const size_t taps = K - 1;
-    pool.parallel_for(n, [&](int b, int) {
+    const size_t taps = K - 1, span = 512, spans = (C + span - 1) / span;  // (channel spans: tasks for both threads)
+    pool.parallel_for((int)checked_product("gated_delta_decode: conv tasks", {(size_t)n, spans}), [&](int task, int) {
+        const int b = task / (int)spans;
+        const size_t c0 = (task % spans) * span, c1 = std::min(C, c0 + span);
         const float* in = conv_in[b] < 0 ? nullptr : conv + conv_in[b] * C * taps;
         float* to = conv + conv_out[b] * C * taps;
-        for (size_t c = 0; c < C; c++) {
+        for (size_t c = c0; c < c1; c++) {
             const float* w = conv_w + c * K;
             const float now = mixed[b * C + c];
             float acc = w[taps] * now;
             float window[16];
             for (size_t j = 0; j < taps; j++) window[j] = in ? in[c * taps + j] : 0.f;
             for (size_t j = 0; j < taps; j++) acc += w[j] * window[j];
-            x[b * C + c] = silu(acc);
+            x[b * C + c] = acc;
             for (size_t j = 0; j + 1 < taps; j++) to[c * taps + j] = window[j + 1];
             to[c * taps + taps - 1] = now;
         }
+        silu_rows(x + b * C + c0, c1 - c0);  // (vector exp: a scalar one a channel was most of a step)
     });
     // the rule and the gated norm, a task per (sequence, value head)
     const int group = Hv / Hk;
@@ -191,7 +194,9 @@ void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv,
         const float inv = 1.f / std::sqrt(ss / Dv + eps);
         const float* zb = z + ((size_t)b * Hv + h) * Dv;
         float* dst = out + ((size_t)b * Hv + h) * Dv;
-        for (int j = 0; j < Dv; j++) dst[j] = o[j] * inv * norm_w[j] * silu(zb[j]);
+        for (int j = 0; j < Dv; j++) kv[j] = o[j] * inv * norm_w[j];
+        std::copy(zb, zb + Dv, dst);
+        silu_mul(dst, kv.data(), Dv);  // silu(z) times the normed row
     });
 }
 

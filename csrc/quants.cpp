@@ -1927,6 +1927,18 @@ void silu_mul(float* g, const float* u, int n) {
     for (; i < n; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+void silu_rows(float* x, size_t n) {
+    size_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    }
+#endif
+    for (; i < n; i++) x[i] = x[i] / (1.f + std::exp(-x[i]));
+}
+
 void swiglu_clamped(float* g, const float* u, int n, float limit, float alpha) {
     int i = 0;
 #if defined(__AVX2__)

@@ -116,6 +116,8 @@ float row_absmax(const float* x, int n);
 void row_round_i8(const float* x, float inv, int8_t* q, int n);
 // g[i] = silu(g[i]) * u[i]
 void silu_mul(float* g, const float* u, int n);
+// x[i] = silu(x[i])
+void silu_rows(float* x, size_t n);
 // gpt-oss's clamped SwiGLU: g' = min(g[i], limit), u' = clamp(u[i], -limit, limit),
 // g[i] = g' * sigmoid(alpha * g') * (u' + 1)
 void swiglu_clamped(float* g, const float* u, int n, float limit, float alpha);
