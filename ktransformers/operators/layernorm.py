@@ -73,7 +73,9 @@ class KRMSNorm(BaseInjectedModule):
             return rms_norm(self.ext, hidden_states, self.weight, self.eps)
         zero_centred = self.options.zero_centred
         if path == "triton":
-            return self.triton_norm(hidden_states, self.weight, self.eps, round_normed=not zero_centred)
+            if zero_centred:
+                return self.triton_norm(hidden_states, self.weight, self.eps, round_normed=False)
+            return self.triton_norm(hidden_states, self.weight, self.eps)
         if zero_centred:
             return (F.rms_norm(hidden_states.float(), self.shape, None, self.eps) * self.weight).to(hidden_states.dtype)
         if hidden_states.dtype == torch.float32:
