@@ -216,11 +216,7 @@ class KGatedDeltaNet(BaseInjectedModule):
         """One token of each sequence, x [N, H] -> the gated norm's output [N, Hv * Dv], by
         kernels.triton.deltanet from the projections' rows over the cache's state rows."""
         from ..kernels.triton.deltanet import gated_delta_decode
-        cache = self.context.cache
-        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
-        reads, writes = batch.state_rows(conv.device)
-        if any(batch.state_fresh):  # (never in a CUDA-graph step: decode steps follow a prefill)
-            reads = torch.where(torch.tensor(batch.state_fresh, device=conv.device), -1, reads)
+        conv, ssm, reads, writes = self._decode_rows(batch)
         if self.fused:
             projections = (self.in_proj_qkvz(x), self.in_proj_ba(x))
         else:
@@ -229,17 +225,23 @@ class KGatedDeltaNet(BaseInjectedModule):
                                   self.norm.weight.detach(), self.norm.variance_epsilon, (self.Hk, self.Hv, self.Dk, self.Dv),
                                   self.tiled)
 
+    def _decode_rows(self, batch):
+        """(this layer's conv and delta-rule state tables, the rows a decode step reads, -1 where a
+        sequence starts fresh, and the rows it writes), for the one-call decode kernels."""
+        cache = self.context.cache
+        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
+        reads, writes = batch.state_rows(conv.device)
+        if any(batch.state_fresh):  # (never in a CUDA-graph step: decode steps follow a prefill)
+            reads = torch.where(torch.tensor(batch.state_fresh, device=conv.device), -1, reads)
+        return conv, ssm, reads, writes
+
     def _decode_fused(self, mixed: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch):
         """A float32 decode step on the CPU: the conv step, the delta rule and the gated norm in one
         C++ call over the cache's state rows -> [N, Hv, Dv]; else None (the step goes op by op)."""
         if not (self._in_rows(mixed.device) and mixed.dtype == torch.float32 and all(q == 1 for q in batch.q_lens)):
             return None
         from ..kernels.cpu import gated_delta_decode
-        cache = self.context.cache
-        conv, ssm = cache.conv[self.layer_idx], cache.ssm[self.layer_idx]
-        reads, writes = batch.state_rows(conv.device)
-        if any(batch.state_fresh):
-            reads = torch.where(torch.tensor(batch.state_fresh), -1, reads)
+        conv, ssm, reads, writes = self._decode_rows(batch)
         if self._norm_w is None:
             self._norm_w = self.norm.weight.detach().float().contiguous()
         return gated_delta_decode(self._runtime, mixed.contiguous(), self._conv_weight(), conv, reads, writes,
