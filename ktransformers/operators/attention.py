@@ -454,8 +454,7 @@ class KGQAAttention(_CachedAttention):
         if self.norm_all_heads:
             return None
         qn, kn = self.q_norm, self.k_norm
-        if not (isinstance(qn, KRMSNorm) and isinstance(kn, KRMSNorm)) or qn.options.zero_centred or \
-                kn.options.zero_centred:  # (the fused kernel rounds as the plain norm does)
+        if not (isinstance(qn, KRMSNorm) and isinstance(kn, KRMSNorm) and qn.fusable and kn.fusable):
             return None
         if any(n.weight is None or n.weight.dtype != q.dtype or n.weight.device != q.device
                or n.weight.shape != (q.shape[-1],) for n in (qn, kn)):

@@ -69,11 +69,10 @@ class CpuDecode:
 
 
 def _triton_norm(norm, like=None):
-    """`norm` where it is a KRMSNorm with the Triton kernel (shaped and placed as `like`, a norm,
-    when given; not a zero-centred one, which the fused add + norm does not round as it does),
-    else None."""
+    """`norm` where it is a KRMSNorm the fused add + norm computes (`fusable`) with the Triton
+    kernel (shaped and placed as `like`, a norm, when given), else None."""
     from .layernorm import KRMSNorm
-    if not isinstance(norm, KRMSNorm) or norm.weight is None or norm.triton_norm is None or norm.options.zero_centred:
+    if not isinstance(norm, KRMSNorm) or not norm.fusable or norm.weight is None or norm.triton_norm is None:
         return None
     if like is not None and (norm.shape != like.shape or norm.weight.device != like.weight.device):
         return None

@@ -56,6 +56,12 @@ class KRMSNorm(BaseInjectedModule):
     def unload(self) -> None:
         self.weight = self.ext = self.triton_norm = None
 
+    @property
+    def fusable(self) -> bool:
+        """Whether kernels that fuse this norm into other work (q/k norm + RoPE, residual add +
+        norm) compute it: they round as the plain norm does, which a zero-centred one does not."""
+        return not self.options.zero_centred
+
     def path(self, hidden_states: torch.Tensor) -> str:
         """Which kernel forward runs for these rows: "cpp" (float32 decode rows on the CPU),
         "triton" or "torch"."""
