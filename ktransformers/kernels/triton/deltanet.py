@@ -29,14 +29,21 @@ from .pdl import gdc_enter, pdl
 
 
 @triton.jit
+def _in_table(like, row, rows):
+    """Whether state row `row` lies in [0, rows), as a vector shaped as `like` (the interpreter
+    takes masks of one shape and dtype)."""
+    r = like * 0 + row
+    return (r >= 0) & (r < rows)
+
+
+@triton.jit
 def _conv_step(conv_ptr, w_ptr, rrow, wrow, rows, s_row, c, m, x, KS: tl.constexpr, BLOCK_S: tl.constexpr,
                X_TY: tl.constexpr):
     """Channels c (mask m) of one sequence: SiLU(conv over the state row `rrow` (zeros if < 0) and
     x), rounded to X_TY; the window's last KS - 1 inputs are stored at row `wrow` (rows outside
     [0, rows) are neither read nor written: the engine's never are)."""
     j = tl.arange(0, BLOCK_S)
-    rv, wv = c * 0 + rrow, c * 0 + wrow  # (vectors: the interpreter takes masks of one shape and dtype)
-    has, put = (rv >= 0) & (rv < rows), (wv >= 0) & (wv < rows)
+    has, put = _in_table(c, rrow, rows), _in_table(c, wrow, rows)
     mj = m[:, None] & (j[None, :] < KS - 1)
     cell = c[:, None] * (KS - 1) + j[None, :]
     state = tl.load(conv_ptr + rrow * s_row + cell, mask=mj & has[:, None], other=0.0)
@@ -76,6 +83,9 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
     k = _conv_step(conv_ptr, convw_ptr, rrow, wrow, rows, s_conv, HK * DK + kh * DK + dk, mk, k, KS, BLOCK_S, x_ty)
     q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-6) / scale
     k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    ms = mk[:, None] & mv[None, :]  # a state's cells; read, and written, where the rows lie in the table
+    ms_read, ms_write = ms & _in_table(dk, rrow, rows)[:, None], ms & _in_table(dk, wrow, rows)[:, None]
+    out_ty = out_ptr.dtype.element_ty
     for i in tl.static_range(R):
         h = i * HK + kh if TILED else kh * R + i  # the value head: its state, conv channels and output
         if FUSED:
@@ -92,18 +102,14 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
         a = tl.load(a_at).to(tl.float32) + tl.load(dt_bias_ptr + h)
         g = tl.load(neg_a_ptr + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, as torch's
         cell = h * DK * DV + dk[:, None] * DV + dv[None, :]
-        ms = mk[:, None] & mv[None, :]
-        rv, wv = dk * 0 + rrow, dk * 0 + wrow
-        has, put = (rv >= 0) & (rv < rows), (wv >= 0) & (wv < rows)
-        s = tl.load(ssm_ptr + rrow * s_ssm + cell, mask=ms & has[:, None], other=0.0) * tl.exp(g)
+        s = tl.load(ssm_ptr + rrow * s_ssm + cell, mask=ms_read, other=0.0) * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
-        tl.store(ssm_ptr + wrow * s_ssm + cell, s, mask=ms & put[:, None])
+        tl.store(ssm_ptr + wrow * s_ssm + cell, s, mask=ms_write)
         o = round_to(tl.sum(s * q[:, None], 0), x_ty)
         normed = round_to(o * tl.math.rsqrt(tl.sum(o * o, 0) / DV + eps), x_ty)
         zg = tl.load(z_at + dv, mask=mv, other=0.0).to(tl.float32)
         y = round_to(norm_w * normed, P_TY) * (zg / (1.0 + tl.exp(-zg)))
-        out_ty = out_ptr.dtype.element_ty
         tl.store(out_ptr + n * (R * HK * DV) + h * DV + dv, round_to(y, out_ty).to(out_ty), mask=mv)
 
 
