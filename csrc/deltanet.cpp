@@ -135,7 +135,6 @@ void check_rows(const char* what, int n, int64_t rows, const int64_t* in, const 
     }
 }
 
-
 }  // namespace
 
 void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
