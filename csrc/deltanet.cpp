@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <stdexcept>
 #include <vector>
 
 #include "checked.h"
 #include "quants.h"
+#include "simd.h"
 
 namespace kt {
 namespace {
@@ -23,27 +25,69 @@ void normalized(const float* x, int n, bool l2norm, float scale, float* out) {
     for (int i = 0; i < n; i++) out[i] = x[i] * inv;
 }
 
-// One token of the rule on a head's state S [Dk, Dv] (q, k normalized already), into o [Dv]:
-// kv = (decay S)^T k, the delta d = (v - kv) beta, then S = decay S + k d^T and o = S^T q in the
-// same pass. kv [Dv] is scratch.
-void rule_step(float* S, const float* qn, const float* kn, const float* vt, float decay, float bt, float* kv, float* o,
-               int Dk, int Dv) {
+// out[j] = decay in[j] + ki d[j], and o[j] += out[j] qi, for j < n. `stream`: out by
+// non-temporal stores (64-byte aligned, n a multiple of 16 where AVX-512 runs): a state row that
+// the next step reads from RAM anyway is written without first reading its lines in.
+inline void decay_add_row(float* out, const float* in, float decay, float ki, const float* d, float qi, float* o,
+                          int n, bool stream) {
+    int j = 0;
+#if defined(__AVX512F__)
+    const __m512 dc = _mm512_set1_ps(decay), kk = _mm512_set1_ps(ki), qq = _mm512_set1_ps(qi);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(in + j), dc, _mm512_mul_ps(kk, _mm512_loadu_ps(d + j)));
+        if (stream) _mm512_stream_ps(out + j, s);
+        else _mm512_storeu_ps(out + j, s);
+        _mm512_storeu_ps(o + j, _mm512_fmadd_ps(s, qq, _mm512_loadu_ps(o + j)));
+    }
+#elif defined(__AVX2__)
+    const __m256 dc = _mm256_set1_ps(decay), kk = _mm256_set1_ps(ki), qq = _mm256_set1_ps(qi);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(in + j), dc, _mm256_mul_ps(kk, _mm256_loadu_ps(d + j)));
+        if (stream) _mm256_stream_ps(out + j, s);
+        else _mm256_storeu_ps(out + j, s);
+        _mm256_storeu_ps(o + j, _mm256_fmadd_ps(s, qq, _mm256_loadu_ps(o + j)));
+    }
+#endif
+    for (; j < n; j++) {
+        out[j] = in[j] * decay + ki * d[j];
+        o[j] += out[j] * qi;
+    }
+}
+
+// Whether decay_add_row may stream rows of n floats to every row of a state at S.
+inline bool streamable(const float* S, int n) {
+#if defined(__AVX512F__)
+    return reinterpret_cast<uintptr_t>(S) % 64 == 0 && n % 16 == 0;
+#elif defined(__AVX2__)
+    return reinterpret_cast<uintptr_t>(S) % 32 == 0 && n % 8 == 0;
+#else
+    return false;
+#endif
+}
+
+// One token of the rule on a head's state, read from `in` [Dk, Dv] (nullptr: zeros) and written
+// to S (which may be `in`), q and k normalized already, into o [Dv]: kv = (decay in)^T k, the
+// delta d = (v - kv) beta, then S = decay in + k d^T and o = S^T q in the same pass. kv [Dv] is
+// scratch. `stream`: S by non-temporal stores (a decode step's last write; streamable(S, Dv)).
+void rule_step(float* S, const float* in, const float* qn, const float* kn, const float* vt, float decay, float bt,
+               float* kv, float* o, int Dk, int Dv, bool stream) {
+    if (in == nullptr) {
+        std::fill(S, S + (size_t)Dk * Dv, 0.f);
+        in = S;
+    }
     std::fill(kv, kv + Dv, 0.f);
     for (int i = 0; i < Dk; i++) {
         const float ki = kn[i];
-        const float* Si = S + (size_t)i * Dv;
+        const float* Si = in + (size_t)i * Dv;
         for (int j = 0; j < Dv; j++) kv[j] += Si[j] * ki;
     }
     for (int j = 0; j < Dv; j++) kv[j] = (vt[j] - decay * kv[j]) * bt;
     std::fill(o, o + Dv, 0.f);
-    for (int i = 0; i < Dk; i++) {
-        const float ki = kn[i], qi = qn[i];
-        float* Si = S + (size_t)i * Dv;
-        for (int j = 0; j < Dv; j++) {
-            Si[j] = Si[j] * decay + ki * kv[j];
-            o[j] += Si[j] * qi;
-        }
-    }
+    for (int i = 0; i < Dk; i++)
+        decay_add_row(S + (size_t)i * Dv, in + (size_t)i * Dv, decay, kn[i], kv, qn[i], o, Dv, stream);
+#if defined(__AVX2__)
+    if (stream) _mm_sfence();  // (the streamed rows are visible before the pool's barrier says done)
+#endif
 }
 
 // A head's state starts from `from` (nullptr: zeros) at S, which `from` may already be.
@@ -62,14 +106,15 @@ void run_rule(ThreadPool& pool, const float* q, const float* k, const float* v, 
     pool.parallel_for(B * Hv, [&](int task, int) {
         const int b = task / Hv, h = task % Hv, hk = h / group;
         float* S = state_out(b, h);
-        start_state(S, state_in(b, h), (size_t)Dk * Dv);
+        const float* from = state_in(b, h);
+        if (T == 0) start_state(S, from, (size_t)Dk * Dv);
         std::vector<float> qn(Dk), kn(Dk), kv(Dv);
         for (int t = 0; t < T; t++) {
             const size_t row = (size_t)b * T + t;
             normalized(q + (row * Hk + hk) * Dk, Dk, l2norm, q_scale, qn.data());
             normalized(k + (row * Hk + hk) * Dk, Dk, l2norm, 1.f, kn.data());
-            rule_step(S, qn.data(), kn.data(), v + (row * Hv + h) * Dv, std::exp(g[row * Hv + h]), beta[row * Hv + h],
-                      kv.data(), out + (row * Hv + h) * Dv, Dk, Dv);
+            rule_step(S, t == 0 ? from : S, qn.data(), kn.data(), v + (row * Hv + h) * Dv, std::exp(g[row * Hv + h]),
+                      beta[row * Hv + h], kv.data(), out + (row * Hv + h) * Dv, Dk, Dv, false);
         }
     });
 }
@@ -182,12 +227,12 @@ void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv,
         const int b = task / Hv, h = task % Hv, hk = tiled ? h % Hk : h / group;
         const float* xb = x + b * C;
         float* S = ssm + ssm_out[b] * per_row + (size_t)h * Dk * Dv;
-        start_state(S, ssm_in[b] < 0 ? nullptr : ssm + ssm_in[b] * per_row + (size_t)h * Dk * Dv, (size_t)Dk * Dv);
+        const float* from = ssm_in[b] < 0 ? nullptr : ssm + ssm_in[b] * per_row + (size_t)h * Dk * Dv;
         std::vector<float> qn(Dk), kn(Dk), kv(Dv), o(Dv);
         normalized(xb + q_at + (size_t)hk * Dk, Dk, true, q_scale, qn.data());
         normalized(xb + k_at + (size_t)hk * Dk, Dk, true, 1.f, kn.data());
-        rule_step(S, qn.data(), kn.data(), xb + v_at + (size_t)h * Dv, std::exp(g[(size_t)b * Hv + h]),
-                  beta[(size_t)b * Hv + h], kv.data(), o.data(), Dk, Dv);
+        rule_step(S, from, qn.data(), kn.data(), xb + v_at + (size_t)h * Dv, std::exp(g[(size_t)b * Hv + h]),
+                  beta[(size_t)b * Hv + h], kv.data(), o.data(), Dk, Dv, from != S && streamable(S, Dv));
         float ss = 0.f;
         for (int j = 0; j < Dv; j++) ss += o[j] * o[j];
         const float inv = 1.f / std::sqrt(ss / Dv + eps);

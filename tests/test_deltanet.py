@@ -137,11 +137,13 @@ def decode_reference(mixed, conv_w, conv_states, g, beta, ssm_states, z, norm, h
 
 
 @pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3)],
+@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3), (2, 1, 2, 8, 24, 4)],
                          ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
 def test_fused_decode_matches_transformers(runtime, shape, tiled):
     """gated_delta_decode over rows of the state tables (read from one row, written to another, one
-    sequence fresh) against transformers' conv step, delta rule and gated norm."""
+    sequence fresh) against transformers' conv step, delta rule and gated norm. (Rows written to
+    another row are streamed where Dv fills whole vectors: Dv 24 takes the plain stores at
+    AVX-512, the streamed ones at AVX2.)"""
     from ktransformers.kernels.cpu import gated_delta_decode
     n, Hk, Hv, Dk, Dv, K = shape
     C, R = 2 * Hk * Dk + Hv * Dv, 2 * n + 1
