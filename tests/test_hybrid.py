@@ -17,11 +17,11 @@ from ktransformers.weights.ggml_quants import GGMLType
 from ktransformers.weights.gguf_write import write_gguf
 
 
-def _loaded(tmp_path, rules=None, seed=0, family="qwen3_next"):
-    """A tiny hybrid model and its GGUF (F32, in llama.cpp's layout: Qwen3.5's value heads tiled)
-    loaded through `rules` (default: the shipped CPU file)."""
+def _loaded(tmp_path, rules=None, seed=0, family="qwen3_next", types=None):
+    """A tiny hybrid model and its GGUF (F32 unless `types` says, in llama.cpp's layout: Qwen3.5's
+    value heads tiled) loaded through `rules` (default: the shipped CPU file)."""
     hf = tiny_model(family, seed=seed)
-    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=lambda name, shape: GGMLType.F32)
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), types=types or (lambda name, shape: GGMLType.F32))
     model = build_skeleton(hf.config, torch.float32)
     optimize_and_load_gguf(model, rules or RULES_DIR / RULES[family], tmp_path / "m.gguf", hf.config)
     return hf, model
@@ -116,6 +116,52 @@ def test_batched_steps_over_states_equal_each_sequence_alone(tmp_path, path, fam
         engine.release(s)
     if path == "triton":
         assert calls, "the decode steps did not run the Triton kernel"
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
+    """KDecoderLayer's CPU decode step over a hybrid's layers (the DeltaNet layers' one-token step
+    on their kernels, the gated attention's queries and gate, the sigmoid-gated shared expert by
+    direct calls) gives the same logits, to the bit, as the layers run module by module, on Q8_0
+    weights; two sequences in one step go module by module, each as when alone."""
+    from ktransformers.cache.recurrent import linear_layers
+    from ktransformers.operators.layer import KDecoderLayer
+    hf, model = _loaded(tmp_path, family=family, types=GGMLType.Q8_0)
+    layers = [m for m in model.modules() if isinstance(m, KDecoderLayer)]
+    plans = [m.plan.cpu_decode for m in layers]
+    assert len(layers) == hf.config.num_hidden_layers and None not in plans
+    assert [i for i, p in enumerate(plans) if p.mixer is not None] == linear_layers(hf.config)
+    assert all(p.gated and p.shared is not None for p in plans if p.mixer is None)
+    took = []
+    for m in layers:
+        real = m._decode_one
+        m._decode_one = lambda *a, real=real: (lambda out: took.append(out is not None) or out)(real(*a))
+    ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    results = []
+    for cpu_decode in (True, False):
+        for m in layers:
+            m.cpu_decode = cpu_decode
+        engine = Engine(model, cache_lens=64, page_size=4, chunk_size=7)
+        seq = engine.new_sequence()
+        results.append(torch.stack([engine.prefill(seq, ids[:13])[0]] + [engine.decode(seq, t)[0] for t in ids[13:]]))
+        engine.release(seq)
+    assert sum(took) == len(layers) * (len(ids) - 13)
+    assert torch.equal(results[0], results[1])
+    for m in layers:
+        m.cpu_decode = True
+    engine = Engine(model, cache_lens=64, page_size=4, max_batch=2)
+    sa, sb = engine.new_sequence(), engine.new_sequence()
+    engine.prefill(sa, ids[:9])
+    engine.prefill(sb, ids[20:25])
+    took.clear()
+    both = engine.step([sa, sb], [[ids[9]], [ids[25]]])
+    assert not any(took)
+    alone = Engine(model, cache_lens=64, page_size=4)
+    for i, (prompt, token) in enumerate(((ids[:9], ids[9]), (ids[20:25], ids[25]))):
+        s = alone.new_sequence()
+        alone.prefill(s, prompt)
+        want = alone.decode(s, token)[0]
+        assert ((both[i] - want).norm() / want.norm()).item() < 1e-5
 
 
 def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):

@@ -160,22 +160,50 @@ class KGatedDeltaNet(BaseInjectedModule):
         return self.out_proj(out.reshape(B, S, self.value_dim))
 
     def _project(self, x: torch.Tensor):
-        """(q, k and v side by side, z, beta, g). Qwen3-Next's layout of the fused projections: per
-        key head, its q, k, then the v and z of the value heads it serves; per key head, their b
-        then their a."""
-        B, S, _ = x.shape
+        """(q, k and v side by side, z, beta, g) of x [B, S, H]."""
+        names = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        return self._split(x.shape[0], x.shape[1], *(getattr(self, n)(x) for n in names))
+
+    def _split(self, B: int, S: int, *projections):
+        """The input projections' outputs -> (q, k and v side by side, z, beta, g). Qwen3-Next's
+        layout of the fused projections: per key head, its q, k, then the v and z of the value
+        heads it serves; per key head, their b then their a."""
         if self.fused:
-            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+            qkvz, ba = projections
             r = self.Hv // self.Hk
             qkvz = qkvz.view(B, S, self.Hk, 2 * self.Dk + 2 * r * self.Dv)
             q, k, v, z = torch.split(qkvz, [self.Dk, self.Dk, r * self.Dv, r * self.Dv], dim=-1)
             b, a = torch.split(ba.view(B, S, self.Hk, 2 * r), [r, r], dim=-1)
             mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
         else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            mixed, z, b, a = projections
+            mixed = mixed.reshape(B, S, -1)
         beta = b.reshape(B, S, self.Hv).float().sigmoid()
         g = self.neg_A.to(a.device) * F.softplus(a.reshape(B, S, self.Hv).float() + self.dt_bias.to(a.device))
         return mixed, z.reshape(B, S, self.Hv, self.Dv), beta, g
+
+    def cpu_step(self):
+        """One token of one sequence on the C++ kernels, without the projections' module calls:
+        a function h [1, H] float32 (contiguous) -> [1, H], or None where the step does not fit
+        (several sequences or tokens in the step's batch); None instead of the function where this
+        layer does not decode so (not on the CPU kernels, a projection that is not a CPU linear).
+        The same kernels on the same inputs as forward's, so the same result to the bit."""
+        from .linear import direct_call
+        if self._runtime is None:
+            return None
+        names = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        projections, out = [direct_call(getattr(self, n)) for n in names], direct_call(self.out_proj)
+        if None in projections or out is None:
+            return None
+
+        def step(h: torch.Tensor) -> torch.Tensor | None:
+            batch = self.context.batch if self.context is not None else None
+            if batch is None or batch.state_read is None or batch.num_tokens != 1:
+                return None
+            mixed, z, beta, g = self._split(1, 1, *(p(h) for p in projections))
+            fused = self._decode_fused(mixed[0], z[0], beta[0], g[0], batch)
+            return None if fused is None else out(fused.reshape(1, self.value_dim))
+        return step
 
     def _batch(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch) -> torch.Tensor:
         """The step's packed tokens [N, ...] -> [N, Hv, Dv] float32, each sequence from its states.

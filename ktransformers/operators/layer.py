@@ -1,5 +1,6 @@
 """KDecoderLayer: a pre-norm MoE decoder layer (x + attn(norm(x)), then x + moe(norm(x)): Qwen3-MoE,
-Qwen2-MoE, Mixtral, GLM-4.5, gpt-oss, MiniMax-M2) that keeps the original's children under the same names, so the rules for
+Qwen2-MoE, Mixtral, GLM-4.5, gpt-oss, MiniMax-M2; the hybrids Qwen3-Next and Qwen3.5-MoE, whose
+linear-attention layers hold `linear_attn` where the others hold `self_attn`) that keeps the original's children under the same names, so the rules for
 `...self_attn`, `...mlp.gate`, `...mlp.experts` still apply, and runs one of three plans, chosen
 once after load (`LayerPlan`):
 
@@ -14,7 +15,8 @@ once after load (`LayerPlan`):
                 kernels with the same inputs as module by module, so the same result to the bit,
                 without the ~25 module calls, argument checks and small torch ops between them.
                 A gate or router other than KMoEGateSoftmax (GLM's, gpt-oss's) and shared experts
-                are called as the modules they are.
+                other than the sigmoid-gated kind are called as the modules they are; a DeltaNet
+                layer's mixer is KGatedDeltaNet.cpu_step.
 
 Where a step does not fit its plan's kernels (more rows than the Triton norm takes, several
 sequences in a CPU decode step), it runs the `hf` steps.
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..kernels.cpu import rms_norm
 
 from .base import BaseInjectedModule, adopt_children
 from .registry import OPERATORS
@@ -66,6 +70,9 @@ class CpuDecode:
     scale: float
     buf: dict[str, torch.Tensor]
     ptr: dict[str, int]  # the buffers' addresses
+    gated: bool = False  # q_proj gives each head's query, then its output gate (Qwen3-Next, Qwen3.5)
+    mixer: object = None  # a linear-attention layer's step h [1, H] -> [1, H] or None (then the fields
+    # of the attention above are None)
 
 
 def _triton_norm(norm, like=None):
@@ -140,7 +147,8 @@ class KDecoderLayer(BaseInjectedModule):
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
-        missing = [c for c in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        mixer = "linear_attn" if hasattr(orig_module, "linear_attn") else "self_attn"  # (hybrids' DeltaNet layers)
+        missing = [c for c in ("input_layernorm", mixer, "post_attention_layernorm", "mlp")
                    if not hasattr(orig_module, c)]
         if missing:
             raise ValueError(f"{key}: {type(orig_module).__name__} is not a pre-norm decoder layer (no {', '.join(missing)})")
@@ -233,49 +241,85 @@ class KDecoderLayer(BaseInjectedModule):
 
     def _find_cpu_decode(self) -> CpuDecode | None:
         """The kernels of this layer where every part of it runs on the C++ CPU kernels in float32
-        (a gate or router module, and shared experts, called as they are)."""
+        (a gate or router module, and shared experts without a direct form, called as they are)."""
+        moe = self._cpu_moe()
+        norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
+        if moe is None or None in norms:
+            return None
+        H, logits = norms[0][0].shape[0], moe.pop("logits")
+        mixer = getattr(self, "linear_attn", None)
+        if mixer is not None:  # a hybrid's linear-attention layer: its own one-token step
+            step = mixer.cpu_step() if hasattr(mixer, "cpu_step") else None
+            if step is None:
+                return None
+            buf = _buffers({"x1": H, "h2": H, "y": H, "logits": logits})
+            return CpuDecode(ext=mixer._runtime.ext, runtime=mixer._runtime._rt, norms=(*norms, None, None), q=None,
+                             k=None, v=None, o=None, biases=(None,) * 4, **moe, heads=0, kv_heads=0, d=0, rotary=0,
+                             norm_all_heads=False, window=0, sinks=None, scale=0.0, buf=buf,
+                             ptr={name: t.data_ptr() for name, t in buf.items()}, mixer=step)
+        return self._attention_decode(moe, norms, H, logits)
+
+    def _attention_decode(self, moe: dict, norms: list, H: int, logits: int) -> CpuDecode | None:
         from .attention import KGQAAttention
+        attn = self.self_attn
+        if not isinstance(attn, KGQAAttention) or attn._runtime is None:  # (the cache is checked each step)
+            return None
+        linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
+        if None in linears or (hasattr(attn, "q_norm") and None in qk):
+            return None
+        d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+        buf = _buffers({"h": H, "q": heads * d * (2 if attn.gated else 1), "qg": heads * d, "k": kv * d, "v": kv * d,
+                        "qn": heads * d, "kn": kv * d, "attn": heads * d, "o": H, "x1": H, "h2": H, "y": H,
+                        "logits": logits})
+        (q, bq), (k, bk), (v, bv), (o, bo) = linears
+        return CpuDecode(ext=attn._runtime.ext, runtime=attn._runtime._rt, norms=tuple(norms + qk), q=q, k=k, v=v, o=o,
+                         biases=(bq, bk, bv, bo), **moe, heads=heads, kv_heads=kv, d=d, rotary=attn.rotary_dim,
+                         norm_all_heads=attn.norm_all_heads, window=attn.window or 0, sinks=attn.sinks,
+                         scale=float(attn.scaling), buf=buf, ptr={name: t.data_ptr() for name, t in buf.items()},
+                         gated=attn.gated)
+
+    def _cpu_moe(self) -> dict | None:
+        """The MoE half of the cpu_decode plan (CpuDecode's router, route, shared, moe, top_k and
+        renorm; `logits`: the router's width), or None where the block is not run so."""
         from .experts import KExpertsCPU, KTransformersExperts
         from .moe import KMoEBlock
-        attn, mlp = self.self_attn, self.mlp
-        route = _cpu_route(mlp)
-        if not isinstance(attn, KGQAAttention) or attn.gated or route is None:
-            return None
-        experts = getattr(mlp, "experts", None)
-        if not isinstance(experts, KTransformersExperts):
+        mlp = self.mlp
+        route, experts = _cpu_route(mlp), getattr(mlp, "experts", None)
+        if route is None or not isinstance(experts, KTransformersExperts):
             return None
         op = experts.ops.get("generate")
         if (not isinstance(op, KExpertsCPU) or op.kernel is None or experts.hot is not None
                 or experts.options.out_device != "cpu"):
             return None
-        linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        norms = [_cpu_norm(self.input_layernorm), _cpu_norm(self.post_attention_layernorm)]
-        qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
-        if None in linears or None in norms or (hasattr(attn, "q_norm") and None in qk) or attn._runtime is None:
-            # (the cache itself is checked each step: _decode_one)
-            return None
-        shared = mlp._shared if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
+        shared = (_direct_shared(mlp) or mlp._shared) if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
         gate = mlp.gate if route[0] is not None else None  # (a KMoEGateSoftmax, routed inline)
-        H, d = self.input_layernorm.weight.shape[0], attn.head_dim
-        heads, kv = attn.num_heads, attn.num_kv_heads
-        sizes = {"h": H, "q": heads * d, "k": kv * d, "v": kv * d, "qn": heads * d, "kn": kv * d,
-                 "attn": heads * d, "o": H, "x1": H, "h2": H, "y": H,
-                 "logits": gate.weight_shape[0] if gate is not None else 1}
-        buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
-        runtime = attn._runtime
-        (q, bq), (k, bk), (v, bv), (o, bo) = linears
-        return CpuDecode(runtime.ext, runtime._rt, tuple(norms + qk), q, k, v, o, (bq, bk, bv, bo), *route, shared,
-                         op.kernel._moe, gate.top_k if gate is not None else 0, gate.norm if gate is not None else False,
-                         heads, kv, d, attn.rotary_dim, attn.norm_all_heads, attn.window or 0,
-                         attn.sinks, float(attn.scaling), buf, {name: t.data_ptr() for name, t in buf.items()})
+        return dict(router=route[0], route=route[1], shared=shared, moe=op.kernel._moe,
+                    top_k=gate.top_k if gate is not None else 0, renorm=gate.norm if gate is not None else False,
+                    logits=gate.weight_shape[0] if gate is not None else 1)
 
     def _decode_one(self, x: torch.Tensor, position_embeddings) -> torch.Tensor | None:
         """x [1, 1, H] float32 -> the layer's output, or None when this step is not the CPU case."""
         p = self.plan.cpu_decode
-        batch = self.self_attn.context.batch if self.self_attn.context is not None else None
-        if (p is None or batch is None or len(batch.q_lens) != 1 or position_embeddings is None
-                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
-                or x.shape[-1] != p.buf["h"].shape[1]):
+        batch = self.context.batch if self.context is not None else None
+        if (p is None or batch is None or len(batch.q_lens) != 1 or x.dtype != torch.float32
+                or x.device.type != "cpu" or not x.is_contiguous() or x.shape[-1] != p.buf["x1"].shape[1]):
+            return None
+        (w_in, eps_in), (w_post, eps_post) = p.norms[:2]
+        if p.mixer is not None:
+            out = p.mixer(rms_norm(p.ext, x.view(1, -1), w_in, eps_in))
+        else:
+            out = self._attend_one(p, x, batch, position_embeddings)
+        if out is None:  # (before any state or cache was written)
+            return None
+        x1 = torch.add(x.view(1, -1), out, out=p.buf["x1"])
+        p.ext.rms_norm(p.ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], p.ptr["h2"])
+        return (x1 + self._moe_one(p)).view(x.shape)
+
+    def _attend_one(self, p: CpuDecode, x: torch.Tensor, batch, position_embeddings) -> torch.Tensor | None:
+        """The attention half of a cpu_decode step: x [1, 1, H] -> o_proj's output [1, H] (p.buf),
+        or None when the step does not fit (then nothing was written)."""
+        if position_embeddings is None:
             return None
         cos, sin = position_embeddings
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != sin.numel():
@@ -285,21 +329,22 @@ class KDecoderLayer(BaseInjectedModule):
         if cos.numel() != p.rotary or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         caches = self.self_attn._cpp_cache()  # (the engine's cache: float32 on the CPU, else None)
-        if caches is None:
-            return None
         read = batch.read_slots[0]
-        if read.dtype != torch.int64 or not read.is_contiguous():
+        if caches is None or read.dtype != torch.int64 or not read.is_contiguous():
             return None
         if p.window and read.numel() > p.window:  # a sliding-window layer sees its last `window` slots
             read = read[-p.window:]
         b, ptr, ext = p.buf, p.ptr, p.ext
-        (w_in, eps_in), (w_post, eps_post), qn, kn = p.norms
+        (w_in, eps_in), _, qn, kn = p.norms
         ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], ptr["h"])
         for name, linear, bias in (("q", p.q, p.biases[0]), ("k", p.k, p.biases[1]), ("v", p.v, p.biases[2])):
             linear.forward(1, ptr["h"], ptr[name], _F32)
             if bias is not None:
                 b[name].add_(bias)
         q, k = ptr["q"], ptr["k"]
+        if p.gated:  # per head: d query values, then d gate values
+            b["qg"].view(p.heads, p.d).copy_(b["q"].view(p.heads, 2 * p.d)[:, :p.d])
+            q = ptr["qg"]
         if qn is not None:  # RMSNorm of q and k, per head (Qwen3) or over all heads (MiniMax-M2)
             q_rows, k_rows = (1, 1) if p.norm_all_heads else (p.heads, p.kv_heads)
             ext.rms_norm(q, qn[0].data_ptr(), qn[1], q_rows, p.heads * p.d // q_rows, ptr["qn"])
@@ -312,11 +357,16 @@ class KDecoderLayer(BaseInjectedModule):
                                         v_cache.data_ptr(), k_cache.shape[0], int(batch.slots[0]), read.data_ptr(),
                                         read.numel(), p.heads, p.kv_heads, p.d, p.scale, ptr["attn"],
                                         0 if p.sinks is None else p.sinks.data_ptr(), p.rotary)
+        if p.gated:
+            gate = b["q"].view(p.heads, 2 * p.d)[:, p.d:].reshape(1, -1)
+            torch.mul(b["attn"], torch.sigmoid(gate), out=b["attn"])
         p.o.forward(1, ptr["attn"], ptr["o"], _F32)
-        if p.biases[3] is not None:
-            b["o"].add_(p.biases[3])
-        x1 = torch.add(x.view(1, -1), b["o"], out=b["x1"])
-        ext.rms_norm(ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], ptr["h2"])
+        return b["o"] if p.biases[3] is None else b["o"].add_(p.biases[3])
+
+    @staticmethod
+    def _moe_one(p: CpuDecode) -> torch.Tensor:
+        """The MoE half of a cpu_decode step, on the post-attention norm in p.buf["h2"] -> [1, H]."""
+        b, ptr = p.buf, p.ptr
         if p.route is None:
             p.router.forward(1, ptr["h2"], ptr["logits"], _F32)
             weights, ids = torch.softmax(b["logits"], dim=-1).topk(p.top_k, dim=-1)
@@ -326,8 +376,25 @@ class KDecoderLayer(BaseInjectedModule):
             weights, ids = p.route(b["h2"])
             ids, weights = ids.to("cpu", torch.int64).contiguous(), weights.to("cpu", torch.float32).contiguous()
         p.moe.forward(1, ids.data_ptr(), weights.data_ptr(), ptr["h2"], ptr["y"], _F32)
-        y = b["y"] if p.shared is None else b["y"] + p.shared(b["h2"])
-        return (x1 + y).view(x.shape)
+        return b["y"] if p.shared is None else b["y"] + p.shared(b["h2"])
+
+
+def _buffers(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
+
+
+def _direct_shared(mlp):
+    """The sigmoid-gated shared expert of Qwen2-MoE, Qwen3-Next and Qwen3.5 (h [1, H] -> [1, H]) by
+    direct calls of its linears (linear.direct_call), in the order of transformers' forward; None
+    where a part has no direct form or the block's shared experts are of another kind."""
+    from .linear import direct_call
+    expert, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    act = getattr(expert, "act_fn", None)
+    calls = [direct_call(getattr(expert, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
+    if act is None or gate is None or None in calls or direct_call(gate) is None:
+        return None
+    (g, u, d), s = calls, direct_call(gate)
+    return lambda h: torch.sigmoid(s(h)) * d(act(g(h)) * u(h))
 
 
 OPERATORS.register("KDecoderLayer")(KDecoderLayer)

@@ -261,3 +261,27 @@ class KTransformersLinear(BaseInjectedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = self.ops[self.phase]
         return op.forward(x.to(op.device)).to(self.options.out_device or x.device)
+
+
+def direct_call(module):
+    """`module`'s decode-step call on one float32 row x [1, I] -> [1, O] (float32, on the CPU),
+    without the module calls and checks between it and its kernel: the C++ linear of a
+    KTransformersLinear whose generate op is KLinearCPU in float32 (bias added), or F.linear on a
+    plain nn.Linear's float32 CPU weight; None for any other module. The same kernel with the
+    same input as the module's own forward, so the same result to the bit; x must be contiguous."""
+    if isinstance(module, KTransformersLinear):
+        op = module.ops.get("generate")
+        if (not isinstance(op, KLinearCPU) or op.kernel is None or op.dtype != torch.float32
+                or module.options.out_device not in (None, "cpu")):
+            return None
+        linear, bias, width = op.kernel._linear, op.bias, op.out_features
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            y = torch.empty(1, width)
+            linear.forward(1, x.data_ptr(), y.data_ptr(), 0)  # (0: float32)
+            return y if bias is None else y + bias
+        return call
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return None
