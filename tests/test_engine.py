@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from tiny import FAMILIES, RULES, reference_rules, tiny_model, train_tokenizer
+from tiny import FAMILIES, RULES, reference_rules, tiny_model, train_tokenizer, two_at_once_as_alone
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, KDeepSeekV3Cache, KGQACache, PagedCache
@@ -345,18 +345,7 @@ def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     for m in layers:
         m.cpu_decode = True
     assert all(m.plan.cpu_decode is not None for m in moe_layers)
-    engine = Engine(ours, cache_lens=64, page_size=4)
-    sa, sb = engine.new_sequence(), engine.new_sequence()
-    engine.prefill(sa, ids[:9])
-    engine.prefill(sb, ids[20:25])
-    took.clear()
-    both = engine.step([sa, sb], [[ids[9]], [ids[25]]])
-    assert not any(took)
-    alone = Engine(ours, cache_lens=64, page_size=4)
-    for i, (prompt, token) in enumerate(((ids[:9], ids[9]), (ids[20:25], ids[25]))):
-        s = alone.new_sequence()
-        alone.prefill(s, prompt)
-        assert rel_err(both[i], alone.decode(s, token)[0]) < 1e-5
+    two_at_once_as_alone(ours, ids, took)
     reference, _ = load(tmp_path, family)  # torch reference operators: no CPU path to take
     engine = Engine(reference, cache_lens=64, page_size=4)
     seq = engine.new_sequence()

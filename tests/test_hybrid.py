@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from tiny import HYBRID, RULES, tiny_model, train_tokenizer, wait_all
+from tiny import HYBRID, RULES, tiny_model, train_tokenizer, two_at_once_as_alone, wait_all
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, HybridCache
@@ -149,19 +149,7 @@ def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     assert torch.equal(results[0], results[1])
     for m in layers:
         m.cpu_decode = True
-    engine = Engine(model, cache_lens=64, page_size=4, max_batch=2)
-    sa, sb = engine.new_sequence(), engine.new_sequence()
-    engine.prefill(sa, ids[:9])
-    engine.prefill(sb, ids[20:25])
-    took.clear()
-    both = engine.step([sa, sb], [[ids[9]], [ids[25]]])
-    assert not any(took)
-    alone = Engine(model, cache_lens=64, page_size=4)
-    for i, (prompt, token) in enumerate(((ids[:9], ids[9]), (ids[20:25], ids[25]))):
-        s = alone.new_sequence()
-        alone.prefill(s, prompt)
-        want = alone.decode(s, token)[0]
-        assert ((both[i] - want).norm() / want.norm()).item() < 1e-5
+    two_at_once_as_alone(model, ids, took)
 
 
 def test_chat_reuses_the_states_and_server_answers_as_generate(tmp_path):

@@ -300,3 +300,23 @@ def wait_all(requests, timeout: float = 300) -> None:
     while any(r.t_done is None for r in requests):
         assert time.monotonic() < deadline, "the scheduler did not finish"
         time.sleep(0.01)
+
+
+def two_at_once_as_alone(model, ids: list[int], took: list[bool]) -> None:
+    """Two sequences fed one token each in one step take the module-by-module path (`took`, where
+    a KDecoderLayer's wrapped _decode_one records whether it ran its CPU step, stays without a
+    True) and each gets the logits it gets alone (relative error < 1e-5)."""
+    from ktransformers.engine.generate import Engine
+    engine = Engine(model, cache_lens=64, page_size=4, max_batch=2)
+    sa, sb = engine.new_sequence(), engine.new_sequence()
+    engine.prefill(sa, ids[:9])
+    engine.prefill(sb, ids[20:25])
+    took.clear()
+    both = engine.step([sa, sb], [[ids[9]], [ids[25]]])
+    assert not any(took)
+    alone = Engine(model, cache_lens=64, page_size=4)
+    for i, (prompt, token) in enumerate(((ids[:9], ids[9]), (ids[20:25], ids[25]))):
+        s = alone.new_sequence()
+        alone.prefill(s, prompt)
+        want = alone.decode(s, token)[0]
+        assert ((both[i] - want).norm() / want.norm()).item() < 1e-5
