@@ -4,7 +4,8 @@ import re
 
 import pytest
 import torch
-from tiny import FAMILIES, RULES, reference_rules, tiny_model, train_tokenizer, two_at_once_as_alone
+from tiny import (FAMILIES, RULES, logits_of_both_plans, record_cpu_steps, reference_rules, tiny_model, train_tokenizer,
+                  two_at_once_as_alone)
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, KDeepSeekV3Cache, KGQACache, PagedCache
@@ -302,14 +303,6 @@ def test_gqa_torch_decode_path_equals_the_cpp_one(tmp_path):
     assert rel_err(results[1][:-1], full_logits(ours, ids)[19:-1]) < TOL
 
 
-def _recording(decode_one, took):
-    def run(*args):
-        out = decode_one(*args)
-        took.append(out is not None)
-        return out
-    return run
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe", "minimax_m2"])
 def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     """KDecoderLayer's CPU decode step (the layer's kernels called back to back) gives the same
@@ -324,22 +317,13 @@ def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     ours, hf = load(tmp_path, family, reference_ops=False, types=GGMLType.Q8_0)
     layers = [m for m in ours.modules() if isinstance(m, KDecoderLayer)]
     assert len(layers) == hf.config.num_hidden_layers
-    took = []
-    for m in layers:
-        m._decode_one = _recording(m._decode_one, took)
+    took = record_cpu_steps(layers)
     moe_layers = [m for m in layers if hasattr(m.mlp, "experts")]  # (GLM's first layer is dense)
     assert moe_layers
     ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(12)).tolist()
-    results = []
-    for cpu_decode in (True, False):
-        for m in layers:
-            m.cpu_decode = cpu_decode
-        engine = Engine(ours, cache_lens=64, page_size=4, chunk_size=7)
-        seq = engine.new_sequence()
-        got = [engine.prefill(seq, ids[:13])[0]] + [engine.decode(seq, t)[0] for t in ids[13:-1]]
-        results.append(torch.stack(got))
+    results = logits_of_both_plans(ours, layers, ids, 13)
     # every decode step, every MoE layer (a dense layer returns before it is recorded: no plan)
-    assert sum(took) == len(moe_layers) * (len(ids) - 14)
+    assert sum(took) == len(moe_layers) * (len(ids) - 13)
     assert torch.equal(results[0], results[1])
     # two sequences in one step: the module-by-module path, each as when alone
     for m in layers:

@@ -4,7 +4,8 @@ import time
 
 import pytest
 import torch
-from tiny import HYBRID, RULES, tiny_model, train_tokenizer, two_at_once_as_alone, wait_all
+from tiny import (HYBRID, RULES, logits_of_both_plans, record_cpu_steps, tiny_model, train_tokenizer,
+                  two_at_once_as_alone, wait_all)
 
 from ktransformers import optimize_and_load_gguf
 from ktransformers.cache import CacheFullError, HybridCache
@@ -132,19 +133,9 @@ def test_cpu_decode_layer_equals_module_by_module(tmp_path, family):
     assert len(layers) == hf.config.num_hidden_layers and None not in plans
     assert [i for i, p in enumerate(plans) if p.mixer is not None] == linear_layers(hf.config)
     assert all(p.gated and p.shared is not None for p in plans if p.mixer is None)
-    took = []
-    for m in layers:
-        real = m._decode_one
-        m._decode_one = lambda *a, real=real: (lambda out: took.append(out is not None) or out)(real(*a))
+    took = record_cpu_steps(layers)
     ids = torch.randint(0, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
-    results = []
-    for cpu_decode in (True, False):
-        for m in layers:
-            m.cpu_decode = cpu_decode
-        engine = Engine(model, cache_lens=64, page_size=4, chunk_size=7)
-        seq = engine.new_sequence()
-        results.append(torch.stack([engine.prefill(seq, ids[:13])[0]] + [engine.decode(seq, t)[0] for t in ids[13:]]))
-        engine.release(seq)
+    results = logits_of_both_plans(model, layers, ids, 13)
     assert sum(took) == len(layers) * (len(ids) - 13)
     assert torch.equal(results[0], results[1])
     for m in layers:

@@ -302,6 +302,31 @@ def wait_all(requests, timeout: float = 300) -> None:
         time.sleep(0.01)
 
 
+def record_cpu_steps(layers) -> list[bool]:
+    """Wrap each KDecoderLayer's _decode_one so that the list returned records, call by call,
+    whether it ran its CPU decode step."""
+    took: list[bool] = []
+    for m in layers:
+        m._decode_one = lambda *a, real=m._decode_one: (lambda out: took.append(out is not None) or out)(real(*a))
+    return took
+
+
+def logits_of_both_plans(model, layers, ids: list[int], prompt: int) -> list[torch.Tensor]:
+    """The logits of a prefill of ids[:prompt] (in chunks of 7) and a decode of the rest, with the
+    KDecoderLayers' CPU decode step on, then off."""
+    from ktransformers.engine.generate import Engine
+    results = []
+    for cpu_decode in (True, False):
+        for m in layers:
+            m.cpu_decode = cpu_decode
+        engine = Engine(model, cache_lens=64, page_size=4, chunk_size=7)
+        seq = engine.new_sequence()
+        results.append(torch.stack([engine.prefill(seq, ids[:prompt])[0]] +
+                                   [engine.decode(seq, t)[0] for t in ids[prompt:]]))
+        engine.release(seq)
+    return results
+
+
 def two_at_once_as_alone(model, ids: list[int], took: list[bool]) -> None:
     """Two sequences fed one token each in one step take the module-by-module path (`took`, where
     a KDecoderLayer's wrapped _decode_one records whether it ran its CPU step, stays without a
