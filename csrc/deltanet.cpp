@@ -65,6 +65,12 @@ inline bool streamable(const float* S, int n) {
 #endif
 }
 
+// A head's state starts from `from` (nullptr: zeros) at S, which `from` may already be.
+void start_state(float* S, const float* from, size_t n) {
+    if (from == nullptr) std::fill(S, S + n, 0.f);
+    else if (from != S) std::copy(from, from + n, S);
+}
+
 // One token of the rule on a head's state, read from `in` [Dk, Dv] (nullptr: zeros) and written
 // to S (which may be `in`), q and k normalized already, into o [Dv]: kv = (decay in)^T k, the
 // delta d = (v - kv) beta, then S = decay in + k d^T and o = S^T q in the same pass. kv [Dv] is
@@ -72,7 +78,7 @@ inline bool streamable(const float* S, int n) {
 void rule_step(float* S, const float* in, const float* qn, const float* kn, const float* vt, float decay, float bt,
                float* kv, float* o, int Dk, int Dv, bool stream) {
     if (in == nullptr) {
-        std::fill(S, S + (size_t)Dk * Dv, 0.f);
+        start_state(S, nullptr, (size_t)Dk * Dv);
         in = S;
     }
     std::fill(kv, kv + Dv, 0.f);
@@ -88,12 +94,6 @@ void rule_step(float* S, const float* in, const float* qn, const float* kn, cons
 #if defined(__AVX2__)
     if (stream) _mm_sfence();  // (the streamed rows are visible before the pool's barrier says done)
 #endif
-}
-
-// A head's state starts from `from` (nullptr: zeros) at S, which `from` may already be.
-void start_state(float* S, const float* from, size_t n) {
-    if (from == nullptr) std::fill(S, S + n, 0.f);
-    else if (from != S) std::copy(from, from + n, S);
 }
 
 // The rule over T tokens of B sequences and Hv heads, sequence b's head h reading its state from

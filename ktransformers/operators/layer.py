@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cpu import rms_norm
-
 from .base import BaseInjectedModule, adopt_children
 from .registry import OPERATORS
 
@@ -49,30 +47,29 @@ class CpuDecode:
     ext: object
     runtime: object  # the C++ Runtime
     norms: tuple  # (weight, eps) of input, post-attention, q and k norms (q/k: None when absent)
-    q: object
-    k: object
-    v: object
-    o: object
-    biases: tuple  # float32 biases of q, k, v and o (None where a projection has none)
     router: object  # the C++ linear of a KMoEGateSoftmax gate, routed here; None: `route` routes
     route: object  # None, or the router module's call: h [1, H] -> (weights [1, K], ids [1, K])
     shared: object  # None, or the MoE block's shared experts: h [1, H] -> [1, H]
     moe: object
     top_k: int
     renorm: bool
-    heads: int
-    kv_heads: int
-    d: int
-    rotary: int  # the leading values of each head RoPE rotates
-    norm_all_heads: bool  # the q and k norms span all heads (MiniMax-M2), not each head
-    window: int  # a sliding-window layer's window, else 0
-    sinks: torch.Tensor | None  # [heads] float32 (gpt-oss)
-    scale: float
     buf: dict[str, torch.Tensor]
     ptr: dict[str, int]  # the buffers' addresses
+    mixer: object = None  # a linear-attention layer's step h [1, H] -> [1, H] or None; else the attention's:
+    q: object = None
+    k: object = None
+    v: object = None
+    o: object = None
+    biases: tuple = (None,) * 4  # float32 biases of q, k, v and o (None where a projection has none)
+    heads: int = 0
+    kv_heads: int = 0
+    d: int = 0
+    rotary: int = 0  # the leading values of each head RoPE rotates
+    norm_all_heads: bool = False  # the q and k norms span all heads (MiniMax-M2), not each head
+    window: int = 0  # a sliding-window layer's window, else 0
+    sinks: torch.Tensor | None = None  # [heads] float32 (gpt-oss)
+    scale: float = 0.0
     gated: bool = False  # q_proj gives each head's query, then its output gate (Qwen3-Next, Qwen3.5)
-    mixer: object = None  # a linear-attention layer's step h [1, H] -> [1, H] or None (then the fields
-    # of the attention above are None)
 
 
 def _triton_norm(norm, like=None):
@@ -94,16 +91,6 @@ def link_decoder_layers(layers) -> None:
         if isinstance(layer, KDecoderLayer):
             layer._next = (nxt,) if nxt is not None else ()
             layer._plan = None
-
-
-def _cpu_linear(module):
-    """(the C++ Linear, its float32 bias or None) of a KTransformersLinear whose generate op is
-    KLinearCPU, else None."""
-    from .linear import KLinearCPU
-    op = getattr(module, "ops", {}).get("generate")
-    if isinstance(op, KLinearCPU) and op.kernel is not None and (op.bias is None or op.bias.dtype == torch.float32):
-        return op.kernel._linear, op.bias
-    return None
 
 
 def _cpu_route(mlp):
@@ -252,19 +239,18 @@ class KDecoderLayer(BaseInjectedModule):
             step = mixer.cpu_step() if hasattr(mixer, "cpu_step") else None
             if step is None:
                 return None
-            buf = _buffers({"x1": H, "h2": H, "y": H, "logits": logits})
-            return CpuDecode(ext=mixer._runtime.ext, runtime=mixer._runtime._rt, norms=(*norms, None, None), q=None,
-                             k=None, v=None, o=None, biases=(None,) * 4, **moe, heads=0, kv_heads=0, d=0, rotary=0,
-                             norm_all_heads=False, window=0, sinks=None, scale=0.0, buf=buf,
-                             ptr={name: t.data_ptr() for name, t in buf.items()}, mixer=step)
+            buf = _buffers({"h": H, "x1": H, "h2": H, "y": H, "logits": logits})
+            return CpuDecode(ext=mixer._runtime.ext, runtime=mixer._runtime._rt, norms=(*norms, None, None), **moe,
+                             buf=buf, ptr={name: t.data_ptr() for name, t in buf.items()}, mixer=step)
         return self._attention_decode(moe, norms, H, logits)
 
     def _attention_decode(self, moe: dict, norms: list, H: int, logits: int) -> CpuDecode | None:
         from .attention import KGQAAttention
+        from .linear import cpu_kernel
         attn = self.self_attn
         if not isinstance(attn, KGQAAttention) or attn._runtime is None:  # (the cache is checked each step)
             return None
-        linears = [_cpu_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears = [cpu_kernel(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         qk = [_cpu_norm(getattr(attn, n)) if hasattr(attn, n) else None for n in ("q_norm", "k_norm")]
         if None in linears or (hasattr(attn, "q_norm") and None in qk):
             return None
@@ -306,19 +292,17 @@ class KDecoderLayer(BaseInjectedModule):
                 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[-1] != p.buf["x1"].shape[1]):
             return None
         (w_in, eps_in), (w_post, eps_post) = p.norms[:2]
-        if p.mixer is not None:
-            out = p.mixer(rms_norm(p.ext, x.view(1, -1), w_in, eps_in))
-        else:
-            out = self._attend_one(p, x, batch, position_embeddings)
+        p.ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], p.ptr["h"])
+        out = p.mixer(p.buf["h"]) if p.mixer is not None else self._attend_one(p, batch, position_embeddings)
         if out is None:  # (before any state or cache was written)
             return None
         x1 = torch.add(x.view(1, -1), out, out=p.buf["x1"])
         p.ext.rms_norm(p.ptr["x1"], w_post.data_ptr(), eps_post, 1, x1.shape[-1], p.ptr["h2"])
         return (x1 + self._moe_one(p)).view(x.shape)
 
-    def _attend_one(self, p: CpuDecode, x: torch.Tensor, batch, position_embeddings) -> torch.Tensor | None:
-        """The attention half of a cpu_decode step: x [1, 1, H] -> o_proj's output [1, H] (p.buf),
-        or None when the step does not fit (then nothing was written)."""
+    def _attend_one(self, p: CpuDecode, batch, position_embeddings) -> torch.Tensor | None:
+        """The attention half of a cpu_decode step, on the input norm in p.buf["h"] -> o_proj's
+        output [1, H] (p.buf), or None when the step does not fit (then nothing was written)."""
         if position_embeddings is None:
             return None
         cos, sin = position_embeddings
@@ -335,8 +319,7 @@ class KDecoderLayer(BaseInjectedModule):
         if p.window and read.numel() > p.window:  # a sliding-window layer sees its last `window` slots
             read = read[-p.window:]
         b, ptr, ext = p.buf, p.ptr, p.ext
-        (w_in, eps_in), _, qn, kn = p.norms
-        ext.rms_norm(x.data_ptr(), w_in.data_ptr(), eps_in, 1, x.shape[-1], ptr["h"])
+        qn, kn = p.norms[2:]
         for name, linear, bias in (("q", p.q, p.biases[0]), ("k", p.k, p.biases[1]), ("v", p.v, p.biases[2])):
             linear.forward(1, ptr["h"], ptr[name], _F32)
             if bias is not None:
@@ -391,9 +374,10 @@ def _direct_shared(mlp):
     expert, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
     act = getattr(expert, "act_fn", None)
     calls = [direct_call(getattr(expert, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-    if act is None or gate is None or None in calls or direct_call(gate) is None:
+    s = direct_call(gate)
+    if act is None or s is None or None in calls:
         return None
-    (g, u, d), s = calls, direct_call(gate)
+    g, u, d = calls
     return lambda h: torch.sigmoid(s(h)) * d(act(g(h)) * u(h))
 
 

@@ -263,6 +263,15 @@ class KTransformersLinear(BaseInjectedModule):
         return op.forward(x.to(op.device)).to(self.options.out_device or x.device)
 
 
+def cpu_kernel(module):
+    """(the C++ Linear, its float32 bias or None) of a KTransformersLinear whose generate op is
+    KLinearCPU, else None."""
+    op = getattr(module, "ops", {}).get("generate")
+    if isinstance(op, KLinearCPU) and op.kernel is not None and (op.bias is None or op.bias.dtype == torch.float32):
+        return op.kernel._linear, op.bias
+    return None
+
+
 def direct_call(module):
     """`module`'s decode-step call on one float32 row x [1, I] -> [1, O] (float32, on the CPU),
     without the module calls and checks between it and its kernel: the C++ linear of a
@@ -270,11 +279,10 @@ def direct_call(module):
     plain nn.Linear's float32 CPU weight; None for any other module. The same kernel with the
     same input as the module's own forward, so the same result to the bit; x must be contiguous."""
     if isinstance(module, KTransformersLinear):
-        op = module.ops.get("generate")
-        if (not isinstance(op, KLinearCPU) or op.kernel is None or op.dtype != torch.float32
-                or module.options.out_device not in (None, "cpu")):
+        found = cpu_kernel(module)
+        if found is None or module.ops["generate"].dtype != torch.float32 or module.options.out_device not in (None, "cpu"):
             return None
-        linear, bias, width = op.kernel._linear, op.bias, op.out_features
+        (linear, bias), width = found, module.out_features
 
         def call(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(1, width)
