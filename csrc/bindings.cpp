@@ -111,19 +111,21 @@ PYBIND11_MODULE(KT_MODULE, m) {
                                            reinterpret_cast<float*>(out), B, T, Hk, Hv, Dk, Dv, l2norm);
                  });
              }, py::call_guard<py::gil_scoped_release>(), "the gated delta rule over rows of a state table (deltanet.h)")
-        .def("gated_delta_decode", [](Runtime& r, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
-                                      uintptr_t mixed, uintptr_t conv_w, uintptr_t conv, int64_t rows, uintptr_t conv_in,
-                                      uintptr_t conv_out, uintptr_t g, uintptr_t beta, uintptr_t ssm, uintptr_t ssm_in,
-                                      uintptr_t ssm_out, uintptr_t z, uintptr_t norm_w, float eps, uintptr_t out) {
+        .def("gated_delta_decode", [](Runtime& r, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled, bool fused,
+                                      uintptr_t qkv, uintptr_t z, uintptr_t b, uintptr_t a, uintptr_t neg_A,
+                                      uintptr_t dt_bias, uintptr_t conv_w, uintptr_t conv, int64_t rows,
+                                      uintptr_t conv_in, uintptr_t conv_out, uintptr_t ssm, uintptr_t ssm_in,
+                                      uintptr_t ssm_out, uintptr_t norm_w, float eps, uintptr_t out) {
                  r.run_inline([&] {
-                     gated_delta_decode(r.pool(), n, Hk, Hv, Dk, Dv, K, tiled, cptr<float>(mixed), cptr<float>(conv_w),
-                                        reinterpret_cast<float*>(conv), rows, cptr<int64_t>(conv_in),
-                                        cptr<int64_t>(conv_out), cptr<float>(g), cptr<float>(beta),
-                                        reinterpret_cast<float*>(ssm), cptr<int64_t>(ssm_in), cptr<int64_t>(ssm_out),
-                                        cptr<float>(z), cptr<float>(norm_w), eps, reinterpret_cast<float*>(out));
+                     gated_delta_decode(r.pool(), n, Hk, Hv, Dk, Dv, K, tiled, fused, cptr<float>(qkv), cptr<float>(z),
+                                        cptr<float>(b), cptr<float>(a), cptr<float>(neg_A), cptr<float>(dt_bias),
+                                        cptr<float>(conv_w), reinterpret_cast<float*>(conv), rows,
+                                        cptr<int64_t>(conv_in), cptr<int64_t>(conv_out), reinterpret_cast<float*>(ssm),
+                                        cptr<int64_t>(ssm_in), cptr<int64_t>(ssm_out), cptr<float>(norm_w), eps,
+                                        reinterpret_cast<float*>(out));
                  });
              }, py::call_guard<py::gil_scoped_release>(),
-             "one decode token of a gated DeltaNet layer: conv step, delta rule and gated norm over state rows (deltanet.h)")
+             "one decode token of a gated DeltaNet layer from its projections: conv step, delta rule and gated norm over state rows (deltanet.h)")
         .def("attend_gqa_decode", [](Runtime& r, uintptr_t q, uintptr_t k, uintptr_t v, int64_t total_slots,
                                      uintptr_t slots, int L, int heads, int kv_heads, int d, float scale, uintptr_t out,
                                      uintptr_t sinks) {

@@ -180,22 +180,12 @@ void check_rows(const char* what, int n, int64_t rows, const int64_t* in, const 
     }
 }
 
-}  // namespace
-
-void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
-                        const float* mixed, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
-                        const int64_t* conv_out, const float* g, const float* beta, float* ssm, const int64_t* ssm_in,
-                        const int64_t* ssm_out, const float* z, const float* norm_w, float eps, float* out) {
-    check_shapes(n, 1, Hk, Hv, Dk, Dv);
-    if (K < 2 || K > 17) throw std::invalid_argument("gated_delta_decode: the convolution takes 2 to 17 taps");
-    const size_t C = checked_sum("gated_delta_decode: channels",
-                                 {checked_product("gated_delta_decode: q, k", {2, (size_t)Hk, (size_t)Dk}),
-                                  checked_product("gated_delta_decode: v", {(size_t)Hv, (size_t)Dv})});
-    checked_product("gated_delta_decode: conv", {(size_t)std::max<int64_t>(rows, 0), C, (size_t)K});
-    checked_product("gated_delta_decode: states", {(size_t)std::max<int64_t>(rows, 0), (size_t)Hv, (size_t)Dk,
-                                                    (size_t)Dv});
-    check_rows("conv", n, rows, conv_in, conv_out);
-    check_rows("state", n, rows, ssm_in, ssm_out);
+// The layer's step from the conv input `mixed` [n, C], g, beta [n, Hv] and z [n, Hv, Dv] (sizes
+// and rows checked by the caller).
+void decode_mixed(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled, size_t C,
+                  const float* mixed, const float* conv_w, float* conv, const int64_t* conv_in,
+                  const int64_t* conv_out, const float* g, const float* beta, float* ssm, const int64_t* ssm_in,
+                  const int64_t* ssm_out, const float* z, const float* norm_w, float eps, float* out) {
     // the conv step of every sequence, into x [n, C]
     static thread_local std::vector<float> x_buf;
     x_buf.resize((size_t)n * C);
@@ -242,6 +232,62 @@ void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv,
         std::copy(zb, zb + Dv, dst);
         silu_mul(dst, kv.data(), Dv);  // silu(z) times the normed row
     });
+}
+
+float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // (torch's, beta 1, threshold 20)
+
+}  // namespace
+
+void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled, bool fused,
+                        const float* qkv, const float* z, const float* b, const float* a, const float* neg_A,
+                        const float* dt_bias, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
+                        const int64_t* conv_out, float* ssm, const int64_t* ssm_in, const int64_t* ssm_out,
+                        const float* norm_w, float eps, float* out) {
+    check_shapes(n, 1, Hk, Hv, Dk, Dv);
+    if (K < 2 || K > 17) throw std::invalid_argument("gated_delta_decode: the convolution takes 2 to 17 taps");
+    const size_t C = checked_sum("gated_delta_decode: channels",
+                                 {checked_product("gated_delta_decode: q, k", {2, (size_t)Hk, (size_t)Dk}),
+                                  checked_product("gated_delta_decode: v", {(size_t)Hv, (size_t)Dv})});
+    checked_product("gated_delta_decode: conv", {(size_t)std::max<int64_t>(rows, 0), C, (size_t)K});
+    checked_product("gated_delta_decode: states", {(size_t)std::max<int64_t>(rows, 0), (size_t)Hv, (size_t)Dk,
+                                                    (size_t)Dv});
+    const size_t VD = (size_t)Hv * Dv;
+    checked_product("gated_delta_decode: projections", {(size_t)n, C + VD});
+    if (!fused && (!z || !a)) throw std::invalid_argument("gated_delta_decode: Qwen3.5's layout takes z and a");
+    check_rows("conv", n, rows, conv_in, conv_out);
+    check_rows("state", n, rows, ssm_in, ssm_out);
+    // beta and g per value head; the fused layout's channels and z into the four-projection order
+    static thread_local std::vector<float> g_buf, beta_buf, mixed_buf, z_buf;
+    g_buf.resize((size_t)n * Hv);
+    beta_buf.resize((size_t)n * Hv);
+    const int r = Hv / Hk;
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < Hv; h++) {
+            // fused: value head h is the (h % r)-th of key head h / r
+            const size_t at_b = fused ? (size_t)t * Hk * 2 * r + (size_t)(h / r) * 2 * r + h % r : (size_t)t * Hv + h;
+            const float bv = b[at_b], av = fused ? b[at_b + r] : a[(size_t)t * Hv + h];
+            beta_buf[(size_t)t * Hv + h] = 1.f / (1.f + std::exp(-bv));
+            g_buf[(size_t)t * Hv + h] = neg_A[h] * softplus(av + dt_bias[h]);
+        }
+    const float *mixed = qkv, *zz = z;
+    if (fused) {
+        mixed_buf.resize((size_t)n * C);
+        z_buf.resize((size_t)n * VD);
+        const size_t width = 2 * (size_t)Dk + 2 * (size_t)r * Dv, kd = (size_t)Hk * Dk;
+        for (int t = 0; t < n; t++)
+            for (int hk = 0; hk < Hk; hk++) {
+                const float* src = qkv + (size_t)t * Hk * width + hk * width;
+                float* m = mixed_buf.data() + (size_t)t * C;
+                std::copy(src, src + Dk, m + hk * Dk);
+                std::copy(src + Dk, src + 2 * Dk, m + kd + hk * Dk);
+                std::copy(src + 2 * Dk, src + 2 * Dk + r * Dv, m + 2 * kd + (size_t)hk * r * Dv);
+                std::copy(src + 2 * Dk + r * Dv, src + width, z_buf.data() + (size_t)t * VD + (size_t)hk * r * Dv);
+            }
+        mixed = mixed_buf.data();
+        zz = z_buf.data();
+    }
+    decode_mixed(pool, n, Hk, Hv, Dk, Dv, K, tiled, C, mixed, conv_w, conv, conv_in, conv_out, g_buf.data(),
+                 beta_buf.data(), ssm, ssm_in, ssm_out, zz, norm_w, eps, out);
 }
 
 }  // namespace kt

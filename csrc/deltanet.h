@@ -28,21 +28,28 @@ void gated_delta_rule_rows(ThreadPool& pool, const float* q, const float* k, con
                            const int64_t* rows_out, float* out, int B, int T, int Hk, int Hv, int Dk, int Dv,
                            bool l2norm);
 
-// One decode token of n sequences through a gated DeltaNet layer after its projections, fused:
-// for sequence b (all float32, contiguous):
-//   the causal conv step: window = [conv row conv_in[b] (-1: zeros), mixed[b]] per channel c,
-//     x[c] = SiLU(sum_j conv_w[c, j] window[c, j]), and the row conv_out[b] = window[c, 1:];
-//   x = [q (Hk x Dk), k (Hk x Dk), v (Hv x Dv)]; value head h reads key head h % Hk where `tiled`
-//     (Qwen3.5's stored order), else h / (Hv / Hk); the L2-normed gated delta rule as above over
-//     the state rows ssm_in[b] (-1: zeros) -> ssm_out[b];
+// One decode token of n sequences through a gated DeltaNet layer from its input projections'
+// rows, fused: for sequence b (all float32, contiguous):
+//   the projections, as the layer's linears give them: `fused` (Qwen3-Next), qkv = in_proj_qkvz
+//     [n, Hk (2 Dk + 2 r Dv)] (per key head: its q, k, then the v and z of its r = Hv / Hk value
+//     heads) and b = in_proj_ba [n, Hk 2 r] (per key head: its value heads' b, then their a), z
+//     and a null; else (Qwen3.5) qkv [n, C] (q, k, v side by side), z [n, Hv Dv], b and a [n, Hv];
+//   beta = sigmoid(b), g = neg_A * softplus(a + dt_bias) per value head (torch's softplus: a
+//     linear tail above 20);
+//   the causal conv step: window = [conv row conv_in[b] (-1: zeros), x_in] per channel c, with
+//     x_in the channels [q (Hk x Dk), k (Hk x Dk), v (Hv x Dv)], x[c] = SiLU(sum_j conv_w[c, j]
+//     window[c, j]), and the row conv_out[b] = window[c, 1:];
+//   value head h reads key head h % Hk where `tiled` (Qwen3.5's stored order), else h / r; the
+//     L2-normed gated delta rule as above over the state rows ssm_in[b] (-1: zeros) -> ssm_out[b];
 //   the gated RMSNorm of each head's output o: out[b, h] = o / sqrt(mean(o^2) + eps) * norm_w
 //     * SiLU(z[b, h]).
-// Shapes: mixed [n, C], C = 2 Hk Dk + Hv Dv; conv_w [C, K]; conv [rows, C, K-1]; g, beta [n, Hv];
-// ssm [rows, Hv, Dk, Dv]; z, out [n, Hv, Dv]; norm_w [Dv]. Rows out of range, two sequences
-// writing one row, or one reading a row another writes, throw before anything is touched.
-void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled,
-                        const float* mixed, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
-                        const int64_t* conv_out, const float* g, const float* beta, float* ssm, const int64_t* ssm_in,
-                        const int64_t* ssm_out, const float* z, const float* norm_w, float eps, float* out);
+// Shapes: conv_w [C, K], C = 2 Hk Dk + Hv Dv; conv [rows, C, K-1]; neg_A, dt_bias [Hv]; ssm [rows,
+// Hv, Dk, Dv]; out [n, Hv, Dv]; norm_w [Dv]. Rows out of range, two sequences writing one row, or
+// one reading a row another writes, throw before anything is touched.
+void gated_delta_decode(ThreadPool& pool, int n, int Hk, int Hv, int Dk, int Dv, int K, bool tiled, bool fused,
+                        const float* qkv, const float* z, const float* b, const float* a, const float* neg_A,
+                        const float* dt_bias, const float* conv_w, float* conv, int64_t rows, const int64_t* conv_in,
+                        const int64_t* conv_out, float* ssm, const int64_t* ssm_in, const int64_t* ssm_out,
+                        const float* norm_w, float eps, float* out);
 
 }  // namespace kt

@@ -116,96 +116,7 @@ def test_rows_out_of_the_table_are_refused(runtime):
                               torch.tensor([2, 3]))
 
 
-def decode_reference(mixed, conv_w, conv_states, g, beta, ssm_states, z, norm, heads, tiled):
-    """transformers' pieces, one token: the causal conv step in torch, its torch delta rule, its
-    gated RMSNorm module -> (out [n, Hv, Dv], new conv states, new delta states)."""
-    Hk, Hv, Dk, Dv = heads
-    n = mixed.shape[0]
-    window = torch.cat([conv_states, mixed[:, :, None]], dim=2)  # [n, C, K]
-    x = torch.nn.functional.silu((window * conv_w[None]).sum(-1))
-    q, k, v = torch.split(x, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-    q, k, v = q.reshape(n, 1, Hk, Dk), k.reshape(n, 1, Hk, Dk), v.reshape(n, 1, Hv, Dv)
-    if tiled:  # value head h reads key head h % Hk
-        q, k = q.repeat(1, 1, Hv // Hk, 1), k.repeat(1, 1, Hv // Hk, 1)
-    else:
-        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
-    out, state = qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, g[:, None], beta[:, None],
-                                                             initial_state=ssm_states.clone(), output_final_state=True,
-                                                             use_qk_l2norm_in_kernel=True)
-    normed = norm(out[:, 0].reshape(-1, Dv), z.reshape(-1, Dv)).reshape(n, Hv, Dv)
-    return normed, window[:, :, 1:], state
-
-
-@pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3), (2, 1, 2, 8, 24, 4)],
-                         ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
-def test_fused_decode_matches_transformers(runtime, shape, tiled):
-    """gated_delta_decode over rows of the state tables (read from one row, written to another, one
-    sequence fresh) against transformers' conv step, delta rule and gated norm. (Rows written to
-    another row are streamed where Dv fills whole vectors: Dv 24 takes the plain stores at
-    AVX-512, the streamed ones at AVX2.)"""
-    from ktransformers.kernels.cpu import gated_delta_decode
-    n, Hk, Hv, Dk, Dv, K = shape
-    C, R = 2 * Hk * Dk + Hv * Dv, 2 * n + 1
-    gen = torch.Generator().manual_seed(sum(shape) + tiled)
-    mixed, z = torch.randn(n, C, generator=gen), torch.randn(n, Hv, Dv, generator=gen)
-    conv_w = 0.5 * torch.randn(C, K, generator=gen)
-    conv, ssm = torch.randn(R, C, K - 1, generator=gen), 0.1 * torch.randn(R, Hv, Dk, Dv, generator=gen)
-    g, beta = -torch.rand(n, Hv, generator=gen) * 2, torch.rand(n, Hv, generator=gen)
-    norm = qwen3_next.Qwen3NextRMSNormGated(Dv, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(Dv, generator=gen))
-    reads = torch.arange(n) * 2
-    reads[-1] = -1  # a fresh sequence: zero states
-    writes = torch.arange(n) * 2 + 1
-    safe = reads.clamp(min=0)
-    fresh = (reads < 0)[:, None, None]
-    want, want_conv, want_ssm = decode_reference(
-        mixed, conv_w, conv[safe].masked_fill(fresh, 0), g, beta, ssm[safe].masked_fill(fresh[..., None], 0), z, norm,
-        (Hk, Hv, Dk, Dv), tiled)
-    got_conv, got_ssm = conv.clone(), ssm.clone()
-    got = gated_delta_decode(runtime, mixed, conv_w, got_conv, reads, writes, g, beta, got_ssm, reads, writes, z,
-                             norm.weight.detach(), 1e-6, (Hk, Hv, Dk, Dv), tiled)
-    assert rel_err(got, want.detach()) < 5e-5
-    assert torch.allclose(got_conv[writes], want_conv, atol=1e-6)
-    assert rel_err(got_ssm[writes], want_ssm) < 5e-5
-    untouched = torch.ones(R, dtype=torch.bool)
-    untouched[writes] = False
-    assert torch.equal(got_ssm[untouched], ssm[untouched]) and torch.equal(got_conv[untouched], conv[untouched])
-    # in place (each sequence reads and writes its own row), as a cache without ring copies does
-    rows = torch.arange(n) * 2
-    got_ssm, got_conv = ssm.clone(), conv.clone()
-    gated_delta_decode(runtime, mixed, conv_w, got_conv, rows, rows, g, beta, got_ssm, rows, rows, z,
-                       norm.weight.detach(), 1e-6, (Hk, Hv, Dk, Dv), tiled)
-    _, want_conv, want_ssm = decode_reference(mixed, conv_w, conv[rows], g, beta, ssm[rows], z, norm, (Hk, Hv, Dk, Dv),
-                                              tiled)
-    assert rel_err(got_ssm[rows], want_ssm) < 5e-5 and torch.allclose(got_conv[rows], want_conv, atol=1e-6)
-
-
-def test_fused_decode_bad_rows_are_errors(runtime):
-    from ktransformers.kernels.cpu import gated_delta_decode
-    Hk, Hv, Dk, Dv, K, n = 1, 2, 8, 8, 4, 2
-    C, R = 2 * Hk * Dk + Hv * Dv, 3
-    args = dict(mixed=torch.randn(n, C), conv_w=torch.randn(C, K), conv=torch.zeros(R, C, K - 1), g=torch.zeros(n, Hv),
-                beta=torch.zeros(n, Hv), ssm=torch.zeros(R, Hv, Dk, Dv), z=torch.zeros(n, Hv, Dv),
-                norm_w=torch.ones(Dv), eps=1e-6, heads=(Hk, Hv, Dk, Dv), tiled=False)
-
-    def call(reads, writes):
-        r, w = torch.tensor(reads), torch.tensor(writes)
-        return gated_delta_decode(runtime, conv_in=r, conv_out=w, ssm_in=r, ssm_out=w, **args)
-    with pytest.raises(IndexError, match="writes row 3 of 3"):
-        call([0, 1], [0, 3])
-    with pytest.raises(ValueError, match="share conv row 1"):
-        call([0, 1], [1, 1])
-    with pytest.raises(ValueError, match="share conv row 0"):
-        call([0, 0], [2, 0])  # (sequence 0 reads the row sequence 1 writes)
-    with pytest.raises(ValueError, match="mixed must be"):
-        gated_delta_decode(runtime, conv_in=torch.tensor([0, 1]), conv_out=torch.tensor([0, 1]),
-                           ssm_in=torch.tensor([0, 1]), ssm_out=torch.tensor([0, 1]),
-                           **(args | {"mixed": torch.randn(n, C + 1)}))
-
-
-# -- the GPU decode kernel (kernels/triton/deltanet.py): on CUDA, else in Triton's interpreter ---------------
+# -- the one-call decode kernels from the projections: C++ (kernels.cpu) and Triton (kernels.triton.deltanet) --
 
 def projections_reference(projections, heads, tiled):
     """(mixed [n, C], z [n, Hv, Dv], b, a [n, Hv]) from the layer's projections: Qwen3-Next's fused
@@ -222,7 +133,7 @@ def projections_reference(projections, heads, tiled):
     return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1), z[0], b[0], a[0]
 
 
-def triton_decode_reference(projections, conv_w, conv_states, ssm_states, neg_a, dt_bias, norm, heads, tiled):
+def decode_reference(projections, conv_w, conv_states, ssm_states, neg_a, dt_bias, norm, heads, tiled):
     """One token through the layer's torch ops, rounded where they round (the conv output and the
     delta rule's output to the projections' dtype): transformers' delta rule and gated norm."""
     Hk, Hv, Dk, Dv = heads
@@ -245,7 +156,7 @@ def triton_decode_reference(projections, conv_w, conv_states, ssm_states, neg_a,
     return normed.reshape(n, Hv * Dv), window[:, :, 1:], state
 
 
-def triton_decode_case(shape, fused, tiled, dtype, device, seed):
+def decode_case(shape, fused, tiled, dtype, device, seed):
     n, Hk, Hv, Dk, Dv, K = shape
     R, C, rows = Hv // Hk, 2 * Hk * Dk + Hv * Dv, 2 * n + 1
     gen = torch.Generator().manual_seed(seed)
@@ -262,21 +173,16 @@ def triton_decode_case(shape, fused, tiled, dtype, device, seed):
                 neg_a=neg_a.to(device), dt_bias=dt_bias.to(device), norm=norm.to(device), heads=(Hk, Hv, Dk, Dv))
 
 
-@pytest.mark.triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("layout", ["fused", "grouped", "tiled"])
-@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3), (2, 2, 4, 128, 128, 4)],
-                         ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
-def test_triton_decode_matches_transformers(shape, layout, dtype):
-    """The one-launch decode kernel from the raw projections (Qwen3-Next's fused pair, Qwen3.5's
-    four in either value-head order) over state rows read from one row and written to another,
-    one sequence fresh, then in place: the output, the conv states (exact) and the delta states."""
-    from tiny import kernel_device
+DECODE_SHAPES = [(1, 2, 4, 16, 16, 4), (3, 1, 3, 32, 16, 4), (2, 2, 2, 64, 32, 3), (2, 2, 4, 128, 128, 4)]
 
-    from ktransformers.kernels.triton.deltanet import gated_delta_decode
-    device = kernel_device()
+
+def check_decode(decode, shape, layout, dtype, device):
+    """A decode kernel from the raw projections (Qwen3-Next's fused pair, Qwen3.5's four in either
+    value-head order) over state rows read from one row and written to another, one sequence
+    fresh, then in place: the output, the conv states (exact) and the delta states, against
+    transformers' pieces; rows no sequence writes stay untouched."""
     fused, tiled = layout == "fused", layout == "tiled"
-    case = triton_decode_case(shape, fused, tiled, dtype, device, seed=sum(shape) + len(layout))
+    case = decode_case(shape, fused, tiled, dtype, device, seed=sum(shape) + len(layout))
     n = shape[0]
     reads = torch.arange(n) * 2
     reads[-1] = -1  # a fresh sequence: zero states
@@ -285,12 +191,12 @@ def test_triton_decode_matches_transformers(shape, layout, dtype):
         conv, ssm = case["conv"].clone(), case["ssm"].clone()
         fresh = (reads < 0).to(device)
         safe = reads.clamp(min=0).to(device)
-        want, want_conv, want_ssm = triton_decode_reference(
+        want, want_conv, want_ssm = decode_reference(
             case["projections"], case["conv_w"], conv[safe].masked_fill(fresh[:, None, None], 0),
             ssm[safe].masked_fill(fresh[:, None, None, None], 0), case["neg_a"], case["dt_bias"], case["norm"],
             case["heads"], tiled)
-        got = gated_delta_decode(case["projections"], conv, case["conv_w"], ssm, reads.to(device), writes.to(device),
-                                 case["neg_a"], case["dt_bias"], case["norm"].weight.detach(), 1e-6, case["heads"], tiled)
+        got = decode(case["projections"], conv, case["conv_w"], ssm, reads.to(device), writes.to(device),
+                     case["neg_a"], case["dt_bias"], case["norm"].weight.detach(), 1e-6, case["heads"], tiled)
         assert got.dtype == dtype and got.shape == want.shape
         bound = 5e-5 if dtype == torch.float32 else 2e-2  # bf16: a conv output a rounding step apart moves the rest
         assert rel_err(got.float(), want.detach().float()) < bound
@@ -303,13 +209,63 @@ def test_triton_decode_matches_transformers(shape, layout, dtype):
                                                                                      case["conv"][untouched])
 
 
+@pytest.mark.parametrize("layout", ["fused", "grouped", "tiled"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES + [(2, 1, 2, 8, 24, 4)], ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
+def test_cpu_decode_matches_transformers(runtime, shape, layout):
+    """The C++ one-call decode (rows written to another row are streamed where Dv fills whole
+    vectors: Dv 24 takes the plain stores at AVX-512, the streamed ones at AVX2)."""
+    from functools import partial
+
+    from ktransformers.kernels.cpu import gated_delta_decode
+    check_decode(partial(gated_delta_decode, runtime), shape, layout, torch.float32, torch.device("cpu"))
+
+
+def test_cpu_decode_bad_inputs_are_errors(runtime):
+    from ktransformers.kernels.cpu import gated_delta_decode
+    case = decode_case((2, 1, 2, 16, 16, 4), True, False, torch.float32, torch.device("cpu"), seed=1)
+    args = dict(conv=case["conv"][:3].clone(), conv_w=case["conv_w"], ssm=case["ssm"][:3].clone(), neg_a=case["neg_a"],
+                dt_bias=case["dt_bias"], norm_w=case["norm"].weight.detach(), eps=1e-6, heads=case["heads"], tiled=False)
+    qkvz, ba = case["projections"]
+
+    def call(reads, writes, projections=(qkvz, ba), **changed):
+        return gated_delta_decode(runtime, projections, reads=torch.tensor(reads), writes=torch.tensor(writes),
+                                  **(args | changed))
+    with pytest.raises(IndexError, match="writes row 3 of 3"):
+        call([0, 1], [0, 3])
+    with pytest.raises(ValueError, match="share conv row 1"):
+        call([0, 1], [1, 1])
+    with pytest.raises(ValueError, match="share conv row 0"):
+        call([0, 0], [2, 0])  # (sequence 0 reads the row sequence 1 writes)
+    with pytest.raises(ValueError, match="in_proj_qkvz must be"):
+        call([0, 1], [0, 1], projections=(qkvz[:, 1:].contiguous(), ba))
+    with pytest.raises(ValueError, match="in_proj_ba must be a contiguous float32"):
+        call([0, 1], [0, 1], projections=(qkvz, ba.to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="projections are"):
+        call([0, 1], [0, 1], projections=(qkvz,))
+    with pytest.raises(ValueError, match="ssm must be"):
+        call([0, 1], [0, 1], ssm=args["ssm"][:, :1].contiguous())
+    assert torch.equal(args["conv"], case["conv"][:3]) and torch.equal(args["ssm"], case["ssm"][:3])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["fused", "grouped", "tiled"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "n{}Hk{}Hv{}Dk{}Dv{}K{}".format(*s))
+def test_triton_decode_matches_transformers(shape, layout, dtype):
+    """The one-launch Triton decode kernel, on CUDA, else in Triton's interpreter."""
+    from tiny import kernel_device
+
+    from ktransformers.kernels.triton.deltanet import gated_delta_decode
+    check_decode(gated_delta_decode, shape, layout, dtype, kernel_device())
+
+
 @pytest.mark.triton
 def test_triton_decode_bad_inputs_name_the_tensor():
     from tiny import kernel_device
 
     from ktransformers.kernels.triton.deltanet import gated_delta_decode
     device = kernel_device()
-    case = triton_decode_case((2, 1, 2, 16, 16, 4), True, False, torch.float32, device, seed=1)
+    case = decode_case((2, 1, 2, 16, 16, 4), True, False, torch.float32, device, seed=1)
     rows = torch.tensor([0, 1], device=device)
     args = dict(conv=case["conv"], conv_w=case["conv_w"], ssm=case["ssm"], reads=rows, writes=rows,
                 neg_a=case["neg_a"], dt_bias=case["dt_bias"], norm_w=case["norm"].weight.detach(), eps=1e-6,

@@ -192,9 +192,8 @@ def round_like_cpu_kernels(reference, types: dict[str, GGMLType] | GGMLType) -> 
         return ACTIVATION_BLOCK.get(int(types[gguf])) if gguf in types else None
 
     # the router runs in torch; MLA folds kv_b_proj's dequantized weight into its attention math;
-    # the hybrids' CPU rule files keep their few-row linears in torch
-    few_rows = ("shared_expert_gate", "in_proj_ba", "in_proj_b", "in_proj_a")
-    in_torch = ("mlp.gate", "kv_b_proj") + (few_rows if reference.config.model_type in HYBRID else ())
+    # the hybrids' CPU rule files keep the shared expert's one-row gate in torch
+    in_torch = ("mlp.gate", "kv_b_proj") + (("shared_expert_gate",) if reference.config.model_type in HYBRID else ())
     for name, module in reference.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith(in_torch):
             block = block_of(f"{name}.weight")

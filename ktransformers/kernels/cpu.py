@@ -953,32 +953,40 @@ def gated_delta_rule_rows(runtime: CPURuntime, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
-def gated_delta_decode(runtime: CPURuntime, mixed: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor,
-                       conv_in: torch.Tensor, conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       ssm: torch.Tensor, ssm_in: torch.Tensor, ssm_out: torch.Tensor, z: torch.Tensor,
-                       norm_w: torch.Tensor, eps: float, heads: tuple[int, int, int, int], tiled: bool) -> torch.Tensor:
-    """One decode token of n sequences through a gated DeltaNet layer after its projections (the
-    C++ gated_delta_decode: conv step, L2-normed delta rule and gated RMSNorm, the conv and delta
-    states read and written in their rows of the tables conv [R, C, K-1] and ssm [R, Hv, Dk, Dv]).
-    mixed [n, C]; g, beta [n, Hv]; z [n, Hv, Dv]; heads (Hk, Hv, Dk, Dv). Returns [n, Hv, Dv]."""
+def gated_delta_decode(runtime: CPURuntime, projections: tuple[torch.Tensor, ...], conv: torch.Tensor,
+                       conv_w: torch.Tensor, ssm: torch.Tensor, reads: torch.Tensor, writes: torch.Tensor,
+                       neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                       heads: tuple[int, int, int, int], tiled: bool) -> torch.Tensor:
+    """One decode token of n sequences through a gated DeltaNet layer from its input projections'
+    rows (the C++ gated_delta_decode: beta and g, the conv step, the L2-normed delta rule and the
+    gated RMSNorm, the conv and delta states read from rows `reads` (-1: zeros) and written to
+    rows `writes` of the tables conv [R, C, K-1] and ssm [R, Hv, Dk, Dv]); the same contract as
+    kernels.triton.deltanet.gated_delta_decode. `projections`: Qwen3-Next's fused in_proj_qkvz
+    [n, Hk (2 Dk + 2 r Dv)] and in_proj_ba [n, 2 Hv], or Qwen3.5's in_proj_qkv [n, C], in_proj_z
+    [n, Hv Dv], in_proj_b and in_proj_a [n, Hv]; heads (Hk, Hv, Dk, Dv). Returns [n, Hv Dv]."""
     Hk, Hv, Dk, Dv = heads
-    n, C = mixed.shape if mixed.dim() == 2 else (-1, -1)
+    fused = len(projections) == 2
+    if len(projections) not in (2, 4):
+        raise ValueError(f"gated_delta_decode: projections are (qkvz, ba) or (qkv, z, b, a), got {len(projections)}")
+    C = 2 * Hk * Dk + Hv * Dv
+    n = projections[0].shape[0] if projections[0].dim() == 2 else -1
     K = conv_w.shape[1] if conv_w.dim() == 2 else -1
     R = ssm.shape[0] if ssm.dim() == 4 else -1
-    if C != 2 * Hk * Dk + Hv * Dv:
-        raise ValueError(f"gated_delta_decode: mixed must be [n, {2 * Hk * Dk + Hv * Dv}], got {tuple(mixed.shape)}")
+    names = ("in_proj_qkvz", "in_proj_ba") if fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    widths = (Hk * (2 * Dk + 2 * (Hv // max(Hk, 1)) * Dv), 2 * Hv) if fused else (C, Hv * Dv, Hv, Hv)
     _check_tensors("gated_delta_decode", (
-        ("mixed", mixed, (n, C), torch.float32), ("conv_w", conv_w, (C, K), torch.float32),
-        ("conv", conv, (R, C, K - 1), torch.float32), ("g", g, (n, Hv), torch.float32),
-        ("beta", beta, (n, Hv), torch.float32), ("ssm", ssm, (R, Hv, Dk, Dv), torch.float32),
-        ("z", z, (n, Hv, Dv), torch.float32), ("norm_w", norm_w, (Dv,), torch.float32),
-        *((name, t, (n,), torch.int64) for name, t in (("conv_in", conv_in), ("conv_out", conv_out),
-                                                       ("ssm_in", ssm_in), ("ssm_out", ssm_out)))))
-    out = torch.empty(n, Hv, Dv, dtype=torch.float32)
-    runtime._rt.gated_delta_decode(n, Hk, Hv, Dk, Dv, K, tiled, mixed.data_ptr(), conv_w.data_ptr(), conv.data_ptr(), R,
-                                   conv_in.data_ptr(), conv_out.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                   ssm.data_ptr(), ssm_in.data_ptr(), ssm_out.data_ptr(), z.data_ptr(),
-                                   norm_w.data_ptr(), float(eps), out.data_ptr())
+        *((name, t, (n, w), torch.float32) for name, t, w in zip(names, projections, widths)),
+        ("conv_w", conv_w, (C, K), torch.float32), ("conv", conv, (R, C, K - 1), torch.float32),
+        ("ssm", ssm, (R, Hv, Dk, Dv), torch.float32), ("neg_a", neg_a, (Hv,), torch.float32),
+        ("dt_bias", dt_bias, (Hv,), torch.float32), ("norm_w", norm_w, (Dv,), torch.float32),
+        ("reads", reads, (n,), torch.int64), ("writes", writes, (n,), torch.int64)))
+    out = torch.empty(n, Hv * Dv, dtype=torch.float32)
+    qkv, z, b, a = projections if not fused else (projections[0], None, projections[1], None)
+    runtime._rt.gated_delta_decode(n, Hk, Hv, Dk, Dv, K, tiled, fused, qkv.data_ptr(), 0 if z is None else z.data_ptr(),
+                                   b.data_ptr(), 0 if a is None else a.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
+                                   conv_w.data_ptr(), conv.data_ptr(), R, reads.data_ptr(), writes.data_ptr(),
+                                   ssm.data_ptr(), reads.data_ptr(), writes.data_ptr(), norm_w.data_ptr(), float(eps),
+                                   out.data_ptr())
     return out
 
 

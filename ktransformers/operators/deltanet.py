@@ -147,22 +147,25 @@ class KGatedDeltaNet(BaseInjectedModule):
             if self.triton_decodes(hidden_states.device) and all(q == 1 for q in batch.q_lens):
                 out = self._decode_triton(hidden_states[0], batch)
                 return self.out_proj(out.reshape(B, S, self.value_dim))
-        mixed, z, beta, g = self._project(hidden_states)  # [B, S, conv_dim], [B, S, Hv, Dv], [B, S, Hv] x2
+        projections = self._projections(hidden_states)
+        if (batch is not None and self._in_rows(hidden_states.device) and all(q == 1 for q in batch.q_lens)
+                and all(p.dtype == torch.float32 for p in projections)):
+            out = self._decode_cpu(tuple(p[0] for p in projections), batch)
+            return self.out_proj(out.reshape(B, S, self.value_dim).to(hidden_states.dtype))
+        mixed, z, beta, g = self._split(B, S, *projections)
         if batch is None:  # no cache: each row one sequence from zero states
             outs = [self._sequence(mixed[b], beta[b], g[b], None, None) for b in range(B)]
             out = torch.stack(outs)
         else:
-            fused = self._decode_fused(mixed[0], z[0], beta[0], g[0], batch)
-            if fused is not None:
-                return self.out_proj(fused.reshape(B, S, self.value_dim).to(hidden_states.dtype))
             out = self._batch(mixed[0], beta[0], g[0], batch)[None]
         out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.Dv), z.reshape(-1, self.Dv))
         return self.out_proj(out.reshape(B, S, self.value_dim))
 
-    def _project(self, x: torch.Tensor):
-        """(q, k and v side by side, z, beta, g) of x [B, S, H]."""
-        names = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        return self._split(x.shape[0], x.shape[1], *(getattr(self, n)(x) for n in names))
+    def _projection_names(self) -> tuple[str, ...]:
+        return ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, n)(x) for n in self._projection_names())
 
     def _split(self, B: int, S: int, *projections):
         """The input projections' outputs -> (q, k and v side by side, z, beta, g). Qwen3-Next's
@@ -191,8 +194,8 @@ class KGatedDeltaNet(BaseInjectedModule):
         from .linear import direct_call
         if self._runtime is None:
             return None
-        names = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        projections, out = [direct_call(getattr(self, n)) for n in names], direct_call(self.out_proj)
+        projections = [direct_call(getattr(self, n)) for n in self._projection_names()]
+        out = direct_call(self.out_proj)
         if None in projections or out is None:
             return None
 
@@ -200,9 +203,7 @@ class KGatedDeltaNet(BaseInjectedModule):
             batch = self.context.batch if self.context is not None else None
             if batch is None or batch.state_read is None or batch.num_tokens != 1:
                 return None
-            mixed, z, beta, g = self._split(1, 1, *(p(h) for p in projections))
-            fused = self._decode_fused(mixed[0], z[0], beta[0], g[0], batch)
-            return None if fused is None else out(fused.reshape(1, self.value_dim))
+            return out(self._decode_cpu(tuple(p(h) for p in projections), batch))
         return step
 
     def _batch(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch) -> torch.Tensor:
@@ -263,19 +264,17 @@ class KGatedDeltaNet(BaseInjectedModule):
             reads = torch.where(torch.tensor(batch.state_fresh, device=conv.device), -1, reads)
         return conv, ssm, reads, writes
 
-    def _decode_fused(self, mixed: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, batch):
-        """A float32 decode step on the CPU: the conv step, the delta rule and the gated norm in one
-        C++ call over the cache's state rows -> [N, Hv, Dv]; else None (the step goes op by op)."""
-        if not (self._in_rows(mixed.device) and mixed.dtype == torch.float32 and all(q == 1 for q in batch.q_lens)):
-            return None
+    def _decode_cpu(self, projections: tuple[torch.Tensor, ...], batch) -> torch.Tensor:
+        """A decode step on the CPU from the projections' float32 rows [N, ...]: beta and g, the conv
+        step, the delta rule and the gated norm in one C++ call over the cache's state rows ->
+        [N, Hv * Dv] float32."""
         from ..kernels.cpu import gated_delta_decode
         conv, ssm, reads, writes = self._decode_rows(batch)
         if self._norm_w is None:
             self._norm_w = self.norm.weight.detach().float().contiguous()
-        return gated_delta_decode(self._runtime, mixed.contiguous(), self._conv_weight(), conv, reads, writes,
-                                  g.contiguous(), beta.contiguous(), ssm, reads, writes, z.float().contiguous(),
-                                  self._norm_w, self.norm.variance_epsilon, (self.Hk, self.Hv, self.Dk, self.Dv),
-                                  self.tiled)
+        return gated_delta_decode(self._runtime, projections, conv, self._conv_weight(), ssm, reads, writes, self.neg_A,
+                                  self.dt_bias, self._norm_w, self.norm.variance_epsilon,
+                                  (self.Hk, self.Hv, self.Dk, self.Dv), self.tiled)
 
     def _in_rows(self, device: torch.device) -> bool:
         """Whether the delta rule runs on the C++ kernel over the cache's state rows."""

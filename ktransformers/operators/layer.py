@@ -278,7 +278,7 @@ class KDecoderLayer(BaseInjectedModule):
         if (not isinstance(op, KExpertsCPU) or op.kernel is None or experts.hot is not None
                 or experts.options.out_device != "cpu"):
             return None
-        shared = (_direct_shared(mlp) or mlp._shared) if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
+        shared = (mlp.shared_call() or _direct_shared(mlp) or mlp._shared) if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
         gate = mlp.gate if route[0] is not None else None  # (a KMoEGateSoftmax, routed inline)
         return dict(router=route[0], route=route[1], shared=shared, moe=op.kernel._moe,
                     top_k=gate.top_k if gate is not None else 0, renorm=gate.norm if gate is not None else False,

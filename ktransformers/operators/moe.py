@@ -13,6 +13,10 @@ from torch import nn
 from .base import BaseInjectedModule, adopt_children
 from .registry import OPERATORS
 
+# The rows a shared expert's one-expert C++ call takes (decode steps): a prompt's rows keep its
+# linears' multi-token kernels
+SHARED_CALL_MAX_TOKENS = 16
+
 # Upstream's per-family names for the same operator; all route through this one class.
 BLOCK_NAMES = ("KDeepseekV3MoE", "KDeepseekV2MoE", "KQwen3MoeSparseMoeBlock", "KQwen2MoeSparseMoeBlock",
                "KMixtralSparseMoeBlock", "KGlm4MoeMoE", "KMiniMaxM2SparseMoeBlock", "KQwen3NextSparseMoeBlock",
@@ -26,6 +30,7 @@ class KMoEBlock(BaseInjectedModule):
         if missing:
             raise ValueError(f"{key}: {type(orig_module).__name__} is not a MoE block (no {', '.join(missing)})")
         adopt_children(self, orig_module)
+        self._shared_call = None  # (the linears' kernels it was made on, the call): shared_call's
 
     def forward(self, hidden_states: torch.Tensor, epilogue=None) -> torch.Tensor:
         """`epilogue`: what the caller does next with the output (kernels.cuda_host.MoEEpilogue),
@@ -66,11 +71,55 @@ class KMoEBlock(BaseInjectedModule):
         return hasattr(self, "shared_experts") or hasattr(self, "shared_expert")
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | int:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= SHARED_CALL_MAX_TOKENS:
+            call = self.shared_call()
+            if call is not None:
+                return call(x.contiguous())
         if hasattr(self, "shared_experts"):  # DeepSeek
             return self.shared_experts(x)
         if hasattr(self, "shared_expert"):  # Qwen2-MoE, Qwen3-Next, Qwen3.5: sigmoid-gated shared expert
             return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return 0
+
+    def shared_call(self):
+        """The shared expert on float32 CPU rows x [T, H] (T <= SHARED_CALL_MAX_TOKENS, contiguous)
+        -> [T, H] as one call of the C++ MoE with one expert, made on its linears' own bytes: gate,
+        up, SiLU and down in one parallel region, where three kernel calls and torch's ops between
+        them would each wake the threads and wait on cold weights. The sigmoid gate of Qwen2-MoE,
+        Qwen3-Next and Qwen3.5 is the call's expert weight (DeepSeek's and GLM's: 1). None where
+        the shared expert is not three bias-free float32 CPU linears (KLinearCPU) with SiLU."""
+        from transformers.activations import SiLUActivation
+        from ..kernels.cpu import MoEKernel
+        from .linear import KLinearCPU
+        gated = hasattr(self, "shared_expert")
+        mlp = self.shared_expert if gated else getattr(self, "shared_experts", None)
+        ops = [getattr(getattr(mlp, n, None), "ops", {}).get("generate") for n in ("gate_proj", "up_proj", "down_proj")]
+        if not (all(isinstance(op, KLinearCPU) and op.kernel is not None and op.bias is None
+                    and op.dtype == torch.float32 for op in ops)
+                and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))):
+            return None
+        gate = self.shared_expert_gate if gated else None
+        if gated and not (type(gate) is nn.Linear and gate.weight.device.type == "cpu"):
+            return None
+        kernels = tuple(op.kernel for op in ops)
+        if self._shared_call is not None and all(a is b for a, b in zip(self._shared_call[0], kernels)):
+            return self._shared_call[1]
+        g, u, d = kernels
+        kernel = MoEKernel(g.runtime, experts=1, top_k=1, hidden=g.in_features, intermediate=g.out_features,
+                           gate=g._weight, up=u._weight, down=d._weight, max_tokens=SHARED_CALL_MAX_TOKENS,
+                           name=f"{self.key}: the shared expert", tiles=False)
+        moe, hidden = kernel._moe, g.in_features
+        ids = torch.zeros(SHARED_CALL_MAX_TOKENS, 1, dtype=torch.int64)
+        ones = torch.ones(SHARED_CALL_MAX_TOKENS, 1)
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            T = x.shape[0]
+            weight = torch.sigmoid(gate(x)).float() if gated else ones[:T]
+            y = torch.empty(T, hidden)
+            moe.forward(T, ids.data_ptr(), weight.data_ptr(), x.data_ptr(), y.data_ptr(), 0)  # (0: float32)
+            return y
+        self._shared_call = (kernels, call)
+        return call
 
 
 for _name in BLOCK_NAMES:
