@@ -381,21 +381,21 @@ class KGQAAttention(_CachedAttention):
         return self.o_proj(_gated(out.to(hidden_states.dtype).reshape(B, S, -1), gate)), None
 
     def _project_one(self, hidden_states: torch.Tensor):
-        """q, k and v of one token in one launch (quant_linear.gemv_many) where all three are GPU
-        linears without biases whose weights it takes (int4, or dense fallbacks, on one device);
-        else None."""
+        """q, k and v of one token in one launch (quant_linear.gemv_many, biases added in it) where
+        all three are GPU linears whose weights it takes (int4, int8, or dense fallbacks, on one
+        device); else None."""
         from .linear import KTransformersLinear, _TritonLinear
         ops = []
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             op = proj.ops[proj.phase] if isinstance(proj, KTransformersLinear) else None
-            if not isinstance(op, _TritonLinear) or op.bias is not None or op.weight is None:
+            if not isinstance(op, _TritonLinear) or op.weight is None:
                 return None
             ops.append(op)
         dtype = ops[0].dtype
         if any(op.dtype != dtype for op in ops):
             return None
         from ..kernels.triton.quant_linear import gemv_many  # (it checks the weights' devices against x's)
-        ys = gemv_many(hidden_states.reshape(1, -1), [op.weight for op in ops], dtype)
+        ys = gemv_many(hidden_states.reshape(1, -1), [op.weight for op in ops], dtype, [op.bias for op in ops])
         return None if ys is None else [y.view(*hidden_states.shape[:-1], -1) for y in ys]
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

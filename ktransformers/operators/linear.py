@@ -142,6 +142,10 @@ class _TritonLinear:
         """y = x Wᵀ rounded once to out_dtype (float32 sums)."""
         raise NotImplementedError
 
+    def _gemm_bias(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y = x Wᵀ + bias rounded once to out_dtype (float32 sums)."""
+        return (self._gemm(x, torch.float32) + self.bias).to(out_dtype)
+
     def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """A dense fallback weight: decode-sized rows on a small weight through the one-launch
         Triton GEMV (a small projection's cost is launch latency, where cuBLAS's bf16 GEMV is
@@ -159,11 +163,12 @@ class _TritonLinear:
         flat = x.reshape(-1, shape[-1])
         if isinstance(self.weight, torch.Tensor):
             y = self._dense_gemm(flat)
+            if self.bias is not None:
+                y = y.float() + self.bias
+        elif self.bias is not None:
+            y = self._gemm_bias(flat, self.dtype)
         else:
-            # without a bias the output dtype is the kernel's to round to (once)
-            y = self._gemm(flat, torch.float32 if self.bias is not None else self.dtype)
-        if self.bias is not None:
-            y = y.float() + self.bias
+            y = self._gemm(flat, self.dtype)  # (the output dtype the kernel's to round to, once)
         return y.reshape(*shape[:-1], self.out_features).to(self.dtype)
 
 
@@ -186,6 +191,10 @@ class KLinearMarlin(_TritonLinear):
     def _gemm(self, x, out_dtype):
         from ..kernels.triton.quant_linear import group_gemm
         return group_gemm(x, self.weight, out_dtype)
+
+    def _gemm_bias(self, x, out_dtype):
+        from ..kernels.triton.quant_linear import group_gemm
+        return group_gemm(x, self.weight, out_dtype, self.bias)
 
 
 @LINEAR_OPS.register("KLinearQ8")

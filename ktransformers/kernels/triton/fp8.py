@@ -95,7 +95,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32)) * s
         else:
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16)) * s
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, y_ptr, False)
 
 
 def fp8_gemm(x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -168,121 +168,147 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
             acc += tl.dot(a.to(tl.float32), w)
         else:
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, y_ptr, False)
 
 
 @triton.jit
-def _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_SIZE: tl.constexpr):
-    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]) of int4
-    weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
+def _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]; zeros
+    without HAS_OFFSET) of int4 or int8 weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     mask_n = rn < N
-    shifts = tl.arange(0, 8) * 4
-    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
-    q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
+    if BITS == 4:
+        shifts = tl.arange(0, 8) * 4
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
+                        other=0)
+        q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
+    else:  # int8 codes [K, N]
+        rk = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(codes_ptr + rk[:, None] * N + rn[None, :], mask=(rk < K)[:, None] & mask_n[None, :], other=0)
+        q = tl.reshape(codes.to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
     rg = k0 // GROUP_SIZE + tl.arange(0, G)
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
     s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-    o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
+    if HAS_OFFSET:
+        o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
+    else:
+        o = s * 0.0
     return q, s, o
 
 
 @triton.jit
-def _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) + offset * sum(x_g)."""
+def _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr):
+    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) (+ offset * sum(x_g))."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     rk = k0 + tl.arange(0, BLOCK_K)
     xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, GROUP_SIZE))
-    return s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
+    acc = s * tl.sum(q * xk[:, :, None], axis=1)
+    if HAS_OFFSET:
+        acc += o * tl.sum(xk, axis=1)[:, None]
+    return acc
 
 
 @triton.jit
-def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, GDC: tl.constexpr):
-    """float32 [BLOCK_N]: one row of x times int4 weight columns rn over [k_start, k_start +
+def _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS: tl.constexpr,
+                     HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                     GDC: tl.constexpr):
+    """float32 [BLOCK_N]: one row of x times int4 or int8 weight columns rn over [k_start, k_start +
     k_per_split), without tl.dot: per group g of 32 values
         scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
     (the groups' terms kept apart and summed once at the end). The first block's weights are
     loaded before gdc_enter (GDC: while the kernel that writes x still runs), x after it."""
-    q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K,
+                           GROUP_SIZE)
     gdc_enter(GDC)
-    acc = _int4_block_sum(x_ptr, q, s, o, K, k_start, BLOCK_K, GROUP_SIZE)
+    acc = _quant_block_sum(x_ptr, q, s, o, K, k_start, HAS_OFFSET, BLOCK_K, GROUP_SIZE)
     for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
-        q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N, BLOCK_K, GROUP_SIZE)
-        acc += _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K, GROUP_SIZE)
+        q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K,
+                               GROUP_SIZE)
+        acc += _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET, BLOCK_K, GROUP_SIZE)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
-    """One row of x against int4 weights in float32 (program_id 1: BLOCK_N columns, 2: the K split)."""
+def _quant_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                       k_per_split, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ATOMIC: tl.constexpr,
+                       REDUCE: tl.constexpr, GDC: tl.constexpr):
+    """One row of x against int4 or int8 weights in float32 (program_id 1: BLOCK_N columns, 2: the
+    K split), plus a float32 bias where HAS_BIAS."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
-                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
-    store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE)
+    acc = _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
+                           k_per_split, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
+    store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE, bias_ptr,
+               HAS_BIAS)
 
 
 @triton.jit
-def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, N, K, tile, k_per_split,
-                  INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  REDUCE: tl.constexpr, GDC: tl.constexpr):
+def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K, tile,
+                  k_per_split, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
+                  GDC: tl.constexpr):
     """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
-    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
+    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's.
+    BITS 4 or 8: group-quantized codes; 0: a row-major dense W [N, K]."""
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 1)
     k_start = tl.program_id(2) * k_per_split
-    if INT4:
-        acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
-                              GROUP_SIZE, GDC)[None, :]
-    else:  # a row-major dense W [N, K]
+    if BITS != 0:
+        acc = _quant_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS, HAS_OFFSET,
+                               BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)[None, :]
+    else:
         acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K, GDC)
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
-                      w0, s0, o0, y0, p0, N0, w1, s1, o1, y1, p1, N1, w2, s2, o2, y2, p2, N2,
-                      INT4_0: tl.constexpr, INT4_1: tl.constexpr, INT4_2: tl.constexpr, BN0: tl.constexpr,
-                      BN1: tl.constexpr, BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      REDUCE: tl.constexpr, GDC: tl.constexpr):
+                      w0, s0, o0, b0, y0, p0, N0, w1, s1, o1, b1, y1, p1, N1, w2, s2, o2, b2, y2, p2, N2,
+                      BITS_0: tl.constexpr, BITS_1: tl.constexpr, BITS_2: tl.constexpr, OFF_0: tl.constexpr,
+                      OFF_1: tl.constexpr, OFF_2: tl.constexpr, BIAS_0: tl.constexpr, BIAS_1: tl.constexpr,
+                      BIAS_2: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Two or three GEMVs of one row in one launch: program_id(1) < T0 are weight 0's tiles, the
     next T1 weight 1's, the rest weight 2's."""
     t = tl.program_id(1)
     if t < T0:
-        _gemv_segment(x_ptr, w0, s0, o0, y0, p0, count_ptr, N0, K, t, k_per_split, INT4_0, BN0, BLOCK_K,
-                      GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, BITS_0, OFF_0, BIAS_0, BN0,
+                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
     elif t < T0 + T1:
-        _gemv_segment(x_ptr, w1, s1, o1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, INT4_1, BN1, BLOCK_K,
-                      GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, BITS_1, OFF_1, BIAS_1,
+                      BN1, BLOCK_K, GROUP_SIZE, REDUCE, GDC)
     else:
-        _gemv_segment(x_ptr, w2, s2, o2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, INT4_2, BN2, BLOCK_K,
-                      GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, BITS_2, OFF_2,
+                      BIAS_2, BN2, BLOCK_K, GROUP_SIZE, REDUCE, GDC)
 
 
 @triton.jit
 def store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC: tl.constexpr,
-               REDUCE: tl.constexpr):
+               REDUCE: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr):
     """A program's float32 tile of y [M, N] as its SplitPlan says: added in the launch by the last
-    split (REDUCE), added atomically into a float32 y (ATOMIC), or rounded and stored."""
+    split (REDUCE), added atomically into a float32 y (ATOMIC: the caller's y starts as the bias),
+    or rounded and stored; the float32 bias [N] added before the one rounding where HAS_BIAS."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if REDUCE:
-        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty)
+        split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, y_ptr.dtype.element_ty, bias_ptr, HAS_BIAS)
     elif ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr):
+def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: tl.constexpr, bias_ptr,
+                 HAS_BIAS: tl.constexpr):
     """This split's partial tile to part_ptr [splits, M, N]; the tile's last program to arrive adds
-    all of them in split order, writes `out` and sets the tile's counter back to 0. Returns
-    whether this program was that one."""
+    all of them in split order (then the float32 bias [N] where HAS_BIAS), writes `out` and sets
+    the tile's counter back to 0. Returns whether this program was that one."""
     parts = part_ptr + rm[:, None] * N + rn[None, :]
     tl.store(parts + tl.program_id(2) * M * N, acc, mask=mask)
     tl.debug_barrier()  # every thread's stores issued before the (release) arrival below
@@ -293,6 +319,8 @@ def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: t
         total = tl.zeros(acc.shape, dtype=tl.float32)
         for s in range(0, splits):
             total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
         tl.store(out, round_to(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
         tl.atomic_xchg(counter, 0)
     return last
@@ -308,7 +336,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, tl.program_id(2) * k_per_split,
                       k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, GDC)
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, y_ptr, False)
 
 
 @triton.jit
@@ -316,7 +344,7 @@ def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start +
     k_per_split). The first block of weights is loaded before gdc_enter, x after it (as
-    _int4_split_sum)."""
+    _quant_split_sum)."""
     w = _dense_block(w_ptr, rn, N, K, stride_wn, k_start, BLOCK_K)
     gdc_enter(GDC)
     acc = tl.sum(_dense_block(x_ptr, rm, M, K, stride_xm, k_start, BLOCK_K)[:, None, :] * w[None, :, :], axis=2)
@@ -397,8 +425,10 @@ def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
     return out
 
 
-def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for a GroupQuantWeight on x's device."""
+def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T (+ bias, float32 [N]) for a GroupQuantWeight on x's device, the
+    float32 sum rounded once to out_dtype (one row: the bias added in the GEMV's launch)."""
     K, N = w.in_features, w.out_features
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"group_gemm: x must be [M, {K}], got {tuple(x.shape)}")
@@ -407,10 +437,15 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     x = x.contiguous()
     M = x.shape[0]
     out_dtype = out_dtype or x.dtype
+    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != x.device):
+        raise ValueError(f"group_gemm: bias must be float32 [{N}] on {x.device}, got {bias.dtype} "
+                         f"{list(bias.shape)} on {bias.device}")
+    if M == 1:
+        return _quant_gemv(x, w, out_dtype, bias)
+    if bias is not None:
+        return (group_gemm(x, w, torch.float32) + bias).to(out_dtype)
     if M > DENSE_ROWS and x.device.type == "cuda":
         return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
-    if M == 1 and w.bits == 4 and w.offset is not None:
-        return _int4_gemv(x, w, out_dtype)
     offset = w.offset if w.offset is not None else w.scale
     BLOCK_K = _block_k(K, 128)
     if M <= 16:
@@ -429,16 +464,22 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     return y.to(out_dtype) if plan.atomic else y
 
 
-def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype) -> torch.Tensor:
-    """group_gemm of one row on int4 weights (_int4_gemv_kernel). K is split until there are
-    ~4 programs an SM, down to one 256-value block a split: for one row this is quicker than
-    the tl.dot GEMM's 16-row tiles at attention-projection shapes."""
+def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """group_gemm of one row (_quant_gemv_kernel, int4 or int8 codes, the bias in its epilogue). K
+    is split until there are ~4 programs an SM, down to one 256-value block a split: for one row
+    this is quicker than the tl.dot GEMM's 16-row tiles at attention-projection shapes."""
     K, N = w.in_features, w.out_features
     BLOCK_N, BLOCK_K = 64, _block_k(K, 256)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
-    _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, plan.y, *plan.scratch(), N, K, plan.k_per_split,
-                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
-                                 REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
+    if plan.atomic and bias is not None:
+        plan.y.copy_(bias[None, :])  # (the splits add into it)
+    offset = w.offset if w.offset is not None else w.scale  # (a placeholder, never read)
+    _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, plan.y,
+                                  *plan.scratch(), N, K, plan.k_per_split, BITS=w.bits,
+                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
+                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
+                                  REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
@@ -451,9 +492,9 @@ def _block_k(K: int, largest: int) -> int:
 
 
 class _Operand(NamedTuple):
-    """One weight of a gemv_many launch as its kernel arguments (a dense weight stands in for its
-    own absent scale and offset)."""
-    int4: bool
+    """One weight of a gemv_many launch as its kernel arguments (a weight stands in for its own
+    absent scale and offset)."""
+    bits: int  # 4 or 8: group-quantized codes; 0: dense
     block_n: int
     weight: torch.Tensor
     scale: torch.Tensor
@@ -462,33 +503,36 @@ class _Operand(NamedTuple):
 
 
 def _many_operand(w, x: torch.Tensor) -> _Operand | None:
-    """One gemv_many weight, or None where the launch does not take it (int8 codes, no offset,
-    another K or device, a non-row-major dense weight or one cuBLAS streams faster, offsets past
-    int32)."""
+    """One gemv_many weight, or None where the launch does not take it (another K or device, a
+    non-row-major dense weight or one cuBLAS streams faster, offsets past int32)."""
     K = x.shape[1]
     if isinstance(w, GroupQuantWeight):
-        if (w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device
-                or w.codes.numel() >= 2**31):
+        if w.bits not in (4, 8) or w.in_features != K or w.codes.device != x.device or w.codes.numel() >= 2**31:
             return None
-        return _Operand(True, 64, w.codes, w.scale, w.offset, w.out_features)
+        offset = w.offset if w.offset is not None else w.scale
+        return _Operand(w.bits, 64, w.codes, w.scale, offset, w.out_features)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
-        return _Operand(False, 32, w, w, w, w.shape[0])
+        return _Operand(0, 32, w, w, w, w.shape[0])
     return None
 
 
-def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """[x Wᵢᵀ for each weight] in one launch, for one row x [1, K] and two or three weights (int4
-    GroupQuantWeights with offsets, or dense row-major [N, K] tensors of up to DENSE_GEMV_WEIGHTS
-    values: a layer's q, k and v projections), float32 sums each rounded once to out_dtype (the
-    values of the one-weight GEMVs up to float32 summation order: the blocks and splits are the
-    launch's own); None where the launch does not apply (the caller runs the projections one by
-    one). Launched alone, k and v cost nearly what q does (latency, not bytes): together they
-    add little to q's time."""
+def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
+              biases: list | None = None) -> list[torch.Tensor] | None:
+    """[x Wᵢᵀ (+ bᵢ) for each weight] in one launch, for one row x [1, K] and two or three weights
+    (int4 or int8 GroupQuantWeights, or dense row-major [N, K] tensors of up to DENSE_GEMV_WEIGHTS
+    values: a layer's q, k and v projections) and their float32 biases [N] or None, float32 sums
+    each rounded once to out_dtype (the values of the one-weight GEMVs up to float32 summation
+    order: the blocks and splits are the launch's own); None where the launch does not apply (the
+    caller runs the projections one by one). Launched alone, k and v cost nearly what q does
+    (latency, not bytes): together they add little to q's time."""
     if x.dim() != 2 or x.shape[0] != 1 or not 2 <= len(weights) <= 3:
         return None
+    biases = list(biases) if biases is not None else [None] * len(weights)
     ops = [_many_operand(w, x) for w in weights]
-    if None in ops:
+    if None in ops or len(biases) != len(ops) or any(
+            b is not None and (b.shape != (op.n,) or b.dtype != torch.float32 or b.device != x.device)
+            for b, op in zip(biases, ops)):
         return None
     x = x.contiguous()
     K = x.shape[1]
@@ -496,7 +540,7 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
     BLOCK_K = _block_k(K, 256)
-    # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
+    # the K split of the widest weight alone (as _quant_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
     splits = grid[2]
@@ -506,15 +550,18 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype) -> list[to
     ys = [torch.empty(1, op.n, device=x.device, dtype=out_dtype) for op in ops]
     parts = [torch.empty(splits, 1, op.n, device=x.device, dtype=torch.float32) if splits > 1 else y
              for op, y in zip(ops, ys)]
-    segs = list(zip(ops, ys, parts))
+    segs = list(zip(ops, biases, ys, parts))
     if len(segs) == 2:
         segs.append(segs[1])  # a placeholder third weight: the grid holds two weights' tiles, never reaching it
     args = []
-    for op, y, part in segs:
-        args += [op.weight, op.scale, op.offset, y, part, op.n]
-    (o0, _, _), (o1, _, _), (o2, _, _) = segs
+    for op, bias, y, part in segs:
+        args += [op.weight, op.scale, op.offset, bias if bias is not None else op.scale, y, part, op.n]
+    (o0, b0, _, _), (o1, b1, _, _), (o2, b2, _, _) = segs
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
-                                               INT4_0=o0.int4, INT4_1=o1.int4, INT4_2=o2.int4,
+                                               BITS_0=o0.bits, BITS_1=o1.bits, BITS_2=o2.bits,
+                                               OFF_0=o0.offset is not o0.scale, OFF_1=o1.offset is not o1.scale,
+                                               OFF_2=o2.offset is not o2.scale, BIAS_0=b0 is not None,
+                                               BIAS_1=b1 is not None, BIAS_2=b2 is not None,
                                                BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
                                                BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2,
                                                **pdl(x.device))

@@ -84,7 +84,8 @@ def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_
     out = y_ptr + rm[:, None] * E + rn[None, :]
     tiles = tl.num_programs(1)
     if REDUCE:
-        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty)
+        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty, y_ptr,
+                                False)
     else:
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
         complete = True
