@@ -103,10 +103,10 @@ def gemv_sweep():
                         p = plan(xs, N, K, bn, bk, max(1, mult * sms // tiles), bm=1)
 
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
-                            Q._quant_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, p.y, *p.scratch(), N, K,
-                                                         p.k_per_split, BITS=4, HAS_OFFSET=True, BLOCK_N=bn,
-                                                         BLOCK_K=bk, GROUP_SIZE=32, ATOMIC=False, REDUCE=p.reduce,
-                                                         GDC=False, num_warps=warps)
+                            Q._int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, w.scale, p.y, *p.scratch(), N,
+                                                        K, p.k_per_split, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
+                                                        GROUP_SIZE=32, ATOMIC=False, REDUCE=p.reduce, GDC=False,
+                                                        num_warps=warps)
                             return p.y
                         trial(best, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
                                     f"w {warps}", call, ws, ref)

@@ -59,6 +59,9 @@ def test_group_gemm(dev, fmt, M):
         y = ql.group_gemm(x.to(dev), w.to(dev), torch.float32)
         err = rel_err(y.cpu(), x @ ref_w.T)
         assert err < tol(dev), f"{fmt} M={M} N={N} K={K}: {err:.2e}"
+        bias = torch.randn(N, generator=g)  # (added in the launch, or after cuBLAS's product)
+        y = ql.group_gemm(x.to(dev), w.to(dev), torch.float32, bias.to(dev))
+        assert rel_err(y.cpu(), x @ ref_w.T + bias) < tol(dev), f"{fmt} M={M} N={N} K={K} with a bias"
     with pytest.raises(ValueError, match=r"x must be \[M, 1024\]"):
         ql.group_gemm(torch.randn(2, 512, device=dev), w.to(dev))
 
@@ -526,23 +529,21 @@ def test_align_is_sync_free_and_complete(dev):
         assert (block_expert <= E).all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("N,K", [(96, 256), (200, 1024), (72, 160), (64, 4096)])
-def test_quant_gemv_one_row(dev, N, K, bits, monkeypatch):
-    """One row on int4 or int8 weights (Q8_0's codes) takes the float32 GEMV without tl.dot (every
-    block size it picks: K % 256, % 128 and % 32), split or not, and matches the dequantized
-    reference closely."""
+def test_int4_gemv_one_row(dev, N, K, monkeypatch):
+    """One row on int4 weights takes the float32 GEMV without tl.dot (every block size it picks:
+    K % 256, % 128 and % 32), split or not, and matches the dequantized reference closely; with a
+    bias (gpt-oss's and GLM's projections) added in the launch before the one rounding."""
     from ktransformers.kernels.triton import quant_linear as ql
-    g = gen(N + K + bits)
-    w = (ql.quantize_int4 if bits == 4 else ql.quantize_int8)(torch.randn(N, K, generator=g)).to(dev)
+    g = gen(N + K)
+    w = ql.quantize_int4(torch.randn(N, K, generator=g)).to(dev)
     x = torch.randn(1, K, generator=g)
-    calls, real = [], ql._quant_gemv
-    monkeypatch.setattr(ql, "_quant_gemv", lambda *a: calls.append(a) or real(*a))
+    calls, real = [], ql._int4_gemv
+    monkeypatch.setattr(ql, "_int4_gemv", lambda *a: calls.append(a) or real(*a))
     y = ql.group_gemm(x.to(dev), w, torch.float32)
     assert len(calls) == 1
     ref = x.double() @ w.dequantize().cpu().double().T
     assert rel_err(y.cpu().double(), ref) < 1e-5
-    # a bias (gpt-oss's projections) added in the launch, before the one rounding
     bias = torch.randn(N, generator=g)
     y = ql.group_gemm(x.to(dev), w, torch.float32, bias.to(dev))
     assert len(calls) == 2 and rel_err(y.cpu().double(), ref + bias.double()) < 1e-5
@@ -554,8 +555,8 @@ def test_quant_gemv_one_row(dev, N, K, bits, monkeypatch):
 @pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
                                     ((96, 160), (40, 160), (8, 160)), ((128, 256), (64, 256))])
 def test_gemv_many(dev, shapes):
-    """q, k and v of one token in one launch: int4, int8 and dense bf16 weights mixed, with and
-    without biases (added in the launch), K split (the first three) or not (one 256-value block),
+    """q, k and v of one token in one launch: int4 and dense bf16 weights mixed, with and without
+    biases (added in the launch), K split (the first three) or not (one 256-value block),
     each output within float32 summation of its reference (float32 sums rounded once), counters
     back at 0."""
     from ktransformers.kernels.triton import common
@@ -563,8 +564,7 @@ def test_gemv_many(dev, shapes):
     g = gen(sum(n for n, _ in shapes))
     K = shapes[0][1]
     dense = [torch.randn(N, K, generator=g) for N, _ in shapes]
-    kinds = (ql.quantize_int4, ql.quantize_int8, lambda d: d.to(torch.bfloat16))  # (gpt-oss's Q8_0 is int8)
-    weights = [kinds[i](d).to(dev) for i, d in enumerate(dense)]
+    weights = [ql.quantize_int4(d).to(dev) if i != 2 else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
     x = torch.randn(1, K, generator=g).to(torch.bfloat16)
     biases = [torch.randn(N, generator=g).to(dev) if i != 1 else None for i, (N, _) in enumerate(shapes)]
     for with_bias in (False, True):
@@ -578,9 +578,11 @@ def test_gemv_many(dev, shapes):
         bf16 = ql.gemv_many(x.to(dev), weights, torch.bfloat16, bs)
         assert all(torch.equal(b, y.to(torch.bfloat16)) for b, y in zip(bf16, ys))
     assert int(common.split_counters(x.to(dev).device).abs().sum()) == 0
-    # what the launch does not take: two rows, a weight of another K
+    # what the launch does not take: two rows, int8 codes, a weight of another K, a bias of another width
     assert ql.gemv_many(torch.randn(2, K).to(dev), weights, torch.float32) is None
+    assert ql.gemv_many(x.to(dev), [weights[0], ql.quantize_int8(dense[1]).to(dev)], torch.float32) is None
     assert ql.gemv_many(x.to(dev), [weights[0], torch.randn(8, K + 32).to(dev)], torch.float32) is None
+    assert ql.gemv_many(x.to(dev), weights, torch.float32, [biases[0][1:]] + biases[1:]) is None
 
 
 def test_fused_paths_without_counters_fall_back(dev, monkeypatch):
@@ -755,24 +757,24 @@ for gated in (True, False):
                                                       BLOCK_N=64, BLOCK_K=64, GROUP_SIZE=32, DOT_F32=False))
 compile_(dequant._dequant_kernel, {"src_ptr": "*u8", "out_ptr": "*bf16", "n_blocks": "i64"},
          dict(TYPE=39, BLOCK_BYTES=17, BLOCK_ELEMS=32, BLOCKS=8))
-# one row on int8 codes (gpt-oss's Q8_0 attention), alone and beside int4 and dense weights
-gemv = {"x_ptr": "*bf16", "codes_ptr": "*i8", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*fp32",
+# one row: a GEMV with a bias, and q, k and v with biases in one launch
+gemv = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*fp32",
         "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-compile_(quant_linear._quant_gemv_kernel, gemv, dict(BITS=8, HAS_OFFSET=False, HAS_BIAS=True, BLOCK_N=64, BLOCK_K=256,
-                                                     GROUP_SIZE=32, ATOMIC=False, REDUCE=True, GDC=True))
-many = {"x_ptr": "*bf16", "count_ptr": "*i32", "w0": "*i32", "w1": "*i8", "w2": "*bf16", "s2": "*bf16", "o2": "*bf16"}
+compile_(quant_linear._int4_gemv_kernel, gemv, dict(HAS_BIAS=True, BLOCK_N=64, BLOCK_K=256, GROUP_SIZE=32,
+                                                    ATOMIC=False, REDUCE=True, GDC=True))
+many = {"x_ptr": "*bf16", "count_ptr": "*i32", "w0": "*i32", "w1": "*i32", "w2": "*bf16", "s2": "*bf16", "o2": "*bf16"}
 many.update({f"{n}{i}": "*fp32" for n in ("s", "o", "b", "p") for i in (0, 1, 2) if f"{n}{i}" not in many})
 many.update({f"y{i}": "*bf16" for i in (0, 1, 2)})
-compile_(quant_linear._gemv_many_kernel, many, dict(BITS_0=4, BITS_1=8, BITS_2=0, OFF_0=True, OFF_1=False, OFF_2=False,
-                                                    BIAS_0=True, BIAS_1=False, BIAS_2=True, BN0=64, BN1=64, BN2=32,
-                                                    BLOCK_K=256, GROUP_SIZE=32, REDUCE=True, GDC=True))
+compile_(quant_linear._gemv_many_kernel, many, dict(INT4_0=True, INT4_1=True, INT4_2=False, BIAS_0=True, BIAS_1=False,
+                                                    BIAS_2=True, BN0=64, BN1=64, BN2=32, BLOCK_K=256, GROUP_SIZE=32,
+                                                    REDUCE=True, GDC=True))
 """
 
 
 def test_kernels_compile_for_hopper():
     """The router with and without the pack in passing, the fused read-back, the tiles'
     dequantization (Q4_K, Q6_K), gpt-oss's kernels (attention with sinks, MXFP4 experts with
-    biases and the clamped SwiGLU, MXFP4 dequantization) and the one-row GEMVs on int8 codes
+    biases and the clamped SwiGLU, MXFP4 dequantization) and the one-row GEMVs with biases
     compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the
     interpreter lets through (a loop-carried variable changing type, say) fail here, not on the
     GPU machine."""

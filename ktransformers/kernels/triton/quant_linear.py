@@ -147,9 +147,9 @@ def load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, stride_co
 
 
 @triton.jit
-def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-                       stride_ym, k_per_split,
-                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
+def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                       stride_xm, stride_ym, k_per_split,
+                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ATOMIC: tl.constexpr, REDUCE: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -168,98 +168,79 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, part_ptr,
             acc += tl.dot(a.to(tl.float32), w)
         else:
             acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, y_ptr, False)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]; zeros
-    without HAS_OFFSET) of int4 or int8 weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
+def _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_SIZE: tl.constexpr):
+    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]) of int4
+    weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     mask_n = rn < N
-    if BITS == 4:
-        shifts = tl.arange(0, 8) * 4
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
-                        other=0)
-        q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
-    else:  # int8 codes [K, N]
-        rk = k0 + tl.arange(0, BLOCK_K)
-        codes = tl.load(codes_ptr + rk[:, None] * N + rn[None, :], mask=(rk < K)[:, None] & mask_n[None, :], other=0)
-        q = tl.reshape(codes.to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
+    shifts = tl.arange(0, 8) * 4
+    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
+    q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
     rg = k0 // GROUP_SIZE + tl.arange(0, G)
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
     s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-    if HAS_OFFSET:
-        o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-    else:
-        o = s * 0.0
+    o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
     return q, s, o
 
 
 @triton.jit
-def _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_SIZE: tl.constexpr):
-    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) (+ offset * sum(x_g))."""
+def _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) + offset * sum(x_g)."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     rk = k0 + tl.arange(0, BLOCK_K)
     xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, GROUP_SIZE))
-    acc = s * tl.sum(q * xk[:, :, None], axis=1)
-    if HAS_OFFSET:
-        acc += o * tl.sum(xk, axis=1)[:, None]
-    return acc
+    return s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
 
 
 @triton.jit
-def _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS: tl.constexpr,
-                     HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                     GDC: tl.constexpr):
-    """float32 [BLOCK_N]: one row of x times int4 or int8 weight columns rn over [k_start, k_start +
+def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, GDC: tl.constexpr):
+    """float32 [BLOCK_N]: one row of x times int4 weight columns rn over [k_start, k_start +
     k_per_split), without tl.dot: per group g of 32 values
         scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
     (the groups' terms kept apart and summed once at the end). The first block's weights are
     loaded before gdc_enter (GDC: while the kernel that writes x still runs), x after it."""
-    q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K,
-                           GROUP_SIZE)
+    q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BLOCK_N, BLOCK_K, GROUP_SIZE)
     gdc_enter(GDC)
-    acc = _quant_block_sum(x_ptr, q, s, o, K, k_start, HAS_OFFSET, BLOCK_K, GROUP_SIZE)
+    acc = _int4_block_sum(x_ptr, q, s, o, K, k_start, BLOCK_K, GROUP_SIZE)
     for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
-        q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K,
-                               GROUP_SIZE)
-        acc += _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET, BLOCK_K, GROUP_SIZE)
+        q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N, BLOCK_K, GROUP_SIZE)
+        acc += _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K, GROUP_SIZE)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _quant_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                       k_per_split, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ATOMIC: tl.constexpr,
-                       REDUCE: tl.constexpr, GDC: tl.constexpr):
-    """One row of x against int4 or int8 weights in float32 (program_id 1: BLOCK_N columns, 2: the
-    K split), plus a float32 bias where HAS_BIAS."""
+def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                      k_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_SIZE: tl.constexpr, ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
+    """One row of x against int4 weights in float32 (program_id 1: BLOCK_N columns, 2: the K
+    split), plus a float32 bias where HAS_BIAS."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
-                           k_per_split, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
+    acc = _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
+                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
     store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE, bias_ptr,
                HAS_BIAS)
 
 
 @triton.jit
 def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K, tile,
-                  k_per_split, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
-                  GDC: tl.constexpr):
+                  k_per_split, INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
-    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's.
-    BITS 4 or 8: group-quantized codes; 0: a row-major dense W [N, K]."""
+    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 1)
     k_start = tl.program_id(2) * k_per_split
-    if BITS != 0:
-        acc = _quant_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS, HAS_OFFSET,
-                               BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)[None, :]
-    else:
+    if INT4:
+        acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
+                              GROUP_SIZE, GDC)[None, :]
+    else:  # a row-major dense W [N, K]
         acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K, GDC)
     store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE, bias_ptr, HAS_BIAS)
 
@@ -267,22 +248,22 @@ def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr
 @triton.jit
 def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
                       w0, s0, o0, b0, y0, p0, N0, w1, s1, o1, b1, y1, p1, N1, w2, s2, o2, b2, y2, p2, N2,
-                      BITS_0: tl.constexpr, BITS_1: tl.constexpr, BITS_2: tl.constexpr, OFF_0: tl.constexpr,
-                      OFF_1: tl.constexpr, OFF_2: tl.constexpr, BIAS_0: tl.constexpr, BIAS_1: tl.constexpr,
-                      BIAS_2: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
+                      INT4_0: tl.constexpr, INT4_1: tl.constexpr, INT4_2: tl.constexpr, BIAS_0: tl.constexpr,
+                      BIAS_1: tl.constexpr, BIAS_2: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr,
+                      BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
+                      GDC: tl.constexpr):
     """Two or three GEMVs of one row in one launch: program_id(1) < T0 are weight 0's tiles, the
     next T1 weight 1's, the rest weight 2's."""
     t = tl.program_id(1)
     if t < T0:
-        _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, BITS_0, OFF_0, BIAS_0, BN0,
-                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, INT4_0, BIAS_0, BN0, BLOCK_K,
+                      GROUP_SIZE, REDUCE, GDC)
     elif t < T0 + T1:
-        _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, BITS_1, OFF_1, BIAS_1,
-                      BN1, BLOCK_K, GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, INT4_1, BIAS_1, BN1,
+                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
     else:
-        _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, BITS_2, OFF_2,
-                      BIAS_2, BN2, BLOCK_K, GROUP_SIZE, REDUCE, GDC)
+        _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, INT4_2, BIAS_2, BN2,
+                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
 
 
 @triton.jit
@@ -344,7 +325,7 @@ def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start +
     k_per_split). The first block of weights is loaded before gdc_enter, x after it (as
-    _quant_split_sum)."""
+    _int4_split_sum)."""
     w = _dense_block(w_ptr, rn, N, K, stride_wn, k_start, BLOCK_K)
     gdc_enter(GDC)
     acc = tl.sum(_dense_block(x_ptr, rm, M, K, stride_xm, k_start, BLOCK_K)[:, None, :] * w[None, :, :], axis=2)
@@ -428,7 +409,7 @@ def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
 def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias, float32 [N]) for a GroupQuantWeight on x's device, the
-    float32 sum rounded once to out_dtype (one row: the bias added in the GEMV's launch)."""
+    float32 sum rounded once to out_dtype (the bias added in the launch, below DENSE_ROWS rows)."""
     K, N = w.in_features, w.out_features
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"group_gemm: x must be [M, {K}], got {tuple(x.shape)}")
@@ -440,12 +421,11 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != x.device):
         raise ValueError(f"group_gemm: bias must be float32 [{N}] on {x.device}, got {bias.dtype} "
                          f"{list(bias.shape)} on {bias.device}")
-    if M == 1:
-        return _quant_gemv(x, w, out_dtype, bias)
-    if bias is not None:
-        return (group_gemm(x, w, torch.float32) + bias).to(out_dtype)
     if M > DENSE_ROWS and x.device.type == "cuda":
-        return (x.to(torch.bfloat16) @ dequantize_t(w)).to(out_dtype)
+        y = x.to(torch.bfloat16) @ dequantize_t(w)
+        return (y if bias is None else y.float() + bias).to(out_dtype)
+    if M == 1 and w.bits == 4 and w.offset is not None:
+        return _int4_gemv(x, w, out_dtype, bias)
     offset = w.offset if w.offset is not None else w.scale
     BLOCK_K = _block_k(K, 128)
     if M <= 16:
@@ -456,30 +436,32 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
         BLOCK_M, BLOCK_N = 128, 64
     plan = plan_split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     y = plan.y
-    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, y, *plan.scratch(), M, N, K, x.stride(0), y.stride(0),
-                                  plan.k_per_split, BITS=w.bits, HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
+    if plan.atomic and bias is not None:
+        y.copy_(bias.expand(M, N))  # (the splits add into it)
+    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, y,
+                                  *plan.scratch(), M, N, K, x.stride(0), y.stride(0), plan.k_per_split, BITS=w.bits,
+                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
+                                  GROUP_SIZE=GROUP,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic,
                                   REDUCE=plan.reduce, DOT_F32=dot_f32(), num_warps=4,
                                   num_stages=3 if x.device.type == "cuda" else 1)
     return y.to(out_dtype) if plan.atomic else y
 
 
-def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """group_gemm of one row (_quant_gemv_kernel, int4 or int8 codes, the bias in its epilogue). K
-    is split until there are ~4 programs an SM, down to one 256-value block a split: for one row
+def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """group_gemm of one row on int4 weights (_int4_gemv_kernel, the bias in its epilogue). K is
+    split until there are ~4 programs an SM, down to one 256-value block a split: for one row
     this is quicker than the tl.dot GEMM's 16-row tiles at attention-projection shapes."""
     K, N = w.in_features, w.out_features
     BLOCK_N, BLOCK_K = 64, _block_k(K, 256)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     if plan.atomic and bias is not None:
         plan.y.copy_(bias[None, :])  # (the splits add into it)
-    offset = w.offset if w.offset is not None else w.scale  # (a placeholder, never read)
-    _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, plan.y,
-                                  *plan.scratch(), N, K, plan.k_per_split, BITS=w.bits,
-                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
-                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
-                                  REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
+    _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, bias if bias is not None else w.scale, plan.y,
+                                 *plan.scratch(), N, K, plan.k_per_split, HAS_BIAS=bias is not None and not plan.atomic,
+                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
+                                 REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
@@ -492,9 +474,9 @@ def _block_k(K: int, largest: int) -> int:
 
 
 class _Operand(NamedTuple):
-    """One weight of a gemv_many launch as its kernel arguments (a weight stands in for its own
-    absent scale and offset)."""
-    bits: int  # 4 or 8: group-quantized codes; 0: dense
+    """One weight of a gemv_many launch as its kernel arguments (a dense weight stands in for its
+    own absent scale and offset)."""
+    int4: bool
     block_n: int
     weight: torch.Tensor
     scale: torch.Tensor
@@ -503,29 +485,30 @@ class _Operand(NamedTuple):
 
 
 def _many_operand(w, x: torch.Tensor) -> _Operand | None:
-    """One gemv_many weight, or None where the launch does not take it (another K or device, a
-    non-row-major dense weight or one cuBLAS streams faster, offsets past int32)."""
+    """One gemv_many weight, or None where the launch does not take it (int8 codes, no offset,
+    another K or device, a non-row-major dense weight or one cuBLAS streams faster, offsets past
+    int32)."""
     K = x.shape[1]
     if isinstance(w, GroupQuantWeight):
-        if w.bits not in (4, 8) or w.in_features != K or w.codes.device != x.device or w.codes.numel() >= 2**31:
+        if (w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device
+                or w.codes.numel() >= 2**31):
             return None
-        offset = w.offset if w.offset is not None else w.scale
-        return _Operand(w.bits, 64, w.codes, w.scale, offset, w.out_features)
+        return _Operand(True, 64, w.codes, w.scale, w.offset, w.out_features)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
-        return _Operand(0, 32, w, w, w, w.shape[0])
+        return _Operand(False, 32, w, w, w, w.shape[0])
     return None
 
 
 def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
               biases: list | None = None) -> list[torch.Tensor] | None:
     """[x Wᵢᵀ (+ bᵢ) for each weight] in one launch, for one row x [1, K] and two or three weights
-    (int4 or int8 GroupQuantWeights, or dense row-major [N, K] tensors of up to DENSE_GEMV_WEIGHTS
-    values: a layer's q, k and v projections) and their float32 biases [N] or None, float32 sums
-    each rounded once to out_dtype (the values of the one-weight GEMVs up to float32 summation
-    order: the blocks and splits are the launch's own); None where the launch does not apply (the
-    caller runs the projections one by one). Launched alone, k and v cost nearly what q does
-    (latency, not bytes): together they add little to q's time."""
+    (int4 GroupQuantWeights with offsets, or dense row-major [N, K] tensors of up to
+    DENSE_GEMV_WEIGHTS values: a layer's q, k and v projections) and their float32 biases [N] or
+    None, float32 sums each rounded once to out_dtype (the values of the one-weight GEMVs up to
+    float32 summation order: the blocks and splits are the launch's own); None where the launch
+    does not apply (the caller runs the projections one by one). Launched alone, k and v cost
+    nearly what q does (latency, not bytes): together they add little to q's time."""
     if x.dim() != 2 or x.shape[0] != 1 or not 2 <= len(weights) <= 3:
         return None
     biases = list(biases) if biases is not None else [None] * len(weights)
@@ -540,7 +523,7 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
     BLOCK_K = _block_k(K, 256)
-    # the K split of the widest weight alone (as _quant_gemv would choose it), shared by all
+    # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
     splits = grid[2]
@@ -558,10 +541,8 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
         args += [op.weight, op.scale, op.offset, bias if bias is not None else op.scale, y, part, op.n]
     (o0, b0, _, _), (o1, b1, _, _), (o2, b2, _, _) = segs
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
-                                               BITS_0=o0.bits, BITS_1=o1.bits, BITS_2=o2.bits,
-                                               OFF_0=o0.offset is not o0.scale, OFF_1=o1.offset is not o1.scale,
-                                               OFF_2=o2.offset is not o2.scale, BIAS_0=b0 is not None,
-                                               BIAS_1=b1 is not None, BIAS_2=b2 is not None,
+                                               INT4_0=o0.int4, INT4_1=o1.int4, INT4_2=o2.int4,
+                                               BIAS_0=b0 is not None, BIAS_1=b1 is not None, BIAS_2=b2 is not None,
                                                BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
                                                BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2,
                                                **pdl(x.device))
