@@ -382,8 +382,8 @@ class KGQAAttention(_CachedAttention):
 
     def _project_one(self, hidden_states: torch.Tensor):
         """q, k and v of one token in one launch (quant_linear.gemv_many, biases added in it) where
-        all three are GPU linears whose weights it takes (int4, int8, or dense fallbacks, on one
-        device); else None."""
+        all three are GPU linears whose weights it takes (int4, or dense fallbacks, on one device);
+        else None."""
         from .linear import KTransformersLinear, _TritonLinear
         ops = []
         for proj in (self.q_proj, self.k_proj, self.v_proj):

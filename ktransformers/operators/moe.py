@@ -99,7 +99,8 @@ class KMoEBlock(BaseInjectedModule):
                 and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))):
             return None
         gate = self.shared_expert_gate if gated else None
-        if gated and not (type(gate) is nn.Linear and gate.weight.device.type == "cpu"):
+        if gated and not ((type(gate) is nn.Linear and gate.weight.device.type == "cpu")
+                          or isinstance(getattr(gate, "ops", {}).get("generate"), KLinearCPU)):
             return None
         kernels = tuple(op.kernel for op in ops)
         if self._shared_call is not None and all(a is b for a, b in zip(self._shared_call[0], kernels)):
