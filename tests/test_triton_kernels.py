@@ -765,6 +765,9 @@ compile_(quant_linear._int4_gemv_kernel, gemv, dict(HAS_BIAS=True, BLOCK_N=64, B
 many = {"x_ptr": "*bf16", "count_ptr": "*i32", "w0": "*i32", "w1": "*i32", "w2": "*bf16", "s2": "*bf16", "o2": "*bf16"}
 many.update({f"{n}{i}": "*fp32" for n in ("s", "o", "b", "p") for i in (0, 1, 2) if f"{n}{i}" not in many})
 many.update({f"y{i}": "*bf16" for i in (0, 1, 2)})
+gemm = dict(gemv, codes_ptr="*i8", x_ptr="*bf16")
+compile_(quant_linear._group_gemm_kernel, gemm, dict(BITS=8, HAS_OFFSET=False, HAS_BIAS=True, GROUP_SIZE=32, BLOCK_M=16,
+                                                     BLOCK_N=64, BLOCK_K=128, ATOMIC=False, REDUCE=True, DOT_F32=False))
 compile_(quant_linear._gemv_many_kernel, many, dict(INT4_0=True, INT4_1=True, INT4_2=False, BIAS_0=True, BIAS_1=False,
                                                     BIAS_2=True, BN0=64, BN1=64, BN2=32, BLOCK_K=256, GROUP_SIZE=32,
                                                     REDUCE=True, GDC=True))
@@ -774,8 +777,8 @@ compile_(quant_linear._gemv_many_kernel, many, dict(INT4_0=True, INT4_1=True, IN
 def test_kernels_compile_for_hopper():
     """The router with and without the pack in passing, the fused read-back, the tiles'
     dequantization (Q4_K, Q6_K), gpt-oss's kernels (attention with sinks, MXFP4 experts with
-    biases and the clamped SwiGLU, MXFP4 dequantization) and the one-row GEMVs with biases
-    compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the
+    biases and the clamped SwiGLU, MXFP4 dequantization) and the projections' GEMV and GEMM
+    with biases compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the
     interpreter lets through (a loop-carried variable changing type, say) fail here, not on the
     GPU machine."""
     import os
@@ -784,4 +787,4 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("compiled") == 12, done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.count("compiled") == 13, done.stderr[-3000:]
