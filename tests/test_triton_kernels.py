@@ -778,9 +778,9 @@ def test_kernels_compile_for_hopper():
     """The router with and without the pack in passing, the fused read-back, the tiles'
     dequantization (Q4_K, Q6_K), gpt-oss's kernels (attention with sinks, MXFP4 experts with
     biases and the clamped SwiGLU, MXFP4 dequantization) and the projections' GEMV and GEMM
-    with biases compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type errors the
-    interpreter lets through (a loop-carried variable changing type, say) fail here, not on the
-    GPU machine."""
+    with biases compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type
+    errors the interpreter lets through (a loop-carried variable changing type, say) fail here,
+    not on the GPU machine."""
     import os
     import subprocess
     import sys
