@@ -278,7 +278,7 @@ class KDecoderLayer(BaseInjectedModule):
         if (not isinstance(op, KExpertsCPU) or op.kernel is None or experts.hot is not None
                 or experts.options.out_device != "cpu"):
             return None
-        shared = (mlp.shared_call() or _direct_shared(mlp) or mlp._shared) if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
+        shared = (mlp.shared_call() or mlp._shared) if isinstance(mlp, KMoEBlock) and mlp._has_shared() else None
         gate = mlp.gate if route[0] is not None else None  # (a KMoEGateSoftmax, routed inline)
         return dict(router=route[0], route=route[1], shared=shared, moe=op.kernel._moe,
                     top_k=gate.top_k if gate is not None else 0, renorm=gate.norm if gate is not None else False,
@@ -364,21 +364,6 @@ class KDecoderLayer(BaseInjectedModule):
 
 def _buffers(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
     return {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
-
-
-def _direct_shared(mlp):
-    """The sigmoid-gated shared expert of Qwen2-MoE, Qwen3-Next and Qwen3.5 (h [1, H] -> [1, H]) by
-    direct calls of its linears (linear.direct_call), in the order of transformers' forward; None
-    where a part has no direct form or the block's shared experts are of another kind."""
-    from .linear import direct_call
-    expert, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
-    act = getattr(expert, "act_fn", None)
-    calls = [direct_call(getattr(expert, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-    s = direct_call(gate)
-    if act is None or s is None or None in calls:
-        return None
-    g, u, d = calls
-    return lambda h: torch.sigmoid(s(h)) * d(act(g(h)) * u(h))
 
 
 OPERATORS.register("KDecoderLayer")(KDecoderLayer)

@@ -30,7 +30,7 @@ class KMoEBlock(BaseInjectedModule):
         if missing:
             raise ValueError(f"{key}: {type(orig_module).__name__} is not a MoE block (no {', '.join(missing)})")
         adopt_children(self, orig_module)
-        self._shared_call = None  # (the linears' kernels it was made on, the call): shared_call's
+        self._shared_call = None  # shared_call's (the linears' kernels it was made on, its MoEKernel, the call)
 
     def forward(self, hidden_states: torch.Tensor, epilogue=None) -> torch.Tensor:
         """`epilogue`: what the caller does next with the output (kernels.cuda_host.MoEEpilogue),
@@ -88,23 +88,24 @@ class KMoEBlock(BaseInjectedModule):
         them would each wake the threads and wait on cold weights. The sigmoid gate of Qwen2-MoE,
         Qwen3-Next and Qwen3.5 is the call's expert weight (DeepSeek's and GLM's: 1). None where
         the shared expert is not three bias-free float32 CPU linears (KLinearCPU) with SiLU."""
-        from transformers.activations import SiLUActivation
-        from ..kernels.cpu import MoEKernel
         from .linear import KLinearCPU
         gated = hasattr(self, "shared_expert")
         mlp = self.shared_expert if gated else getattr(self, "shared_experts", None)
         ops = [getattr(getattr(mlp, n, None), "ops", {}).get("generate") for n in ("gate_proj", "up_proj", "down_proj")]
-        if not (all(isinstance(op, KLinearCPU) and op.kernel is not None and op.bias is None
-                    and op.dtype == torch.float32 for op in ops)
+        if not all(isinstance(op, KLinearCPU) and op.kernel is not None for op in ops):
+            return None
+        kernels = tuple(op.kernel for op in ops)
+        if self._shared_call is not None and all(a is b for a, b in zip(self._shared_call[0], kernels)):
+            return self._shared_call[2]  # (made on these kernels: what follows held then)
+        from transformers.activations import SiLUActivation
+        from ..kernels.cpu import MoEKernel
+        if not (all(op.bias is None and op.dtype == torch.float32 for op in ops)
                 and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))):
             return None
         gate = self.shared_expert_gate if gated else None
         if gated and not ((type(gate) is nn.Linear and gate.weight.device.type == "cpu")
                           or isinstance(getattr(gate, "ops", {}).get("generate"), KLinearCPU)):
             return None
-        kernels = tuple(op.kernel for op in ops)
-        if self._shared_call is not None and all(a is b for a, b in zip(self._shared_call[0], kernels)):
-            return self._shared_call[1]
         g, u, d = kernels
         kernel = MoEKernel(g.runtime, experts=1, top_k=1, hidden=g.in_features, intermediate=g.out_features,
                            gate=g._weight, up=u._weight, down=d._weight, max_tokens=SHARED_CALL_MAX_TOKENS,
@@ -119,7 +120,7 @@ class KMoEBlock(BaseInjectedModule):
             y = torch.empty(T, hidden)
             moe.forward(T, ids.data_ptr(), weight.data_ptr(), x.data_ptr(), y.data_ptr(), 0)  # (0: float32)
             return y
-        self._shared_call = (kernels, call)
+        self._shared_call = (kernels, kernel, call)  # (the MoEKernel owns what its C++ MoE reads)
         return call
 
 
