@@ -103,10 +103,10 @@ def gemv_sweep():
                         p = plan(xs, N, K, bn, bk, max(1, mult * sms // tiles), bm=1)
 
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
-                            Q._int4_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, w.scale, p.y, *p.scratch(), N,
-                                                        K, p.k_per_split, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
-                                                        GROUP_SIZE=32, ATOMIC=False, REDUCE=p.reduce, GDC=False,
-                                                        num_warps=warps)
+                            Q._quant_gemv_kernel[p.grid](xs, w.codes, w.scale, w.offset, w.scale, p.y, *p.scratch(),
+                                                         N, K, p.k_per_split, BITS=4, HAS_OFFSET=True, HAS_BIAS=False,
+                                                         BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE=32, ATOMIC=False,
+                                                         REDUCE=p.reduce, GDC=False, num_warps=warps)
                             return p.y
                         trial(best, f"NODOT bn {bn:3d} bk {bk:3d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
                                     f"w {warps}", call, ws, ref)
@@ -175,8 +175,9 @@ def dense_sweep():
                         p = plan(x, N, 2048, bn, bk, max(1, mult * sms // tiles), bm=1)
 
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
-                            Q._dense_gemv_kernel[p.grid](x, w, p.y, *p.scratch(), 1, N, 2048, x.stride(0), w.stride(0),
-                                                         p.y.stride(0), p.k_per_split, BLOCK_M=1, BLOCK_N=bn,
+                            Q._dense_gemv_kernel[p.grid](x, w, p.y, p.y, *p.scratch(), 1, N, 2048, x.stride(0),
+                                                         w.stride(0), p.y.stride(0), p.k_per_split, HAS_BIAS=False,
+                                                         BLOCK_M=1, BLOCK_N=bn,
                                                          BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, GDC=False, num_warps=warps)
                             return p.y
                         trial(best, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "

@@ -167,8 +167,8 @@ def test_softmax_topk(dev, T):
 @pytest.mark.parametrize("T,E,K,H", [(1, 128, 8, 2048), (3, 60, 4, 512), (4, 8, 2, 256), (1, 256, 8, 7168)])
 def test_router_topk(dev, T, E, K, H, monkeypatch):
     """The router's GEMV and its top-k epilogue in one launch, against torch: the logits within
-    a rounding of x @ W.T (the K split reduced in the launch, or not split where one SM is all
-    there is), the routing route_softmax's on those logits, the pack in passing what
+    a rounding of x @ W.T (+ a bias: gpt-oss's router; the K split reduced in the launch, or not
+    split where one SM is all there is), the routing route_softmax's on those logits, the pack in passing what
     pack_moe_inputs_reference stores, and the tile counters back at 0."""
     from ktransformers.kernels.triton import common, quant_linear
     from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs_reference
@@ -177,16 +177,20 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
     g = gen(T * E + H)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     w = (torch.randn(E, H, generator=g) * 0.05).to(dev)
+    b = torch.randn(E, generator=g)
     for split in (True, False):
         if not split:
             monkeypatch.setattr(common, "sm_count", lambda device: 1)
             monkeypatch.setattr(quant_linear, "sm_count", lambda device: 1)
         if E == 128:  # both launches covered: split on the GPU or the interpreter's 4 SMs, not on 1
             assert gemv_plan(x, E, torch.float32)[3].reduce == split
-        for logits_dtype, weights_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
+        for logits_dtype, weights_dtype, bias in ((torch.bfloat16, torch.bfloat16, None),
+                                                  (torch.float32, torch.float32, None),
+                                                  (torch.bfloat16, torch.bfloat16, b), (torch.float32, torch.float32, b)):
             norm = E != 8
-            logits, weights, index = router_topk(x, w, K, norm, logits_dtype, weights_dtype)
-            want = x.cpu().double() @ w.cpu().double().T
+            logits, weights, index = router_topk(x, w, K, norm, logits_dtype, weights_dtype,
+                                                 bias=None if bias is None else bias.to(dev))
+            want = x.cpu().double() @ w.cpu().double().T + (0 if bias is None else bias.double())
             assert logits.dtype == logits_dtype
             assert rel_max(logits.cpu(), want) < (1e-5 if logits_dtype == torch.float32 else 2 ** -7)
             ref_w, ref_i = route_softmax(logits.cpu().float(), top_k=K, norm=norm)
@@ -216,6 +220,8 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
         router_topk(x, w, K + 1 if K < E else K - 1, True, torch.bfloat16, torch.bfloat16, pack=pack)
     assert int(common.split_counters(x.device).abs().sum()) == 0
     assert router_topk(torch.randn(5, H).to(dev), w, K, True, torch.float32, torch.float32) is None
+    with pytest.raises(ValueError, match=f"bias must be float32 \\[{E}\\]"):
+        router_topk(x, w, K, True, torch.float32, torch.float32, bias=b[1:].to(dev))
 
 
 def test_softmax_topk_nan_logits_stay_in_range(dev):

@@ -9,6 +9,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -120,13 +121,18 @@ def test_deepseek_router_matches_hf(T, family):
     assert torch.allclose(w1.gather(1, o1.indices), w2.gather(1, o2.indices), atol=1e-6)
 
 
-@pytest.mark.parametrize("router_cls, family", [(Qwen3MoeTopKRouter, "qwen3_moe"), (MixtralTopKRouter, "mixtral")])
+@pytest.mark.parametrize("router_cls, family", [(Qwen3MoeTopKRouter, "qwen3_moe"), (MixtralTopKRouter, "mixtral"),
+                                               (GptOssTopKRouter, "gpt_oss")])
 @pytest.mark.parametrize("T", [1, 9])
 def test_softmax_router_matches_hf(router_cls, family, T):
+    """KMoEGateSoftmax against the router it replaces; gpt-oss's has a bias and takes the softmax
+    of its top-k logits alone."""
     config = tiny_config(family)
     hf = router_cls(config)
     with torch.no_grad():
         hf.weight.normal_(0, 0.1)
+        if getattr(hf, "bias", None) is not None:
+            hf.bias.normal_(0, 0.5)
     op = KMoEGateSoftmax("g", prefixed("g", hf), config, hf)
     op.load()
     x = torch.randn(T, config.hidden_size)

@@ -196,8 +196,8 @@ def test_copy_rows_add_norm(dev, T, H, src, dst, wdt):
 
 @pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (3, 40, 96), (4, 257, 512), (1, 16, 4096), (2, 24, 3000)])
 def test_dense_gemv(dev, M, N, K):
-    """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums, any output dtype
-    (the last two shapes split K under the interpreter's 4 SMs; large N does on an H200), and the
+    """The routers' GEMV: bf16 or float32 x against a float32 W, float32 sums (+ a float32 bias),
+    any output dtype (the last two shapes split K under the interpreter's 4 SMs; large N does on an H200), and the
     split's tile counters are back at 0 after."""
     from ktransformers.kernels.triton import common
     from ktransformers.kernels.triton import quant_linear as ql
@@ -210,6 +210,13 @@ def test_dense_gemv(dev, M, N, K):
     yb = ql.dense_gemv(xb.to(dev), w.to(dev), torch.bfloat16).cpu()
     assert yb.dtype == torch.bfloat16
     assert rel_err(yb, xb.double() @ w.double().T) < 1e-2
+    bias = torch.randn(N, generator=g)  # (gpt-oss's router, biased dense linears) added before the rounding
+    yb_bias = ql.dense_gemv(x.to(dev), w.to(dev), torch.float32, bias.to(dev)).cpu()
+    assert rel_err(yb_bias, ref + bias.double()) < 1e-5
+    assert torch.equal(ql.dense_gemv(x.to(dev), w.to(dev), torch.bfloat16, bias.to(dev)).cpu(),
+                       yb_bias.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=f"bias must be float32 \\[{N}\\]"):
+        ql.dense_gemv(x.to(dev), w.to(dev), torch.float32, bias[1:].to(dev))
     with pytest.raises(ValueError, match="at most 4 rows"):
         ql.dense_gemv(torch.randn(5, K, device=dev), w.to(dev))
     with pytest.raises(ValueError, match="row-major"):  # the right shape, the wrong layout
@@ -529,17 +536,24 @@ def test_align_is_sync_free_and_complete(dev):
         assert (block_expert <= E).all()
 
 
-@pytest.mark.parametrize("N,K", [(96, 256), (200, 1024), (72, 160), (64, 4096)])
-def test_int4_gemv_one_row(dev, N, K, monkeypatch):
-    """One row on int4 weights takes the float32 GEMV without tl.dot (every block size it picks:
-    K % 256, % 128 and % 32), split or not, and matches the dequantized reference closely; with a
-    bias (gpt-oss's and GLM's projections) added in the launch before the one rounding."""
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("N,K", [(96, 256), (200, 1024), (72, 160), (64, 4096), (136, 288)])
+def test_quant_gemv_one_row(dev, bits, N, K, monkeypatch):
+    """One row on int4 or int8 weights takes the float32 GEMV without tl.dot (every block size it
+    picks: int4's K % 256, % 128 and % 32; int8's 256 with the last block past K), split or not,
+    and matches the dequantized reference closely; with a bias (gpt-oss's and GLM's projections)
+    added in the launch before the one rounding."""
     from ktransformers.kernels.triton import quant_linear as ql
-    g = gen(N + K)
-    w = ql.quantize_int4(torch.randn(N, K, generator=g)).to(dev)
+    g = gen(N + K + bits)
+    dense = torch.randn(N, K, generator=g)
+    w = (ql.quantize_int4 if bits == 4 else ql.quantize_int8)(dense).to(dev)
+    # the packed codes hold the weight (within its rounding): the reference is not the kernel's layout alone
+    step = (dense.reshape(N, K // 32, 32).amax(-1) - dense.reshape(N, K // 32, 32).amin(-1)) / 15 if bits == 4 \
+        else dense.reshape(N, K // 32, 32).abs().amax(-1) / 127
+    assert ((w.dequantize().cpu() - dense).abs().reshape(N, K // 32, 32) <= step[..., None] * 0.5001 + 1e-6).all()
     x = torch.randn(1, K, generator=g)
-    calls, real = [], ql._int4_gemv
-    monkeypatch.setattr(ql, "_int4_gemv", lambda *a: calls.append(a) or real(*a))
+    calls, real = [], ql._quant_gemv
+    monkeypatch.setattr(ql, "_quant_gemv", lambda *a: calls.append(a) or real(*a))
     y = ql.group_gemm(x.to(dev), w, torch.float32)
     assert len(calls) == 1
     ref = x.double() @ w.dequantize().cpu().double().T
@@ -552,19 +566,21 @@ def test_int4_gemv_one_row(dev, N, K, monkeypatch):
         ql.group_gemm(x.to(dev), w, torch.float32, bias[1:].to(dev))
 
 
+@pytest.mark.parametrize("second", ["int4", "int8"])
 @pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
                                     ((96, 160), (40, 160), (8, 160)), ((128, 256), (64, 256))])
-def test_gemv_many(dev, shapes):
-    """q, k and v of one token in one launch: int4 and dense bf16 weights mixed, with and without
-    biases (added in the launch), K split (the first three) or not (one 256-value block),
-    each output within float32 summation of its reference (float32 sums rounded once), counters
-    back at 0."""
+def test_gemv_many(dev, shapes, second):
+    """q, k and v of one token in one launch: int4, int8 and dense bf16 weights mixed, with and
+    without biases (added in the launch), K split (the first three) or not (one block), each
+    output within float32 summation of its reference (float32 sums rounded once), counters back
+    at 0."""
     from ktransformers.kernels.triton import common
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(sum(n for n, _ in shapes))
     K = shapes[0][1]
     dense = [torch.randn(N, K, generator=g) for N, _ in shapes]
-    weights = [ql.quantize_int4(d).to(dev) if i != 2 else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
+    quantize = {0: ql.quantize_int4, 1: ql.quantize_int4 if second == "int4" else ql.quantize_int8}
+    weights = [quantize[i](d).to(dev) if i in quantize else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
     x = torch.randn(1, K, generator=g).to(torch.bfloat16)
     biases = [torch.randn(N, generator=g).to(dev) if i != 1 else None for i, (N, _) in enumerate(shapes)]
     for with_bias in (False, True):
@@ -578,9 +594,12 @@ def test_gemv_many(dev, shapes):
         bf16 = ql.gemv_many(x.to(dev), weights, torch.bfloat16, bs)
         assert all(torch.equal(b, y.to(torch.bfloat16)) for b, y in zip(bf16, ys))
     assert int(common.split_counters(x.to(dev).device).abs().sum()) == 0
-    # what the launch does not take: two rows, int8 codes, a weight of another K, a bias of another width
+    # what the launch does not take: two rows, int4 codes without offsets, a weight of another K, a bias of
+    # another width
     assert ql.gemv_many(torch.randn(2, K).to(dev), weights, torch.float32) is None
-    assert ql.gemv_many(x.to(dev), [weights[0], ql.quantize_int8(dense[1]).to(dev)], torch.float32) is None
+    w0 = weights[0]
+    no_offset = ql.GroupQuantWeight(4, w0.codes, w0.scale, None, w0.out_features, w0.in_features)
+    assert ql.gemv_many(x.to(dev), [weights[0], no_offset], torch.float32) is None
     assert ql.gemv_many(x.to(dev), [weights[0], torch.randn(8, K + 32).to(dev)], torch.float32) is None
     assert ql.gemv_many(x.to(dev), weights, torch.float32, [biases[0][1:]] + biases[1:]) is None
 
@@ -728,10 +747,11 @@ def compile_(fn, types, consts):
     assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
     print("compiled", fn.__name__)
 
-ptrs = {"x_ptr": "*bf16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+ptrs = {"x_ptr": "*bf16", "g_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
         "w_ptr": "*bf16", "idx_ptr": "*i64", "xo_ptr": "*bf16", "io_ptr": "*i64", "wo_ptr": "*fp32"}
 for pack in (False, True):
-    compile_(router._router_kernel, ptrs, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_H=256, REDUCE=True, K=8, BLOCK_E=128,
+    compile_(router._router_kernel, ptrs, dict(HAS_BIAS=pack, BLOCK_M=1, BLOCK_N=16, BLOCK_H=256, REDUCE=True, K=8,
+                                               BLOCK_E=128,
                                                BLOCK_K=8, NORM=True, PACK=pack, PACK_BLOCK=1024, GDC=True))
 compile_(handoff._copy_add_norm_kernel, {"src_ptr": "*bf16", "add_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16",
                                          "y_ptr": "*bf16", "s_ptr": "*bf16", "n_ptr": "*bf16", "eps": "fp32"},
@@ -760,16 +780,18 @@ compile_(dequant._dequant_kernel, {"src_ptr": "*u8", "out_ptr": "*bf16", "n_bloc
 # one row: a GEMV with a bias, and q, k and v with biases in one launch
 gemv = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*fp32",
         "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-compile_(quant_linear._int4_gemv_kernel, gemv, dict(HAS_BIAS=True, BLOCK_N=64, BLOCK_K=256, GROUP_SIZE=32,
-                                                    ATOMIC=False, REDUCE=True, GDC=True))
+for bits in (4, 8):
+    compile_(quant_linear._quant_gemv_kernel, gemv, dict(BITS=bits, HAS_OFFSET=bits == 4, HAS_BIAS=True, BLOCK_N=64,
+                                                         BLOCK_K=256, GROUP_SIZE=32, ATOMIC=False, REDUCE=True,
+                                                         GDC=True))
 many = {"x_ptr": "*bf16", "count_ptr": "*i32", "w0": "*i32", "w1": "*i32", "w2": "*bf16", "s2": "*bf16", "o2": "*bf16"}
 many.update({f"{n}{i}": "*fp32" for n in ("s", "o", "b", "p") for i in (0, 1, 2) if f"{n}{i}" not in many})
 many.update({f"y{i}": "*bf16" for i in (0, 1, 2)})
-gemm = dict(gemv, codes_ptr="*i8", x_ptr="*bf16")
+gemm = dict(gemv, x_ptr="*bf16")
 compile_(quant_linear._group_gemm_kernel, gemm, dict(BITS=8, HAS_OFFSET=False, HAS_BIAS=True, GROUP_SIZE=32, BLOCK_M=16,
                                                      BLOCK_N=64, BLOCK_K=128, ATOMIC=False, REDUCE=True, DOT_F32=False))
-compile_(quant_linear._gemv_many_kernel, many, dict(INT4_0=True, INT4_1=True, INT4_2=False, BIAS_0=True, BIAS_1=False,
-                                                    BIAS_2=True, BN0=64, BN1=64, BN2=32, BLOCK_K=256, GROUP_SIZE=32,
+compile_(quant_linear._gemv_many_kernel, many, dict(BITS_0=4, BITS_1=8, BITS_2=0, BIAS_0=True, BIAS_1=False,
+                                                    BIAS_2=True, BN0=64, BN1=128, BN2=32, BLOCK_K=256, GROUP_SIZE=32,
                                                     REDUCE=True, GDC=True))
 """
 
@@ -787,4 +809,4 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("compiled") == 13, done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.count("compiled") == 14, done.stderr[-3000:]

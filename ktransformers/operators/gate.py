@@ -73,6 +73,9 @@ class _Router(BaseInjectedModule):
         self.hidden_dim = orig_module.hidden_dim
         self.weight_dtype, self.weight_shape = orig_module.weight.dtype, tuple(orig_module.weight.shape)
         self.weight: torch.Tensor | None = None
+        # a bias of the logits (gpt-oss's router; not DeepSeek-V3's correction bias, which only picks)
+        self.has_logit_bias = isinstance(getattr(orig_module, "bias", None), nn.Parameter)
+        self.logit_bias: torch.Tensor | None = None
         self.kernel = None
         self.gemv = None  # set by load() where Triton runs: kernels.triton.quant_linear.dense_gemv
         self.gemv_rows = 0  # and the most tokens it takes (quant_linear.GEMV_ROWS)
@@ -80,6 +83,8 @@ class _Router(BaseInjectedModule):
     def load(self) -> None:
         from ..kernels.triton.common import runs_on
         self.weight = self.weights.load(f"{self.key}.weight", self.device, self.weight_dtype, self.weight_shape)
+        self.logit_bias = (self.weights.load(f"{self.key}.bias", self.device, torch.float32, self.weight_shape[:1])
+                           if self.has_logit_bias else None)
         self.kernel = self.gemv = None
         if self.device.type == "cpu" and self.weight.dtype == torch.float32:
             # the same fp32 dot products on the C++ pool (all cores stream the weight; torch's
@@ -95,15 +100,17 @@ class _Router(BaseInjectedModule):
             self.gemv, self.gemv_rows = dense_gemv, GEMV_ROWS
 
     def unload(self) -> None:
-        self.weight = self.kernel = self.gemv = None
+        self.weight = self.logit_bias = self.kernel = self.gemv = None
 
     def logits(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """x [T, H] -> router logits [T, E]: float32 products and sums, rounded to out_dtype."""
+        """x [T, H] -> router logits [T, E]: float32 products and sums (+ the bias), rounded to
+        out_dtype."""
         if self.kernel is not None and x.shape[0] <= 4:  # decode: bandwidth; prefill: torch's GEMM
-            return self.kernel.forward(x.float().contiguous()).to(out_dtype)
+            y = self.kernel.forward(x.float().contiguous())
+            return (y if self.logit_bias is None else y + self.logit_bias).to(out_dtype)
         if self.gemv is not None and x.shape[0] <= self.gemv_rows:
-            return self.gemv(x, self.weight, out_dtype)
-        return F.linear(x.float(), self.weight.float()).to(out_dtype)
+            return self.gemv(x, self.weight, out_dtype, self.logit_bias)
+        return F.linear(x.float(), self.weight.float(), self.logit_bias).to(out_dtype)
 
 
 @register_operator("KMoEGate")
@@ -146,13 +153,17 @@ class KMoEGate(_Router):
 
 @register_operator("KMoEGateSoftmax")
 class KMoEGateSoftmax(_Router):
-    """Softmax top-k router (replaces Qwen2Moe/Qwen3Moe/Mixtral TopKRouter)."""
+    """Softmax top-k router (replaces Qwen2Moe/Qwen3Moe/Mixtral/GptOss TopKRouter). gpt-oss's
+    softmax over its top-k logits is the softmax over all of them renormalized over the top k; its
+    logits have a bias."""
 
     def __init__(self, key: str, weights, config, orig_module: nn.Module, **kwargs):
         super().__init__(key, weights, config, orig_module, **kwargs)
         self.norm = getattr(orig_module, "norm_topk_prob", True)  # Mixtral always renormalizes
-        # Qwen's routers cast the weights to the logits' dtype (Qwen3.5's, with no norm_topk_prob, too)
-        self.cast_back = hasattr(orig_module, "norm_topk_prob") or type(orig_module).__name__.startswith("Qwen")
+        # Qwen's and gpt-oss's routers give the weights in the logits' dtype (Qwen3.5's, with no
+        # norm_topk_prob, too)
+        self.cast_back = (hasattr(orig_module, "norm_topk_prob")
+                          or type(orig_module).__name__.startswith(("Qwen", "GptOss")))
         self.triton_route = None  # set by load() where Triton runs: kernels.triton.router.softmax_topk
 
     def load(self) -> None:
@@ -178,7 +189,7 @@ class KMoEGateSoftmax(_Router):
         if self.triton_route is not None and self.gemv is not None and x.shape[0] <= self.gemv_rows:
             from ..kernels.triton.router import router_topk  # logits and routing in one launch
             routed = router_topk(x, self.weight, self.top_k, self.norm, x.dtype,
-                                 x.dtype if self.cast_back else torch.float32, pack=pack)
+                                 x.dtype if self.cast_back else torch.float32, pack=pack, bias=self.logit_bias)
             if routed is not None:
                 return routed
         logits = self.logits(x, x.dtype)

@@ -149,12 +149,14 @@ class _TritonLinear:
     def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """A dense fallback weight: decode-sized rows on a small weight through the one-launch
         Triton GEMV (a small projection's cost is launch latency, where cuBLAS's bf16 GEMV is
-        slower), else cuBLAS (which streams a large one, e.g. an lm_head, faster)."""
+        slower), else cuBLAS (which streams a large one, e.g. an lm_head, faster). The bias is added
+        in float32 before the one rounding to the layer's dtype (in the GEMV's launch)."""
         from ..kernels.triton.common import runs_on
         from ..kernels.triton.quant_linear import DENSE_GEMV_WEIGHTS, GEMV_ROWS, dense_gemv
         if x.shape[0] <= GEMV_ROWS and self.weight.numel() <= DENSE_GEMV_WEIGHTS and runs_on(x.device):
-            return dense_gemv(x, self.weight, torch.float32 if self.bias is not None else self.dtype)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+            return dense_gemv(x, self.weight, self.dtype, self.bias)
+        y = F.linear(x.to(self.weight.dtype), self.weight)
+        return y if self.bias is None else (y.float() + self.bias).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
@@ -163,8 +165,6 @@ class _TritonLinear:
         flat = x.reshape(-1, shape[-1])
         if isinstance(self.weight, torch.Tensor):
             y = self._dense_gemm(flat)
-            if self.bias is not None:
-                y = y.float() + self.bias
         elif self.bias is not None:
             y = self._gemm_bias(flat, self.dtype)
         else:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...weights.ggml_quants import MXFP4_VALUES, GGMLType, group_affine, mxfp4_codes
 from .common import dot_f32
-from .quant_linear import GROUP, _pack_int4, load_group_weights
+from .quant_linear import GROUP, load_group_weights, pack_codes, unpack_codes
 
 
 # The ggml types whose stored experts become a StackedGroupWeight without loss.
@@ -34,8 +34,8 @@ STACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.MXFP4)
 
 @dataclass
 class StackedGroupWeight:
-    """E matrices [N, K] as group-quantized codes: int4 codes int32 [E, K/8, N] or int8 [E, K, N],
-    scale (and offset) float32 [E, K/32, N]. `e2m1`: the 4-bit codes are MXFP4's (value = scale *
+    """E matrices [N, K] as group-quantized codes packed as quant_linear's (int4: int32
+    [E, K/8, N]; int8: [E, K/4, N]), scale (and offset) float32 [E, K/32, N]. `e2m1`: the 4-bit codes are MXFP4's (value = scale *
     MXFP4_VALUES[code], no offset) rather than integers."""
     bits: int
     codes: torch.Tensor
@@ -55,11 +55,7 @@ class StackedGroupWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [E, N, K]."""
         E = self.codes.shape[0]
-        if self.bits == 4:
-            shifts = torch.arange(0, 32, 4, device=self.codes.device, dtype=torch.int32)
-            codes = ((self.codes[:, :, None, :] >> shifts[None, None, :, None]) & 15).reshape(E, self.k, self.n)
-        else:
-            codes = self.codes
+        codes = unpack_codes(self.codes, self.bits).reshape(E, self.k, self.n)
         if self.e2m1:
             codes = MXFP4_VALUES.to(codes.device)[codes.long()]
         w = codes.float().reshape(E, self.k // GROUP, GROUP, self.n) * self.scale[:, :, None, :]
@@ -86,10 +82,9 @@ def stack_group_weights(parts: list[tuple[object, int, tuple[int, int, int]]]) -
     N = codes.shape[1]
     offset = None if offsets[0] is None else torch.cat(offsets, 1).transpose(1, 2).contiguous()
     scale = scale.transpose(1, 2).contiguous()
-    if types == {GGMLType.Q8_0}:
-        return StackedGroupWeight(8, codes.transpose(1, 2).contiguous(), scale, None, N, K)
-    packed = torch.stack([_pack_int4(codes[e]) for e in range(E)])
-    return StackedGroupWeight(4, packed, scale, offset, N, K, e2m1)
+    bits = 8 if types == {GGMLType.Q8_0} else 4
+    packed = torch.stack([pack_codes(codes[e], bits) for e in range(E)])
+    return StackedGroupWeight(bits, packed, scale, offset, N, K, e2m1)
 
 
 def quantize_stacked_int4(w: torch.Tensor) -> StackedGroupWeight:

@@ -3,7 +3,8 @@
 A weight W [N, K] (HF layout, y = x Wᵀ) is held as codes and per-32 (scale, offset):
     W[n, k] = scale[k // 32, n] * code[k, n] + offset[k // 32, n]
 int4: codes 0..15, eight per int32 along K: packed [K / 8, N], code k in bits 4*(k % 8).
-int8: codes int8 [K, N], offset absent (symmetric).
+int8: codes -127..127, four per int32 along K: packed [K / 4, N], code k in byte k % 4 (two's
+complement); offset absent (symmetric). A thread's load is a word of either, never a byte.
 GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes int8 likewise.
 `quantize_int4` / `quantize_int8` re-quantize float weights (lossy), only when asked.
 
@@ -12,7 +13,9 @@ in registers, fed to tl.dot in bf16, accumulated in float32. Few rows (decode) s
 programs so that every SM streams weights; the last program of a tile adds the splits' partial
 sums in order and writes the output (one launch, the same bits every run; common.plan_split_k).
 (A single-launch GEMV without the split, its own program over all of K for a few columns, is
-slower: it keeps too few loads in flight a program to stream the weights.)
+slower: it keeps too few loads in flight a program to stream the weights.) One row (decode) runs
+a GEMV without tl.dot instead, whose 16-row tiles would be 15/16 padding: `_quant_gemv_kernel`,
+or `gemv_many` for a layer's q, k and v in one launch.
 
 `dense_gemv`: float weights W [N, K] as torch stores them against up to GEMV_ROWS rows, in one
 launch (the routers' logits: cheaper than F.linear and the casts around it, whose launches
@@ -44,7 +47,7 @@ DENSE_GEMV_WEIGHTS = 1 << 24
 class GroupQuantWeight:
     """One weight matrix in the kernel's layout (see the module doc)."""
     bits: int
-    codes: torch.Tensor  # int32 [K/8, N] (int4) or int8 [K, N]
+    codes: torch.Tensor  # int32 [K/8, N] (int4) or [K/4, N] (int8)
     scale: torch.Tensor  # float32 [K/32, N]
     offset: torch.Tensor | None  # float32 [K/32, N] or None
     out_features: int  # N
@@ -61,25 +64,29 @@ class GroupQuantWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 W [N, K] (the reference)."""
         K, N = self.in_features, self.out_features
-        if self.bits == 4:
-            shifts = torch.arange(0, 32, 4, device=self.codes.device, dtype=torch.int32)
-            codes = (self.codes[:, None, :] >> shifts[None, :, None]) & 15  # [K/8, 8, N]
-            codes = codes.reshape(K, N)
-        else:
-            codes = self.codes
+        codes = unpack_codes(self.codes, self.bits).reshape(K, N)
         w = codes.float().reshape(K // GROUP, GROUP, N) * self.scale[:, None, :]
         if self.offset is not None:
             w = w + self.offset[:, None, :]
         return w.reshape(K, N).T.contiguous()
 
 
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] in 0..15 -> int32 [K/8, N], code k of a column in bits 4*(k % 8) of word k // 8."""
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] (int4: 0..15, int8: -128..127) -> int32 [K/(32/bits), N]: code k of a column
+    in bits `bits`*(k % per) of word k // per, per = 32 / bits codes a word."""
     N, K = codes.shape
-    c = codes.to(torch.int64).T.reshape(K // 8, 8, N)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)[None, :, None]
+    per = 32 // bits
+    c = (codes.to(torch.int64) & ((1 << bits) - 1)).T.reshape(K // per, per, N)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)[None, :, None]
     packed = (c << shifts).sum(1)  # disjoint bit fields: sum == or
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., K/per, N] from pack_codes -> int32 codes [..., K/per, per, N] (int8 signed)."""
+    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
+    codes = (packed.unsqueeze(-2) >> shifts[:, None]) & ((1 << bits) - 1)
+    return codes - 256 * (codes >= 128) if bits == 8 else codes
 
 
 def _check_shape(what: str, N: int, K: int) -> None:
@@ -92,8 +99,8 @@ def from_ggml(raw, ggml_type, shape: tuple[int, int]) -> GroupQuantWeight:
     codes, scale, offset = group_affine(raw, ggml_type, shape)
     N, K = shape
     if GGMLType(int(ggml_type)) == GGMLType.Q8_0:
-        return GroupQuantWeight(8, codes.T.contiguous(), scale.T.contiguous(), None, N, K)
-    return GroupQuantWeight(4, _pack_int4(codes), scale.T.contiguous(), offset.T.contiguous(), N, K)
+        return GroupQuantWeight(8, pack_codes(codes, 8), scale.T.contiguous(), None, N, K)
+    return GroupQuantWeight(4, pack_codes(codes, 4), scale.T.contiguous(), offset.T.contiguous(), N, K)
 
 
 def quantize_int4(w: torch.Tensor) -> GroupQuantWeight:
@@ -104,7 +111,7 @@ def quantize_int4(w: torch.Tensor) -> GroupQuantWeight:
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-12)
     codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
-    return GroupQuantWeight(4, _pack_int4(codes), scale.T.contiguous(), lo.T.contiguous(), N, K)
+    return GroupQuantWeight(4, pack_codes(codes, 4), scale.T.contiguous(), lo.T.contiguous(), N, K)
 
 
 def quantize_int8(w: torch.Tensor) -> GroupQuantWeight:
@@ -114,7 +121,20 @@ def quantize_int8(w: torch.Tensor) -> GroupQuantWeight:
     g = w.float().reshape(N, K // GROUP, GROUP)
     scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
     codes = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(N, K)
-    return GroupQuantWeight(8, codes.T.contiguous(), scale.T.contiguous(), None, N, K)
+    return GroupQuantWeight(8, pack_codes(codes, 8), scale.T.contiguous(), None, N, K)
+
+
+@triton.jit
+def _unpack_words(codes_ptr, k0, K, rn, mask_n, stride_code, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 codes [BLOCK_K / PER, PER, len(rn)] of rows [k0, k0 + BLOCK_K) (0 past K or N) from
+    their packed words (PER = 32 / BITS a word; int8 sign-extended)."""
+    PER: tl.constexpr = 32 // BITS
+    rw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :], mask=(rw * PER < K)[:, None] & mask_n[None, :],
+                    other=0)
+    if BITS == 4:
+        return (words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 15
+    return (words[:, None, :] << (24 - tl.arange(0, PER) * 8)[None, :, None]) >> 24  # (arithmetic shift)
 
 
 @triton.jit
@@ -127,17 +147,7 @@ def load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, stride_co
     mask_n = rn < N
     rg = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
-    if BITS == 4:
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :],
-                        mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
-        shifts = tl.arange(0, 8) * 4
-        q = (words[:, None, :] >> shifts[None, :, None]) & 15
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-    else:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        q = tl.load(codes_ptr + rk[:, None] * stride_code + rn[None, :], mask=(rk < K)[:, None] & mask_n[None, :],
-                    other=0)
+    q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, stride_code, BITS, BLOCK_K), (BLOCK_K, BLOCK_N))
     s = tl.load(scale_ptr + rg[:, None] * stride_code + rn[None, :], mask=mask_g, other=0.0)
     w = tl.reshape(q.to(tl.float32), (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)) * s[:, None, :]
     if HAS_OFFSET:
@@ -172,74 +182,83 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr,
 
 
 @triton.jit
-def _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_SIZE: tl.constexpr):
-    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]) of int4
-    weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
+def _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]; the scales
+    again without HAS_OFFSET, never read) of int4 or int8 weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     mask_n = rn < N
-    shifts = tl.arange(0, 8) * 4
-    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(codes_ptr + rw[:, None] * N + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :], other=0)
-    q = tl.reshape(((words[:, None, :] >> shifts[None, :, None]) & 15).to(tl.float32), (G, GROUP_SIZE, BLOCK_N))
+    q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, N, BITS, BLOCK_K).to(tl.float32),
+                   (G, GROUP_SIZE, BLOCK_N))
     rg = k0 // GROUP_SIZE + tl.arange(0, G)
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
     s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
-    o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
+    o = tl.load(offset_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0) if HAS_OFFSET else s
     return q, s, o
 
 
 @triton.jit
-def _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) + offset * sum(x_g)."""
+def _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr):
+    """[G, BLOCK_N]: per group g of the block, scale * (x_g . code_g) (+ offset * sum(x_g))."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     rk = k0 + tl.arange(0, BLOCK_K)
     xk = tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32), (G, GROUP_SIZE))
-    return s * tl.sum(q * xk[:, :, None], axis=1) + o * tl.sum(xk, axis=1)[:, None]
+    acc = s * tl.sum(q * xk[:, :, None], axis=1)
+    if HAS_OFFSET:
+        acc += o * tl.sum(xk, axis=1)[:, None]
+    return acc
 
 
 @triton.jit
-def _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, GDC: tl.constexpr):
-    """float32 [BLOCK_N]: one row of x times int4 weight columns rn over [k_start, k_start +
+def _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS: tl.constexpr,
+                     HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                     GDC: tl.constexpr):
+    """float32 [BLOCK_N]: one row of x times int4 or int8 weight columns rn over [k_start, k_start +
     k_per_split), without tl.dot: per group g of 32 values
-        scale[g, n] * (x_g . code_g[:, n]) + offset[g, n] * sum(x_g)
+        scale[g, n] * (x_g . code_g[:, n]) (+ offset[g, n] * sum(x_g))
     (the groups' terms kept apart and summed once at the end). The first block's weights are
-    loaded before gdc_enter (GDC: while the kernel that writes x still runs), x after it."""
-    q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    loaded before gdc_enter (GDC: while the kernel that writes x still runs), x after it. int8
+    blocks are half as deep as int4's (BLOCK_K / 2 rows a step): the same bytes a step."""
+    STEP: tl.constexpr = BLOCK_K if BITS == 4 else BLOCK_K // 2
+    q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, BITS, HAS_OFFSET, BLOCK_N, STEP,
+                           GROUP_SIZE)
     gdc_enter(GDC)
-    acc = _int4_block_sum(x_ptr, q, s, o, K, k_start, BLOCK_K, GROUP_SIZE)
-    for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
-        q, s, o = _int4_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BLOCK_N, BLOCK_K, GROUP_SIZE)
-        acc += _int4_block_sum(x_ptr, q, s, o, K, k0, BLOCK_K, GROUP_SIZE)
+    acc = _quant_block_sum(x_ptr, q, s, o, K, k_start, HAS_OFFSET, STEP, GROUP_SIZE)
+    for k0 in range(k_start + STEP, k_start + k_per_split, STEP):
+        q, s, o = _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS, HAS_OFFSET, BLOCK_N, STEP,
+                               GROUP_SIZE)
+        acc += _quant_block_sum(x_ptr, q, s, o, K, k0, HAS_OFFSET, STEP, GROUP_SIZE)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                      k_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_SIZE: tl.constexpr, ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
-    """One row of x against int4 weights in float32 (program_id 1: BLOCK_N columns, 2: the K
-    split), plus a float32 bias where HAS_BIAS."""
+def _quant_gemv_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                       k_per_split, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ATOMIC: tl.constexpr,
+                       REDUCE: tl.constexpr, GDC: tl.constexpr):
+    """One row of x against int4 or int8 weights in float32 (program_id 1: BLOCK_N columns, 2: the
+    K split), plus a float32 bias where HAS_BIAS."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _int4_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
-                          k_per_split, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
+    acc = _quant_split_sum(x_ptr, codes_ptr, scale_ptr, offset_ptr, rn, N, K, tl.program_id(2) * k_per_split,
+                           k_per_split, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)
     store_tile(acc[None, :], y_ptr, part_ptr, count_ptr, tl.arange(0, 1), rn, 1, N, N, ATOMIC, REDUCE, bias_ptr,
                HAS_BIAS)
 
 
 @triton.jit
 def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, K, tile,
-                  k_per_split, INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  k_per_split, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Tile `tile` of one weight of a gemv_many launch, its split program_id(2). The tile counter is
-    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's."""
+    the launch's program_id(1) (each weight's tiles have their own), the partial sums the weight's.
+    BITS 4 (with offsets) or 8: group-quantized codes; 0: a row-major dense W [N, K]."""
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 1)
     k_start = tl.program_id(2) * k_per_split
-    if INT4:
-        acc = _int4_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BLOCK_N, BLOCK_K,
-                              GROUP_SIZE, GDC)[None, :]
+    if BITS != 0:
+        acc = _quant_split_sum(x_ptr, w_ptr, scale_ptr, offset_ptr, rn, N, K, k_start, k_per_split, BITS, BITS == 4,
+                               BLOCK_N, BLOCK_K, GROUP_SIZE, GDC)[None, :]
     else:  # a row-major dense W [N, K]
         acc = _dense_rows(x_ptr, w_ptr, rm, rn, 1, N, K, K, K, k_start, k_per_split, 1, BLOCK_N, BLOCK_K, GDC)
     store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, 1, N, N, False, REDUCE, bias_ptr, HAS_BIAS)
@@ -248,7 +267,7 @@ def _gemv_segment(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, part_ptr
 @triton.jit
 def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
                       w0, s0, o0, b0, y0, p0, N0, w1, s1, o1, b1, y1, p1, N1, w2, s2, o2, b2, y2, p2, N2,
-                      INT4_0: tl.constexpr, INT4_1: tl.constexpr, INT4_2: tl.constexpr, BIAS_0: tl.constexpr,
+                      BITS_0: tl.constexpr, BITS_1: tl.constexpr, BITS_2: tl.constexpr, BIAS_0: tl.constexpr,
                       BIAS_1: tl.constexpr, BIAS_2: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr,
                       BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
                       GDC: tl.constexpr):
@@ -256,13 +275,13 @@ def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
     next T1 weight 1's, the rest weight 2's."""
     t = tl.program_id(1)
     if t < T0:
-        _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, INT4_0, BIAS_0, BN0, BLOCK_K,
+        _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, BITS_0, BIAS_0, BN0, BLOCK_K,
                       GROUP_SIZE, REDUCE, GDC)
     elif t < T0 + T1:
-        _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, INT4_1, BIAS_1, BN1,
+        _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, BITS_1, BIAS_1, BN1,
                       BLOCK_K, GROUP_SIZE, REDUCE, GDC)
     else:
-        _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, INT4_2, BIAS_2, BN2,
+        _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, BITS_2, BIAS_2, BN2,
                       BLOCK_K, GROUP_SIZE, REDUCE, GDC)
 
 
@@ -308,16 +327,16 @@ def split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, N, OUT_DTYPE: t
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
-    """y[:M, rows] = x W[rows]ᵀ for this program's BLOCK_N weight rows over its K split, in
-    float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_ym, k_per_split, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, REDUCE: tl.constexpr, GDC: tl.constexpr):
+    """y[:M, rows] = x W[rows]ᵀ (+ bias) for this program's BLOCK_N weight rows over its K split,
+    in float32 (program_id 1: the rows, 2: the split; split_reduce adds the splits)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, tl.program_id(2) * k_per_split,
                       k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, GDC)
-    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, y_ptr, False)
+    store_tile(acc, y_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_ym, ATOMIC, REDUCE, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -325,7 +344,7 @@ def _dense_rows(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_wn, k_start, k_
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: rows rm of x times weight rows rn over [k_start, k_start +
     k_per_split). The first block of weights is loaded before gdc_enter, x after it (as
-    _int4_split_sum)."""
+    _quant_split_sum)."""
     w = _dense_block(w_ptr, rn, N, K, stride_wn, k_start, BLOCK_K)
     gdc_enter(GDC)
     acc = tl.sum(_dense_block(x_ptr, rm, M, K, stride_xm, k_start, BLOCK_K)[:, None, :] * w[None, :, :], axis=2)
@@ -359,9 +378,10 @@ def gemv_plan(x: torch.Tensor, N: int, out_dtype: torch.dtype):
                                                    min_blocks=1)
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ w [N, K]ᵀ (any float dtypes, float32 sums) for M <= GEMV_ROWS, in one
-    launch, the result rounded once to out_dtype."""
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ w [N, K]ᵀ (+ bias, float32 [N]) (any float dtypes, float32 sums) for
+    M <= GEMV_ROWS, in one launch, the result rounded once to out_dtype."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.stride(1) != 1:
         raise ValueError(f"dense_gemv: x [M, K] and a row-major w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     M, K = x.shape
@@ -370,13 +390,21 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
     if w.device != x.device:
         raise ValueError(f"dense_gemv: weight on {w.device}, x on {x.device}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != x.device):
+        raise ValueError(f"dense_gemv: bias must be float32 [{N}] on {x.device}, got {bias.dtype} "
+                         f"{list(bias.shape)} on {bias.device}")
     x = x.contiguous()
     if N == 0 or K == 0 or M == 0:
-        return torch.zeros(M, N, device=x.device, dtype=out_dtype)
+        y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
+        return (y if bias is None else y + bias).to(out_dtype)
     block_m, block_n, block_k, plan = gemv_plan(x, N, out_dtype)
     y = plan.y
-    _dense_gemv_kernel[plan.grid](x, w, y, *plan.scratch(), M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                  plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    if plan.atomic and bias is not None:
+        y.copy_(bias.expand(M, N))  # (the splits add into it)
+    _dense_gemv_kernel[plan.grid](x, w, bias if bias is not None else y, y, *plan.scratch(), M, N, K, x.stride(0),
+                                  w.stride(0), y.stride(0), plan.k_per_split,
+                                  HAS_BIAS=bias is not None and not plan.atomic, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=block_k,
                                   ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4, **pdl(x.device))
     return y.to(out_dtype) if plan.atomic else y
 
@@ -424,8 +452,8 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     if M > DENSE_ROWS and x.device.type == "cuda":
         y = x.to(torch.bfloat16) @ dequantize_t(w)
         return (y if bias is None else y.float() + bias).to(out_dtype)
-    if M == 1 and w.bits == 4 and w.offset is not None:
-        return _int4_gemv(x, w, out_dtype, bias)
+    if M == 1 and (w.bits == 8 or w.offset is not None):
+        return _quant_gemv(x, w, out_dtype, bias)
     offset = w.offset if w.offset is not None else w.scale
     BLOCK_K = _block_k(K, 128)
     if M <= 16:
@@ -448,21 +476,30 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     return y.to(out_dtype) if plan.atomic else y
 
 
-def _int4_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """group_gemm of one row on int4 weights (_int4_gemv_kernel, the bias in its epilogue). K is
-    split until there are ~4 programs an SM, down to one 256-value block a split: for one row
-    this is quicker than the tl.dot GEMM's 16-row tiles at attention-projection shapes."""
+def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """group_gemm of one row (_quant_gemv_kernel, the bias in its epilogue). K is split until there
+    are ~4 programs an SM, down to one block a split: for one row this is quicker than the tl.dot
+    GEMM's 16-row tiles at attention-projection shapes."""
     K, N = w.in_features, w.out_features
-    BLOCK_N, BLOCK_K = 64, _block_k(K, 256)
+    BLOCK_N, BLOCK_K, warps = _gemv_blocks(w.bits, K)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     if plan.atomic and bias is not None:
         plan.y.copy_(bias[None, :])  # (the splits add into it)
-    _int4_gemv_kernel[plan.grid](x, w.codes, w.scale, w.offset, bias if bias is not None else w.scale, plan.y,
-                                 *plan.scratch(), N, K, plan.k_per_split, HAS_BIAS=bias is not None and not plan.atomic,
-                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
-                                 REDUCE=plan.reduce, num_warps=2, **pdl(x.device))
+    offset = w.offset if w.offset is not None else w.scale  # (unread without HAS_OFFSET)
+    _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, plan.y,
+                                  *plan.scratch(), N, K, plan.k_per_split, BITS=w.bits,
+                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
+                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
+                                  REDUCE=plan.reduce, num_warps=warps, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y
+
+
+def _gemv_blocks(bits: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a one-row GEMV: int4 in 64 columns and K blocks of up to
+    256 that divide K; int8 in 128 columns (a warp's words span 512 contiguous bytes) and K blocks
+    of 256 (read as two steps of 128; the last block masked past K), on twice the warps."""
+    return (64, _block_k(K, 256), 2) if bits == 4 else (128, 256, 4)
 
 
 def _block_k(K: int, largest: int) -> int:
@@ -476,7 +513,7 @@ def _block_k(K: int, largest: int) -> int:
 class _Operand(NamedTuple):
     """One weight of a gemv_many launch as its kernel arguments (a dense weight stands in for its
     own absent scale and offset)."""
-    int4: bool
+    bits: int  # 4 or 8: GroupQuantWeight codes; 0: dense
     block_n: int
     weight: torch.Tensor
     scale: torch.Tensor
@@ -485,25 +522,26 @@ class _Operand(NamedTuple):
 
 
 def _many_operand(w, x: torch.Tensor) -> _Operand | None:
-    """One gemv_many weight, or None where the launch does not take it (int8 codes, no offset,
-    another K or device, a non-row-major dense weight or one cuBLAS streams faster, offsets past
-    int32)."""
+    """One gemv_many weight, or None where the launch does not take it (int4 codes without an
+    offset, another K or device, a non-row-major dense weight or one cuBLAS streams faster, offsets
+    past int32)."""
     K = x.shape[1]
     if isinstance(w, GroupQuantWeight):
-        if (w.bits != 4 or w.offset is None or w.in_features != K or w.codes.device != x.device
+        if ((w.bits == 4 and w.offset is None) or w.in_features != K or w.codes.device != x.device
                 or w.codes.numel() >= 2**31):
             return None
-        return _Operand(True, 64, w.codes, w.scale, w.offset, w.out_features)
+        return _Operand(w.bits, _gemv_blocks(w.bits, K)[0], w.codes, w.scale,
+                        w.offset if w.offset is not None else w.scale, w.out_features)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
-        return _Operand(False, 32, w, w, w, w.shape[0])
+        return _Operand(0, 32, w, w, w, w.shape[0])
     return None
 
 
 def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
               biases: list | None = None) -> list[torch.Tensor] | None:
     """[x Wᵢᵀ (+ bᵢ) for each weight] in one launch, for one row x [1, K] and two or three weights
-    (int4 GroupQuantWeights with offsets, or dense row-major [N, K] tensors of up to
+    (int8 GroupQuantWeights, int4 ones with offsets, or dense row-major [N, K] tensors of up to
     DENSE_GEMV_WEIGHTS values: a layer's q, k and v projections) and their float32 biases [N] or
     None, float32 sums each rounded once to out_dtype (the values of the one-weight GEMVs up to
     float32 summation order: the blocks and splits are the launch's own); None where the launch
@@ -522,8 +560,9 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
     tiles = [triton.cdiv(op.n, op.block_n) for op in ops]
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
-    BLOCK_K = _block_k(K, 256)
-    # the K split of the widest weight alone (as _int4_gemv would choose it), shared by all
+    int8 = any(op.bits == 8 for op in ops)
+    _, BLOCK_K, warps = _gemv_blocks(8 if int8 else 4, K)
+    # the K split of the widest weight alone (as _quant_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
     splits = grid[2]
@@ -541,10 +580,10 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
         args += [op.weight, op.scale, op.offset, bias if bias is not None else op.scale, y, part, op.n]
     (o0, b0, _, _), (o1, b1, _, _), (o2, b2, _, _) = segs
     _gemv_many_kernel[(1, sum(tiles), splits)](x, counters, K, k_per_split, tiles[0], tiles[1], *args,
-                                               INT4_0=o0.int4, INT4_1=o1.int4, INT4_2=o2.int4,
+                                               BITS_0=o0.bits, BITS_1=o1.bits, BITS_2=o2.bits,
                                                BIAS_0=b0 is not None, BIAS_1=b1 is not None, BIAS_2=b2 is not None,
                                                BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
-                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=2,
+                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=warps,
                                                **pdl(x.device))
     return ys
 

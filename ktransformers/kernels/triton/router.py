@@ -66,12 +66,12 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
 
 
 @triton.jit
-def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_ptr, io_ptr, wo_ptr, cpu_k,
-                   M, E, H, stride_xm, k_per_split,
+def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_ptr, io_ptr, wo_ptr, cpu_k,
+                   M, E, H, stride_xm, k_per_split, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                    PACK: tl.constexpr, PACK_BLOCK: tl.constexpr, GDC: tl.constexpr):
-    """Router logits y [M, E] = x [M, H] Gᵀ (quant_linear's dense GEMV: program_id 1 a tile of
+    """Router logits y [M, E] = x [M, H] Gᵀ (+ b [E] where HAS_BIAS; quant_linear's dense GEMV: program_id 1 a tile of
     BLOCK_N experts, 2 a split of H added in the launch), then, by the program that completes
     the last tile (a counter past the tiles' own), every token's top-K routing from y. PACK: that
     program also stores what handoff.pack_moe_inputs would (x rows converted, the ids with those
@@ -84,9 +84,11 @@ def _router_kernel(x_ptr, g_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_
     out = y_ptr + rm[:, None] * E + rn[None, :]
     tiles = tl.num_programs(1)
     if REDUCE:
-        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty, y_ptr,
-                                False)
+        complete = split_reduce(acc, part_ptr, count_ptr, out, rm, rn, mask, M, E, y_ptr.dtype.element_ty, b_ptr,
+                                HAS_BIAS)
     else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < E, other=0.0)[None, :]
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
         complete = True
     if complete:
@@ -127,9 +129,10 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, logits_dtype: torch.dtype,
-                weights_dtype: torch.dtype, pack: PinnedInputs | None = None):
+                weights_dtype: torch.dtype, pack: PinnedInputs | None = None, bias: torch.Tensor | None = None):
     """(logits, weights, index) of a softmax top-k router in one launch for up to GEMV_ROWS tokens:
-    logits [T, E] = x [T, H] weightᵀ (float32 sums rounded to logits_dtype, as dense_gemv), then
+    logits [T, E] = x [T, H] weightᵀ (+ bias, float32 [E]; float32 sums rounded to logits_dtype,
+    as dense_gemv), then
     softmax_topk on those rounded logits (weights rounded to weights_dtype). None where it does
     not apply (more tokens, experts or picks than the kernels take, no tile counters now).
     `pack`: the same launch also stores x, the index and the weights where a MoE call fed from
@@ -140,6 +143,9 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     if x.device != weight.device:
         raise ValueError(f"router_topk: weight on {weight.device}, x on {x.device}")
     T, E = x.shape[0], weight.shape[0]
+    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32 or bias.device != x.device):
+        raise ValueError(f"router_topk: bias must be float32 [{E}] on {x.device}, got {bias.dtype} "
+                         f"{list(bias.shape)} on {bias.device}")
     if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
         return None
     x = x.contiguous()
@@ -155,9 +161,9 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     part = plan.scratch()[0]
     block_e = max(16, triton.next_power_of_2(E))
     xo, io, wo = (pack.x, pack.ids, pack.weights) if pack is not None else (x, index, weights)  # (unread without PACK)
-    _router_kernel[plan.grid](x, weight, plan.y, part, counters, weights, index, xo, io, wo,
-                              top_k if pack is None else pack.cpu_k, T, E, x.shape[1], x.stride(0),
-                              plan.k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
+    _router_kernel[plan.grid](x, weight, bias if bias is not None else weight, plan.y, part, counters, weights, index,
+                              xo, io, wo, top_k if pack is None else pack.cpu_k, T, E, x.shape[1], x.stride(0),
+                              plan.k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
                               BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), PACK=pack is not None,
                               PACK_BLOCK=min(1024, triton.next_power_of_2(x.shape[1])), num_warps=4, **pdl(x.device))
