@@ -540,7 +540,8 @@ def test_align_is_sync_free_and_complete(dev):
 @pytest.mark.parametrize("N,K", [(96, 256), (200, 1024), (72, 160), (64, 4096), (136, 288)])
 def test_quant_gemv_one_row(dev, bits, N, K, monkeypatch):
     """One row on int4 or int8 weights takes the float32 GEMV without tl.dot (every block size it
-    picks: int4's K % 256, % 128 and % 32; int8's 256 with the last block past K), split or not,
+    picks: int4's K % 256, % 128 and % 32, in 64 or 128 columns; int8's 256 with the last block
+    past K), split or not,
     and matches the dequantized reference closely; with a bias (gpt-oss's and GLM's projections)
     added in the launch before the one rounding."""
     from ktransformers.kernels.triton import quant_linear as ql
@@ -564,12 +565,17 @@ def test_quant_gemv_one_row(dev, bits, N, K, monkeypatch):
     assert torch.equal(ql.group_gemm(x.to(dev), w, torch.bfloat16, bias.to(dev)), y.to(torch.bfloat16))
     with pytest.raises(ValueError, match=f"bias must be float32 \\[{N}\\]"):
         ql.group_gemm(x.to(dev), w, torch.float32, bias[1:].to(dev))
+    if bits == 4:  # a large weight's wider programs (GLM's q and o), at this size
+        monkeypatch.setattr(ql, "GEMV_WIDE", 0)
+        assert ql._gemv_blocks(4, N, K)[0] == 128
+        y = ql.group_gemm(x.to(dev), w, torch.float32, bias.to(dev))
+        assert len(calls) == 4 and rel_err(y.cpu().double(), ref + bias.double()) < 1e-5
 
 
-@pytest.mark.parametrize("second", ["int4", "int8"])
+@pytest.mark.parametrize("second", ["int4", "int8", "int4-wide"])
 @pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
                                     ((96, 160), (40, 160), (8, 160)), ((128, 256), (64, 256))])
-def test_gemv_many(dev, shapes, second):
+def test_gemv_many(dev, shapes, second, monkeypatch):
     """q, k and v of one token in one launch: int4, int8 and dense bf16 weights mixed, with and
     without biases (added in the launch), K split (the first three) or not (one block), each
     output within float32 summation of its reference (float32 sums rounded once), counters back
@@ -579,7 +585,9 @@ def test_gemv_many(dev, shapes, second):
     g = gen(sum(n for n, _ in shapes))
     K = shapes[0][1]
     dense = [torch.randn(N, K, generator=g) for N, _ in shapes]
-    quantize = {0: ql.quantize_int4, 1: ql.quantize_int4 if second == "int4" else ql.quantize_int8}
+    if second == "int4-wide":  # every int4 weight in the wider programs of a large one (GLM's q)
+        monkeypatch.setattr(ql, "GEMV_WIDE", 0)
+    quantize = {0: ql.quantize_int4, 1: ql.quantize_int8 if second == "int8" else ql.quantize_int4}
     weights = [quantize[i](d).to(dev) if i in quantize else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
     x = torch.randn(1, K, generator=g).to(torch.bfloat16)
     biases = [torch.randn(N, generator=g).to(dev) if i != 1 else None for i, (N, _) in enumerate(shapes)]
@@ -775,6 +783,11 @@ for gated in (True, False):
     compile_(fused_moe._expert_gemm_kernel, moe, dict(GATED=gated, A_BY_TOKEN=gated, BITS=4, HAS_OFFSET=False,
                                                       E2M1=True, HAS_BIAS=True, CLAMPED=gated, BLOCK_M=16,
                                                       BLOCK_N=64, BLOCK_K=64, GROUP_SIZE=32, DOT_F32=False))
+# the layer-wise prefill's dense bf16 experts: the group-quantized branches must not be compiled for them
+compile_(fused_moe._expert_gemm_kernel, dict(moe, w_ptr="*bf16"), dict(GATED=True, A_BY_TOKEN=True, BITS=16,
+                                                                    HAS_OFFSET=False, E2M1=False, HAS_BIAS=False,
+                                                                    CLAMPED=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                                                                    GROUP_SIZE=32, DOT_F32=False))
 compile_(dequant._dequant_kernel, {"src_ptr": "*u8", "out_ptr": "*bf16", "n_blocks": "i64"},
          dict(TYPE=39, BLOCK_BYTES=17, BLOCK_ELEMS=32, BLOCKS=8))
 # one row: a GEMV with a bias, and q, k and v with biases in one launch
@@ -809,4 +822,4 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("compiled") == 14, done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.count("compiled") == 15, done.stderr[-3000:]

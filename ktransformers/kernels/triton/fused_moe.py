@@ -148,15 +148,18 @@ def _load_expert_tile(w_ptr, scale_ptr, offset_ptr, e, k0, K, rn, N, n_total, s_
                       BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, E2M1: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """float W_e[k0 : k0+BLOCK_K, rn]ᵀ-tile of expert e (dense bf16 [E, n_total, K] or group-quantized
-    with n_total columns); columns >= N read as 0."""
+    with n_total columns); columns >= N read as 0. One return after the branches: Triton still
+    compiles the code after a return inside a constexpr branch (the integer unpacking on bf16)."""
     if BITS == 16:
         rk = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_ptr + e * s_we + rn[None, :] * K + rk[:, None], mask=(rn < N)[None, :] & (rk < K)[:, None],
-                       other=0.0).to(tl.float32)
-    if E2M1:
-        return _e2m1_tile(w_ptr + e * s_we, scale_ptr + e * s_se, k0, K, rn, N, n_total, BLOCK_K, BLOCK_N, GROUP_SIZE)
-    return load_group_weights(w_ptr + e * s_we, scale_ptr + e * s_se, offset_ptr + e * s_se, k0, K, rn, N, n_total,
-                              BITS, HAS_OFFSET, BLOCK_K, BLOCK_N, GROUP_SIZE)
+        w = tl.load(w_ptr + e * s_we + rn[None, :] * K + rk[:, None], mask=(rn < N)[None, :] & (rk < K)[:, None],
+                    other=0.0).to(tl.float32)
+    elif E2M1:
+        w = _e2m1_tile(w_ptr + e * s_we, scale_ptr + e * s_se, k0, K, rn, N, n_total, BLOCK_K, BLOCK_N, GROUP_SIZE)
+    else:
+        w = load_group_weights(w_ptr + e * s_we, scale_ptr + e * s_se, offset_ptr + e * s_se, k0, K, rn, N, n_total,
+                               BITS, HAS_OFFSET, BLOCK_K, BLOCK_N, GROUP_SIZE)
+    return w
 
 
 @triton.jit

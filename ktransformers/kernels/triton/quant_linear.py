@@ -41,6 +41,8 @@ GEMV_ROWS = 4
 # Dense weights up to this many values take the one-launch GEMVs for decode-sized rows (a 4096x4096
 # projection; a 32k-vocabulary lm_head stays on cuBLAS, which streams a weight that large faster).
 DENSE_GEMV_WEIGHTS = 1 << 24
+# int4 weights of at least this many values take the one-row GEMV's wider programs (_gemv_blocks)
+GEMV_WIDE = 1 << 24
 
 
 @dataclass
@@ -482,7 +484,7 @@ def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
     are ~4 programs an SM, down to one block a split: for one row this is quicker than the tl.dot
     GEMM's 16-row tiles at attention-projection shapes."""
     K, N = w.in_features, w.out_features
-    BLOCK_N, BLOCK_K, warps = _gemv_blocks(w.bits, K)
+    BLOCK_N, BLOCK_K, warps = _gemv_blocks(w.bits, N, K)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
     if plan.atomic and bias is not None:
         plan.y.copy_(bias[None, :])  # (the splits add into it)
@@ -495,11 +497,15 @@ def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
 
-def _gemv_blocks(bits: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of a one-row GEMV: int4 in 64 columns and K blocks of up to
-    256 that divide K; int8 in 128 columns (a warp's words span 512 contiguous bytes) and K blocks
-    of 256 (read as two steps of 128; the last block masked past K), on twice the warps."""
-    return (64, _block_k(K, 256), 2) if bits == 4 else (128, 256, 4)
+def _gemv_blocks(bits: int, N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a one-row GEMV, as graph-timed on an H100
+    (dev/int8_gemv.py): int8 in 128 columns (a warp's words span 512 contiguous bytes) and K blocks
+    of 256 (read as two steps of 128; the last block masked past K) on 4 warps; int4 in K blocks of
+    up to 256 that divide K, in 64 columns on 2 warps, or from GEMV_WIDE weights (GLM's q and o,
+    an lm_head) in 128 columns on 4 warps (their programs then keep more loads in flight)."""
+    if bits == 8:
+        return 128, 256, 4
+    return (128, _block_k(K, 256), 4) if N * K >= GEMV_WIDE else (64, _block_k(K, 256), 2)
 
 
 def _block_k(K: int, largest: int) -> int:
@@ -530,7 +536,7 @@ def _many_operand(w, x: torch.Tensor) -> _Operand | None:
         if ((w.bits == 4 and w.offset is None) or w.in_features != K or w.codes.device != x.device
                 or w.codes.numel() >= 2**31):
             return None
-        return _Operand(w.bits, _gemv_blocks(w.bits, K)[0], w.codes, w.scale,
+        return _Operand(w.bits, _gemv_blocks(w.bits, w.out_features, K)[0], w.codes, w.scale,
                         w.offset if w.offset is not None else w.scale, w.out_features)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
@@ -560,8 +566,9 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
     tiles = [triton.cdiv(op.n, op.block_n) for op in ops]
     if sum(tiles) > MAX_SPLIT_TILES or K == 0 or 0 in tiles:
         return None
+    # the K block and warps of the widest weight's own GEMV, and int8's where the launch has int8
     int8 = any(op.bits == 8 for op in ops)
-    _, BLOCK_K, warps = _gemv_blocks(8 if int8 else 4, K)
+    _, BLOCK_K, warps = _gemv_blocks(8 if int8 else 4, max(op.n for op in ops), K)
     # the K split of the widest weight alone (as _quant_gemv would choose it), shared by all
     widest = max(range(len(ops)), key=lambda i: tiles[i])
     grid, k_per_split = split_grid(x, ops[widest].n, K, 1, ops[widest].block_n, BLOCK_K, per_sm=4, min_blocks=1)
