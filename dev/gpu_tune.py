@@ -177,8 +177,8 @@ def dense_sweep():
                         def call(w, p=p, bn=bn, bk=bk, warps=warps):
                             Q._dense_gemv_kernel[p.grid](x, w, p.y, p.y, *p.scratch(), 1, N, 2048, x.stride(0),
                                                          w.stride(0), p.y.stride(0), p.k_per_split, HAS_BIAS=False,
-                                                         BLOCK_M=1, BLOCK_N=bn,
-                                                         BLOCK_K=bk, ATOMIC=False, REDUCE=p.reduce, GDC=False, num_warps=warps)
+                                                         BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=False,
+                                                         REDUCE=p.reduce, GDC=False, num_warps=warps)
                             return p.y
                         trial(best, f"bn {bn:2d} bk {bk:4d} splits {p.grid[2]:2d} progs {p.grid[1] * p.grid[2]:4d} "
                                     f"w {warps}", call, ws, ref)

@@ -186,7 +186,8 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
             assert gemv_plan(x, E, torch.float32)[3].reduce == split
         for logits_dtype, weights_dtype, bias in ((torch.bfloat16, torch.bfloat16, None),
                                                   (torch.float32, torch.float32, None),
-                                                  (torch.bfloat16, torch.bfloat16, b), (torch.float32, torch.float32, b)):
+                                                  (torch.bfloat16, torch.bfloat16, b),
+                                                  (torch.float32, torch.float32, b)):
             norm = E != 8
             logits, weights, index = router_topk(x, w, K, norm, logits_dtype, weights_dtype,
                                                  bias=None if bias is None else bias.to(dev))

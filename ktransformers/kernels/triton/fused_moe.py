@@ -35,8 +35,8 @@ STACKED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.MXFP4)
 @dataclass
 class StackedGroupWeight:
     """E matrices [N, K] as group-quantized codes packed as quant_linear's (int4: int32
-    [E, K/8, N]; int8: [E, K/4, N]), scale (and offset) float32 [E, K/32, N]. `e2m1`: the 4-bit codes are MXFP4's (value = scale *
-    MXFP4_VALUES[code], no offset) rather than integers."""
+    [E, K/8, N]; int8: [E, K/4, N]), scale (and offset) float32 [E, K/32, N]. `e2m1`: the 4-bit
+    codes are MXFP4's (value = scale * MXFP4_VALUES[code], no offset) rather than integers."""
     bits: int
     codes: torch.Tensor
     scale: torch.Tensor

@@ -71,10 +71,10 @@ def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                    PACK: tl.constexpr, PACK_BLOCK: tl.constexpr, GDC: tl.constexpr):
-    """Router logits y [M, E] = x [M, H] Gᵀ (+ b [E] where HAS_BIAS; quant_linear's dense GEMV: program_id 1 a tile of
-    BLOCK_N experts, 2 a split of H added in the launch), then, by the program that completes
-    the last tile (a counter past the tiles' own), every token's top-K routing from y. PACK: that
-    program also stores what handoff.pack_moe_inputs would (x rows converted, the ids with those
+    """Router logits y [M, E] = x [M, H] Gᵀ (+ b [E] where HAS_BIAS; quant_linear's dense GEMV:
+    program_id 1 a tile of BLOCK_N experts, 2 a split of H added in the launch), then, by the
+    program that completes the last tile (a counter past the tiles' own), every token's top-K
+    routing from y. PACK: that program also stores what handoff.pack_moe_inputs would (x rows converted, the ids with those
     of columns >= cpu_k as -1, the weights as float32) at xo/io/wo."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -163,7 +163,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     xo, io, wo = (pack.x, pack.ids, pack.weights) if pack is not None else (x, index, weights)  # (unread without PACK)
     _router_kernel[plan.grid](x, weight, bias if bias is not None else weight, plan.y, part, counters, weights, index,
                               xo, io, wo, top_k if pack is None else pack.cpu_k, T, E, x.shape[1], x.stride(0),
-                              plan.k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=block_h,
+                              plan.k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
                               BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), PACK=pack is not None,
                               PACK_BLOCK=min(1024, triton.next_power_of_2(x.shape[1])), num_warps=4, **pdl(x.device))
