@@ -4,40 +4,23 @@ four to an int32 word along K (as int4 packs eight), and at which blocks and war
 GEMV blocks right for GLM's large projections? And what does gemv_many (q, k and v in one launch)
 save over three launches?
 
-    python dev/int8_gemv.py   # CUDA; us a launch inside a CUDA graph (as decode runs), median of 15
+    python dev/int8_gemv.py   # CUDA; us a launch inside a CUDA graph (as decode runs), median of 30
 
 Each shape rotates through enough copies of its weight to miss L2, as a decode step's weights do.
 """
 from __future__ import annotations
-
-import statistics
 
 import torch
 
 from ktransformers.kernels.triton import quant_linear as ql
 from ktransformers.kernels.triton.common import plan_split_k, split_counters
 
+from gpu_tune import timed  # (dev/, beside this script)
+
 
 def graph_us(fn, copies: int, launches: int = 48) -> float:
     """us a call of fn(i) in a CUDA graph of `launches` calls (i rotating over the copies)."""
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(launches):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        runs.append(start.elapsed_time(end) * 1000 / launches)
-    return statistics.median(runs)
+    return timed([lambda i=i: fn(i % copies) for i in range(launches)])
 
 
 def dot_gemm(x, w):
