@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ...weights.ggml_quants import GGMLType, group_affine
-from .common import DENSE_ROWS, MAX_SPLIT_TILES, dot_f32, plan_split_k, sm_count, split_counters, split_grid
+from .common import (DENSE_ROWS, MAX_SPLIT_TILES, SplitPlan, dot_f32, plan_split_k, sm_count, split_counters,
+                     split_grid)
 from .pdl import gdc_enter, pdl
 from .norm_rope import round_to
 
@@ -94,6 +95,25 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def _check_shape(what: str, N: int, K: int) -> None:
     if K % GROUP:
         raise ValueError(f"{what}: in_features {K} is not a multiple of the group size {GROUP}")
+
+
+def check_bias(what: str, bias: torch.Tensor | None, N: int, device: torch.device) -> None:
+    """A launch's bias: None, or float32 [N] on the launch's device."""
+    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != device):
+        raise ValueError(f"{what}: bias must be float32 [{N}] on {device}, got {bias.dtype} "
+                         f"{list(bias.shape)} on {bias.device}")
+
+
+def _epilogue_bias(plan: SplitPlan, bias: torch.Tensor | None, placeholder: torch.Tensor):
+    """(bias_ptr, HAS_BIAS) of a launch on `plan`: the bias added in its epilogue; under the atomic
+    fallback y starts as the bias instead (the splits add into it). `placeholder` stands in for
+    an absent bias (never read)."""
+    if bias is None:
+        return placeholder, False
+    if plan.atomic:
+        plan.y.copy_(bias.expand_as(plan.y))
+        return placeholder, False
+    return bias, True
 
 
 def from_ggml(raw, ggml_type, shape: tuple[int, int]) -> GroupQuantWeight:
@@ -187,7 +207,8 @@ def _group_gemm_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr,
 def _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """The codes (float32 [G, GROUP_SIZE, BLOCK_N]), scales and offsets ([G, BLOCK_N]; the scales
-    again without HAS_OFFSET, never read) of int4 or int8 weight columns rn over [k0, k0 + BLOCK_K); past K or N: 0."""
+    again without HAS_OFFSET, never read) of int4 or int8 weight columns rn over [k0, k0 +
+    BLOCK_K); past K or N: 0."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     mask_n = rn < N
     q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, N, BITS, BLOCK_K).to(tl.float32),
@@ -392,22 +413,17 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.
         raise ValueError(f"dense_gemv: at most {GEMV_ROWS} rows, got {M}")
     if w.device != x.device:
         raise ValueError(f"dense_gemv: weight on {w.device}, x on {x.device}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != x.device):
-        raise ValueError(f"dense_gemv: bias must be float32 [{N}] on {x.device}, got {bias.dtype} "
-                         f"{list(bias.shape)} on {bias.device}")
+    check_bias("dense_gemv", bias, N, x.device)
     x = x.contiguous()
     if N == 0 or K == 0 or M == 0:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
         return (y if bias is None else y + bias).to(out_dtype)
     block_m, block_n, block_k, plan = gemv_plan(x, N, out_dtype)
     y = plan.y
-    if plan.atomic and bias is not None:
-        y.copy_(bias.expand(M, N))  # (the splits add into it)
-    _dense_gemv_kernel[plan.grid](x, w, bias if bias is not None else y, y, *plan.scratch(), M, N, K, x.stride(0),
-                                  w.stride(0), y.stride(0), plan.k_per_split,
-                                  HAS_BIAS=bias is not None and not plan.atomic, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  BLOCK_K=block_k,
-                                  ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4, **pdl(x.device))
+    bias_ptr, has_bias = _epilogue_bias(plan, bias, y)
+    _dense_gemv_kernel[plan.grid](x, w, bias_ptr, y, *plan.scratch(), M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                  plan.k_per_split, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=block_k, ATOMIC=plan.atomic, REDUCE=plan.reduce, num_warps=4, **pdl(x.device))
     return y.to(out_dtype) if plan.atomic else y
 
 
@@ -448,9 +464,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     x = x.contiguous()
     M = x.shape[0]
     out_dtype = out_dtype or x.dtype
-    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or bias.device != x.device):
-        raise ValueError(f"group_gemm: bias must be float32 [{N}] on {x.device}, got {bias.dtype} "
-                         f"{list(bias.shape)} on {bias.device}")
+    check_bias("group_gemm", bias, N, x.device)
     if M > DENSE_ROWS and x.device.type == "cuda":
         y = x.to(torch.bfloat16) @ dequantize_t(w)
         return (y if bias is None else y.float() + bias).to(out_dtype)
@@ -466,11 +480,10 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
         BLOCK_M, BLOCK_N = 128, 64
     plan = plan_split_k(x, N, K, BLOCK_M, BLOCK_N, BLOCK_K, out_dtype)
     y = plan.y
-    if plan.atomic and bias is not None:
-        y.copy_(bias.expand(M, N))  # (the splits add into it)
-    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, y,
+    bias_ptr, has_bias = _epilogue_bias(plan, bias, w.scale)
+    _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, bias_ptr, y,
                                   *plan.scratch(), M, N, K, x.stride(0), y.stride(0), plan.k_per_split, BITS=w.bits,
-                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
+                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=has_bias,
                                   GROUP_SIZE=GROUP,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic,
                                   REDUCE=plan.reduce, DOT_F32=dot_f32(), num_warps=4,
@@ -486,12 +499,11 @@ def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
     K, N = w.in_features, w.out_features
     BLOCK_N, BLOCK_K, warps = _gemv_blocks(w.bits, N, K)
     plan = plan_split_k(x, N, K, 1, BLOCK_N, BLOCK_K, out_dtype, per_sm=4, min_blocks=1)
-    if plan.atomic and bias is not None:
-        plan.y.copy_(bias[None, :])  # (the splits add into it)
+    bias_ptr, has_bias = _epilogue_bias(plan, bias, w.scale)
     offset = w.offset if w.offset is not None else w.scale  # (unread without HAS_OFFSET)
-    _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias if bias is not None else w.scale, plan.y,
+    _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias_ptr, plan.y,
                                   *plan.scratch(), N, K, plan.k_per_split, BITS=w.bits,
-                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None and not plan.atomic,
+                                  HAS_OFFSET=w.offset is not None, HAS_BIAS=has_bias,
                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
                                   REDUCE=plan.reduce, num_warps=warps, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y

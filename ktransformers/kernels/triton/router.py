@@ -14,7 +14,7 @@ from .common import MAX_SPLIT_TILES, split_counters
 from .handoff import PinnedInputs, _copy_row
 from .norm_rope import round_to
 from .pdl import pdl
-from .quant_linear import GEMV_ROWS, _dense_rows, gemv_plan, split_reduce
+from .quant_linear import GEMV_ROWS, _dense_rows, check_bias, gemv_plan, split_reduce
 
 MAX_EXPERTS, MAX_K = 1024, 32
 
@@ -143,9 +143,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     if x.device != weight.device:
         raise ValueError(f"router_topk: weight on {weight.device}, x on {x.device}")
     T, E = x.shape[0], weight.shape[0]
-    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32 or bias.device != x.device):
-        raise ValueError(f"router_topk: bias must be float32 [{E}] on {x.device}, got {bias.dtype} "
-                         f"{list(bias.shape)} on {bias.device}")
+    check_bias("router_topk", bias, E, x.device)
     if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
         return None
     x = x.contiguous()
