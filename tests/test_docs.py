@@ -54,7 +54,7 @@ SHRINK = {
     "ktransformers.server": "--cpu_infer 2 --port {port}",
     "ktransformers.calibrate": "--cpu_infer 2",
     "ktransformers.sft": "--cpu_infer 2",
-    "ktransformers.bench.sft": "--steps 1 --warmup 0 --seq 16 --threads 2",
+    "ktransformers.bench.sft": "--steps 1 --warmup 0 --seq 16 24 --threads 2",
 }
 
 

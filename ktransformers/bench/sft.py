@@ -4,10 +4,10 @@ with --baseline, the same step in plain transformers + peft with accelerate offl
 experts to the CPU (their weights copied to the GPU for each forward), in the same run.
 
     python -m ktransformers.bench.sft                                   # the demo model, on the CPU
-    python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 512 --threads 14 --baseline
+    python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 128 256 512 --threads 14 --baseline
 
 Each step is one forward and backward over `--batch` sequences of `--seq` random tokens (every one
-learned) and an AdamW step on rank-`--rank` adapters of `--targets` (sft's --lora_targets: the
+learned; several lengths are timed one after the other on the same loaded models) and an AdamW step on rank-`--rank` adapters of `--targets` (sft's --lora_targets: the
 attention projections by default; `experts` adds the routed experts'); the first
 `--warmup` steps are not timed, and the table gives the median of the rest, with the share of the
 step the CPU experts took (forward and backward, timed around the kernels' calls).
@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimize_config_path", help="training rule file (default: MoE-sft.yaml / MoE-sft-cpu.yaml)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU kernel threads (default: all cores)")
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--seq", type=int, nargs="+", default=[256], help="sequence lengths (each timed on the same models)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", nargs="+", default=["attention"], help="LoRA targets, as sft's --lora_targets")
@@ -47,20 +47,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true",
                    help="also time transformers + peft with accelerate's CPU offload of the experts")
     args = p.parse_args(argv)
-    if min(args.seq, args.batch, args.rank, args.steps) < 1 or args.warmup < 0:
+    if min(*args.seq, args.batch, args.rank, args.steps) < 1 or args.warmup < 0:
         p.error("--seq, --batch, --rank and --steps must be at least 1, --warmup at least 0")
     return args
 
 
-def time_steps(model, args, vocab: int, experts_seconds=None) -> tuple[float, float]:
-    """(median step seconds, median share of it in the CPU experts: 0 without experts_seconds)."""
+def time_lengths(model, args, vocab: int, experts_seconds=None) -> list[tuple[int, float, float, str]]:
+    """(seq, median step seconds, median share of it in the CPU experts (0 without
+    experts_seconds), peak memory so far) for each of --seq."""
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    from ..train import peak_memory
+    return [(seq, *time_steps(model, optimizer, args, seq, vocab, experts_seconds), peak_memory(args.device))
+            for seq in args.seq]
+
+
+def time_steps(model, optimizer, args, seq: int, vocab: int, experts_seconds=None) -> tuple[float, float]:
+    """(median step seconds, median share of it in the CPU experts: 0 without experts_seconds)."""
     gen = torch.Generator().manual_seed(0)
     times, shares = [], []
     for step in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
+        ids = torch.randint(0, vocab, (args.batch, seq), generator=gen).to(args.device)
         if experts_seconds is not None:
             experts_seconds[0] = 0.0
         start = time.perf_counter()
@@ -77,10 +85,10 @@ def time_steps(model, args, vocab: int, experts_seconds=None) -> tuple[float, fl
 
 
 def ours(args):
-    """(step seconds, experts' share, peak memory, config, threads) on the training rule file."""
+    """(time_lengths' rows, config, threads) on the training rule file."""
     from ..demo import DEMO_GGUF
     from ..kernels.cpu import MoEKernel
-    from ..train import add_lora, load_for_training, peak_memory
+    from ..train import add_lora, load_for_training
     loaded = load_for_training(args.gguf_path or DEMO_GGUF, optimize_config_path=args.optimize_config_path,
                                device=args.device, cpu_infer=args.threads, tokenizer=False)
     model = add_lora(loaded.model, rank=args.rank, targets=args.targets)
@@ -99,22 +107,22 @@ def ours(args):
     for name, fn in originals.items():
         setattr(MoEKernel, name, timed(fn))
     try:
-        step, share = time_steps(model, args, loaded.config.vocab_size, spent)
+        rows = time_lengths(model, args, loaded.config.vocab_size, spent)
     finally:
         for name, fn in originals.items():
             setattr(MoEKernel, name, fn)
-    return step, share, peak_memory(args.device), loaded.config, loaded.model.kt_context.cpu_runtime().threads
+    return rows, loaded.config, loaded.model.kt_context.cpu_runtime().threads
 
 
 def baseline(args, config):
-    """(step seconds, peak memory) of transformers + peft, the experts offloaded by accelerate."""
+    """time_lengths' rows of transformers + peft, the experts offloaded by accelerate."""
     from accelerate import dispatch_model
 
     from ..demo import DEMO_GGUF
     from ..optimize.inject import optimize_and_load_gguf
     from ..optimize.rules import parse_rules
     from ..optimize.skeleton import build_skeleton
-    from ..train import add_lora, peak_memory
+    from ..train import add_lora
     dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
     model = build_skeleton(config, dtype)
     optimize_and_load_gguf(model, parse_rules(PLAIN_RULES, "baseline rules"), args.gguf_path or DEMO_GGUF, config,
@@ -125,31 +133,32 @@ def baseline(args, config):
         model = dispatch_model(model, device_map=device_map)
     model.train().requires_grad_(False)
     model = add_lora(model, rank=args.rank, targets=args.targets)
-    step, _ = time_steps(model, args, config.vocab_size)
-    return step, peak_memory(args.device)
+    return time_lengths(model, args, config.vocab_size)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    step, share, memory, config, threads = ours(args)
-    rows = [("ktransformers (CPU experts' backward)", step, f"{share:.2f}", memory)]
+    mine, config, threads = ours(args)
+    base = []
     if args.baseline:
         gc.collect()
         if torch.device(args.device).type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        base_step, base_memory = baseline(args, config)
-        rows.append(("transformers + peft, accelerate offloading the experts", base_step, "", base_memory))
-    tokens = args.batch * args.seq
+        base = baseline(args, config)
     print(f"# {machine(threads)}; device {args.device}")
     print(f"# {args.gguf_path or 'demo model'}: {config.num_hidden_layers} layers, LoRA rank {args.rank} on {', '.join(args.targets)}, "
-          f"batch {args.batch} x {args.seq} tokens")
-    print("| engine | step | it/s | tok/s | CPU experts' share | memory (peak so far) |")
-    print("|---|---|---|---|---|---|")
-    for name, seconds, experts_share, mem in rows:
-        print(f"| {name} | {seconds * 1e3:.1f} ms | {1 / seconds:.2f} | {tokens / seconds:.0f} | {experts_share} | {mem} |")
-    if args.baseline:
-        print(f"ours / baseline: {rows[1][1] / rows[0][1]:.2f}x")
+          f"batch {args.batch}")
+    print("| tokens | engine | step | it/s | tok/s | CPU experts' share | memory (peak so far) |")
+    print("|---|---|---|---|---|---|---|")
+    rows = [("ktransformers (CPU experts' backward)", seq, step, f"{share:.2f}", mem) for seq, step, share, mem in mine]
+    rows += [("transformers + peft, accelerate offloading the experts", seq, step, "", mem) for seq, step, _, mem in base]
+    for name, seq, seconds, experts_share, mem in rows:
+        tokens = args.batch * seq
+        print(f"| {args.batch} x {seq} | {name} | {seconds * 1e3:.1f} ms | {1 / seconds:.2f} | {tokens / seconds:.0f} | "
+              f"{experts_share} | {mem} |")
+    for (seq, step, _, _), (_, base_step, _, _) in zip(mine, base):
+        print(f"ours / baseline at {args.batch} x {seq} tokens: {base_step / step:.2f}x")
 
 
 if __name__ == "__main__":
