@@ -7,8 +7,9 @@ experts to the CPU (their weights copied to the GPU for each forward), in the sa
     python -m ktransformers.bench.sft --gguf_path /tmp/q3-48.gguf --seq 128 256 512 --threads 14 --baseline
 
 Each step is one forward and backward over `--batch` sequences of `--seq` random tokens (every one
-learned; several lengths are timed one after the other on the same loaded models) and an AdamW step on rank-`--rank` adapters of `--targets` (sft's --lora_targets: the
-attention projections by default; `experts` adds the routed experts'); the first
+learned; several lengths are timed one after the other on the same loaded models) and an AdamW
+step on rank-`--rank` adapters of `--targets` (sft's --lora_targets: the attention projections by
+default; `experts` adds the routed experts'); the first
 `--warmup` steps are not timed, and the table gives the median of the rest, with the share of the
 step the CPU experts took (forward and backward, timed around the kernels' calls).
 """
@@ -55,10 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def time_lengths(model, args, vocab: int, experts_seconds=None) -> list[tuple[int, float, float, str]]:
     """(seq, median step seconds, median share of it in the CPU experts (0 without
     experts_seconds), peak memory so far) for each of --seq."""
+    from ..train import peak_memory
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    from ..train import peak_memory
     return [(seq, *time_steps(model, optimizer, args, seq, vocab, experts_seconds), peak_memory(args.device))
             for seq in args.seq]
 
