@@ -34,6 +34,36 @@ def test_stream_probe_buffer_kept():
     assert runtime.stream_gbps(buffer=kept, repeats=1) > 0
 
 
+def test_bench_moe_types_fall_back_as_llama_quantize():
+    """A format whose blocks do not divide a projection's rows falls back as llama-quantize does
+    (GLM-4.5-Air's 1408-value down rows: Q4_K_M's Q6_K -> Q8_0), and the layer computes on what
+    it holds: its output equals the dequantized experts' in float."""
+    import gguf
+    import torch
+
+    from ktransformers.bench import moe
+    from ktransformers.kernels.cpu import CPURuntime
+    from ktransformers.weights.ggml_quants import GGMLType
+    shape = dict(hidden=256, intermediate=96, experts=4, top_k=2)
+    gen = torch.Generator().manual_seed(1)
+    layer = moe.build_layers(CPURuntime(1), shape, "Q4_K_M", 1, 4, gen)[0]
+    gate, up, down = layer.weights
+    assert (gate.ggml_type, up.ggml_type, down.ggml_type) == (GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q8_0)
+    x = torch.randn(3, 256, generator=gen)
+    ids = torch.tensor([[0, 3], [1, 2], [3, 1]])
+    w = torch.rand(3, 2, generator=gen)
+    # the reference decoder is the gguf package's
+    g, u, d = (torch.from_numpy(gguf.quants.dequantize(p.data.numpy(), int(p.ggml_type))).float().reshape(s)
+               for p, s in zip(layer.weights, ((4, 96, 256), (4, 96, 256), (4, 256, 96))))
+    want = torch.zeros(3, 256)
+    for t in range(3):
+        for k in range(2):
+            e = int(ids[t, k])
+            want[t] += w[t, k] * (d[e] @ (torch.nn.functional.silu(g[e] @ x[t]) * (u[e] @ x[t])))
+    got = layer.kernel.forward(x, ids, w)
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
 def test_bench_moe_int4_copies():
     from ktransformers.kernels.cpu import load_extension
     out = subprocess.run([sys.executable, "-m", "ktransformers.bench.moe", "--shapes", "tiny", "--formats", "Q4_K_M",

@@ -31,15 +31,20 @@ import torch
 
 from ..kernels.cpu import CPURuntime, ExpertWeights, Int4Rows, Int8Rows, MoEKernel
 from ..weights.ggml_quants import FORMATS, GGMLType, dequantize, random_blocks
+from ..weights.gguf_write import fit_type
 from .peers import AMX_CLASSES, build_peers, kt_kernel_ext, quiet_stdout, time_peers
 
 SHAPES = {"qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
           "deepseek": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
           "qwen3next": dict(hidden=2048, intermediate=512, experts=512, top_k=10),
+          "glm": dict(hidden=4096, intermediate=1408, experts=128, top_k=8),  # GLM-4.5-Air
+          "gptoss": dict(hidden=2880, intermediate=2880, experts=128, top_k=4),  # gpt-oss-120b
           "tiny": dict(hidden=256, intermediate=256, experts=8, top_k=2)}  # a smoke test of the benchmark itself
-# format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors
+# format name -> (gate, up, down) ggml types; Q4_K_M is llama-quantize's mix for expert tensors. A
+# type whose blocks do not divide a row falls back as llama-quantize's does (GLM's 1408-value down
+# rows: Q6_K -> Q8_0)
 FORMAT_TYPES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), **{n: (n, n, n) for n in
-                ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "BF16", "F16")}}
+                ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "MXFP4", "BF16", "F16")}}
 
 
 @dataclass
@@ -60,7 +65,7 @@ def build_layers(runtime, shape: dict, fmt: str, copies: int, experts: int, gen,
     prefill copies KExpertsCPU makes at load with int8_prefill / int4_prefill; `int4_only`: the
     int4 copies alone, as with int4_decode (the blocks kept only for the peer)."""
     H, I, K = shape["hidden"], shape["intermediate"], shape["top_k"]
-    g, u, d = (GGMLType[n] for n in FORMAT_TYPES[fmt])
+    g, u, d = (fit_type(GGMLType[n], row) for n, row in zip(FORMAT_TYPES[fmt], (H, H, I)))
     layers = []
     for _ in range(copies):
         gate, up, down = _projection(g, experts, I, H, gen), _projection(u, experts, I, H, gen), _projection(d, experts, H, I, gen)
