@@ -5,7 +5,7 @@
 # the other on the same machine (the second reuses the first's llama-bench build and model files in
 # /tmp); needs .whl/ (the Python wheels) and .peer/llama.tar.gz in the working directory. The
 # tarball is llama.cpp as llama-cpp-python 0.3.36's sdist vendors it, without the other GPU
-# backends (about 6 MB), made once on a machine with network access:
+# backends (about 8 MB), made once on a machine with network access:
 #   mkdir -p .peer /tmp/lsrc   (.peer/ is git-ignored)
 #   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lsrc
 #   tar xzf /tmp/lsrc/llama_cpp_python-0.3.36.tar.gz -C /tmp/lsrc
