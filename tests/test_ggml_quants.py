@@ -176,17 +176,21 @@ def test_bad_inputs():
 
 def test_group_affine_is_lossless():
     """group_affine (the int4/int8 GEMM's view of a GGUF type: codes * scale + offset per group
-    of 32) gives back gguf-py's dequantized values exactly."""
-    from ktransformers.weights.ggml_quants import GROUP_AFFINE_TYPES, group_affine
-    for t in GROUP_AFFINE_TYPES:
+    of 32, or of Q6_K's 16) gives back gguf-py's dequantized values exactly."""
+    from ktransformers.weights.ggml_quants import GROUP16_TYPES, GROUP_AFFINE_TYPES, group_affine
+    for t in GROUP_AFFINE_TYPES + GROUP16_TYPES:
         raw = random_blocks(t, 48, gen(int(t)))
         shape = (6, 48 * FORMATS[t].block_elems // 6)
         codes, scale, offset = group_affine(raw, t, shape)
-        w = codes.float().reshape(shape[0], -1, 32) * scale[..., None]
+        group = 16 if t in GROUP16_TYPES else 32
+        assert scale.shape == (shape[0], shape[1] // group), t.name
+        w = codes.float().reshape(shape[0], -1, group) * scale[..., None]
         if offset is not None:
             w = w + offset[..., None]
         assert torch.equal(w.reshape(shape), reference(raw, t).reshape(shape)), t.name
-    with pytest.raises(ValueError, match="Q6_K has no group-affine form"):
-        group_affine(random_blocks("Q6_K", 1), "Q6_K", (1, 256))
+    codes = group_affine(random_blocks("Q6_K", 4, gen(3)), "Q6_K", (2, 512))[0]
+    assert codes.dtype == torch.int8 and -32 <= int(codes.min()) < int(codes.max()) <= 31
+    with pytest.raises(ValueError, match="Q5_K has no group-affine form"):
+        group_affine(random_blocks("Q5_K", 1), "Q5_K", (1, 256))
     with pytest.raises(ValueError, match="expected 144 bytes"):
         group_affine(random_blocks("Q4_K", 2), "Q4_K", (1, 256))

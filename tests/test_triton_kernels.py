@@ -38,7 +38,7 @@ def gguf_dequantize(raw: torch.Tensor, t, shape, dtype=torch.float32) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape).to(dtype)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "int4", "int8"])
 @pytest.mark.parametrize("M", [1, 3, 17, 128])
 def test_group_gemm(dev, fmt, M):
     from ktransformers.kernels.triton import quant_linear as ql
@@ -508,7 +508,7 @@ def test_dequantize_for_cublas(dev):
     from ktransformers.kernels.triton import fp8
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(11)
-    for t in ("Q4_K", "Q8_0"):
+    for t in ("Q4_K", "Q8_0", "Q6_K"):
         raw = gq.random_blocks(t, 96 * 512 // gq.FORMATS[gq.ggml_type(t)].block_elems, g)
         w = ql.from_ggml(raw, gq.ggml_type(t), (96, 512))
         got = ql.dequantize_t(w.to(dev)).cpu().float()
@@ -572,14 +572,14 @@ def test_quant_gemv_one_row(dev, bits, N, K, monkeypatch):
         assert len(calls) == 4 and rel_err(y.cpu().double(), ref + bias.double()) < 1e-5
 
 
-@pytest.mark.parametrize("second", ["int4", "int8", "int4-wide"])
+@pytest.mark.parametrize("second", ["int4", "int8", "int4-wide", "Q6_K"])
 @pytest.mark.parametrize("shapes", [((256, 512), (64, 512), (64, 512)), ((200, 1024), (72, 1024)),
                                     ((96, 160), (40, 160), (8, 160)), ((128, 256), (64, 256))])
 def test_gemv_many(dev, shapes, second, monkeypatch):
-    """q, k and v of one token in one launch: int4, int8 and dense bf16 weights mixed, with and
-    without biases (added in the launch), K split (the first three) or not (one block), each
-    output within float32 summation of its reference (float32 sums rounded once), counters back
-    at 0."""
+    """q, k and v of one token in one launch: int4, int8 (groups of 32, or Q6_K's 16) and dense
+    bf16 weights mixed, with and without biases (added in the launch), K split (the first three)
+    or not (one block), each output within float32 summation of its reference (float32 sums
+    rounded once), counters back at 0."""
     from ktransformers.kernels.triton import common
     from ktransformers.kernels.triton import quant_linear as ql
     g = gen(sum(n for n, _ in shapes))
@@ -588,6 +588,11 @@ def test_gemv_many(dev, shapes, second, monkeypatch):
     if second == "int4-wide":  # every int4 weight in the wider programs of a large one (GLM's q)
         monkeypatch.setattr(ql, "GEMV_WIDE", 0)
     quantize = {0: ql.quantize_int4, 1: ql.quantize_int8 if second == "int8" else ql.quantize_int4}
+    if second == "Q6_K" and K % 256 == 0:  # (a Q6_K attn_v beside Q4_K q and k, as in Q4_K_M files)
+        quantize[1] = lambda d: ql.from_ggml(gq.random_blocks("Q6_K", d.numel() // 256, g), gq.ggml_type("Q6_K"),
+                                             tuple(d.shape))
+    elif second == "Q6_K":
+        pytest.skip(f"K={K} is not a whole number of Q6_K blocks")
     weights = [quantize[i](d).to(dev) if i in quantize else d.to(torch.bfloat16).to(dev) for i, d in enumerate(dense)]
     x = torch.randn(1, K, generator=g).to(torch.bfloat16)
     biases = [torch.randn(N, generator=g).to(dev) if i != 1 else None for i, (N, _) in enumerate(shapes)]
@@ -804,8 +809,8 @@ gemm = dict(gemv, x_ptr="*bf16")
 compile_(quant_linear._group_gemm_kernel, gemm, dict(BITS=8, HAS_OFFSET=False, HAS_BIAS=True, GROUP_SIZE=32, BLOCK_M=16,
                                                      BLOCK_N=64, BLOCK_K=128, ATOMIC=False, REDUCE=True, DOT_F32=False))
 compile_(quant_linear._gemv_many_kernel, many, dict(BITS_0=4, BITS_1=8, BITS_2=0, BIAS_0=True, BIAS_1=False,
-                                                    BIAS_2=True, BN0=64, BN1=128, BN2=32, BLOCK_K=256, GROUP_SIZE=32,
-                                                    REDUCE=True, GDC=True))
+                                                    BIAS_2=True, BN0=64, BN1=128, BN2=32, G0=32, G1=16, G2=32,
+                                                    BLOCK_K=256, REDUCE=True, GDC=True))
 """
 
 

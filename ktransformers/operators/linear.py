@@ -175,14 +175,14 @@ class _TritonLinear:
 @LINEAR_OPS.register("KLinearMarlin")
 class KLinearMarlin(_TritonLinear):
     """int4 group-quantized weights (Triton GEMM): GGUF Q4_0/Q4_K converted losslessly (per-32
-    scale + offset), Q8_0 kept as int8; any other type stays dense bf16 unless `requantize: true`
-    asks for int4 (lossy)."""
+    scale + offset), Q8_0 kept as int8, Q6_K as int8 with its per-16 scales; any other type stays
+    dense bf16 unless `requantize: true` asks for int4 (lossy)."""
 
     def _convert(self, weights):
         from ..kernels.triton import quant_linear as ql
-        from ..weights.ggml_quants import GROUP_AFFINE_TYPES
+        from ..weights.ggml_quants import GROUP16_TYPES, GROUP_AFFINE_TYPES
         stored = self._stored(weights)
-        if stored is not None and stored[1] in {int(t) for t in GROUP_AFFINE_TYPES}:
+        if stored is not None and stored[1] in {int(t) for t in GROUP_AFFINE_TYPES + GROUP16_TYPES}:
             return ql.from_ggml(stored[0], stored[1], (self.out_features, self.in_features))
         if self.requantize and self.in_features % ql.GROUP == 0:
             return ql.quantize_int4(self._dense(weights))
@@ -199,13 +199,14 @@ class KLinearMarlin(_TritonLinear):
 
 @LINEAR_OPS.register("KLinearQ8")
 class KLinearQ8(KLinearMarlin):
-    """int8 weights with per-32 scales: GGUF Q8_0 as stored, other types re-quantized to int8."""
+    """int8 weights with per-32 scales: GGUF Q8_0 as stored (Q6_K with its per-16 scales), other
+    types re-quantized to int8."""
 
     def _convert(self, weights):
         from ..kernels.triton import quant_linear as ql
         from ..weights.ggml_quants import GGMLType
         stored = self._stored(weights)
-        if stored is not None and stored[1] == int(GGMLType.Q8_0):
+        if stored is not None and stored[1] in (int(GGMLType.Q8_0), int(GGMLType.Q6_K)):
             return ql.from_ggml(stored[0], stored[1], (self.out_features, self.in_features))
         if self.in_features % ql.GROUP:
             return self._dense(weights)

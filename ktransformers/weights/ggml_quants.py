@@ -529,7 +529,9 @@ def random_blocks(t, n_blocks: int, generator: torch.Generator | None = None) ->
 
 
 # --- group-affine views for the GPU int4/int8 kernels ---------------------------------------------
-GROUP_AFFINE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0)
+GROUP_AFFINE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0)  # groups of 32
+# Q6_K's 16-value sub-blocks: int8 codes (q - 32) with a scale a sub-block (the linears' int8 kernels)
+GROUP16_TYPES = (GGMLType.Q6_K,)
 
 
 def mxfp4_codes(raw, shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,15 +549,17 @@ def mxfp4_codes(raw, shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_affine(raw, t, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A Q4_0, Q4_K or Q8_0 matrix [rows, cols] as codes and per-32 scale/offset, losslessly:
-    value = scale * code + offset for each group of 32 consecutive values of a row.
-    Returns (codes uint8 [rows, cols] for the 4-bit types (0..15) or int8 for Q8_0,
-    scale float32 [rows, cols / 32], offset float32 [rows, cols / 32] or None for Q8_0).
-    Q4_K's 6-bit sub-block scales and mins become d*sc and -dmin*m (exact in float32)."""
+    """A Q4_0, Q4_K, Q8_0 or Q6_K matrix [rows, cols] as codes and per-group scale/offset,
+    losslessly: value = scale * code + offset for each group of consecutive values of a row, 32 of
+    them (GROUP_AFFINE_TYPES) or Q6_K's 16 (GROUP16_TYPES; the group is cols / scale.shape[1]).
+    Returns (codes uint8 [rows, cols] for the 4-bit types (0..15), int8 for Q8_0 and Q6_K (its
+    q - 32, in -32..31), scale float32 [rows, cols / group], offset float32 [rows, cols / group] or
+    None for the symmetric types). Q4_K's 6-bit sub-block scales and mins become d*sc and
+    -dmin*m, Q6_K's int8 scales d*sc (all exact in float32)."""
     t = ggml_type(t)
-    if t not in GROUP_AFFINE_TYPES:
+    if t not in GROUP_AFFINE_TYPES + GROUP16_TYPES:
         raise ValueError(f"{t.name} has no group-affine form; types that do: "
-                         f"{', '.join(x.name for x in GROUP_AFFINE_TYPES)}")
+                         f"{', '.join(x.name for x in GROUP_AFFINE_TYPES + GROUP16_TYPES)}")
     rows, cols = (int(s) for s in shape)
     fmt = FORMATS[t]
     if cols % fmt.block_elems:
@@ -568,6 +572,11 @@ def group_affine(raw, t, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     n = len(b)
     if t == GGMLType.Q8_0:
         return b[:, 2:].contiguous().view(torch.int8).reshape(rows, cols), _f16(b, 0).reshape(rows, -1), None
+    if t == GGMLType.Q6_K:  # (as _dq_q6_k decodes it)
+        low = _unpack(b[:, :128].reshape(n, 2, 64), 4)
+        high = _unpack(b[:, 128:192].reshape(n, 2, 32), 2)
+        codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(rows, cols)
+        return codes, (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).reshape(rows, -1), None
     if t == GGMLType.Q4_0:
         d = _f16(b, 0)
         return _unpack(b[:, 2:], 4).reshape(rows, cols), d.reshape(rows, -1), (-8 * d).reshape(rows, -1)

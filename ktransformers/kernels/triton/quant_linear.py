@@ -1,11 +1,13 @@
 """Group-quantized weight x activation GEMM: the GPU linear for int4 ("Marlin") and int8 weights.
 
-A weight W [N, K] (HF layout, y = x Wᵀ) is held as codes and per-32 (scale, offset):
-    W[n, k] = scale[k // 32, n] * code[k, n] + offset[k // 32, n]
+A weight W [N, K] (HF layout, y = x Wᵀ) is held as codes and per-group (scale, offset), groups
+of g = 32 values along K (16 for weights from Q6_K):
+    W[n, k] = scale[k // g, n] * code[k, n] + offset[k // g, n]
 int4: codes 0..15, eight per int32 along K: packed [K / 8, N], code k in bits 4*(k % 8).
 int8: codes -127..127, four per int32 along K: packed [K / 4, N], code k in byte k % 4 (two's
 complement); offset absent (symmetric). A thread's load is a word of either, never a byte.
-GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes int8 likewise.
+GGUF Q4_0 and Q4_K convert losslessly (ggml_quants.group_affine); Q8_0 becomes int8 likewise, and
+Q6_K int8 in groups of 16 (its sub-blocks: 1.25 bytes a value, where bf16 would take 2).
 `quantize_int4` / `quantize_int8` re-quantize float weights (lossy), only when asked.
 
 Kernel: one program per (BLOCK_M x BLOCK_N) output tile and K split; codes are unpacked and scaled
@@ -55,11 +57,12 @@ class GroupQuantWeight:
     offset: torch.Tensor | None  # float32 [K/32, N] or None
     out_features: int  # N
     in_features: int  # K
+    group: int = GROUP  # values a scale (and offset) covers along K: 32, or 16 (from Q6_K)
 
     def to(self, device) -> GroupQuantWeight:
         return GroupQuantWeight(self.bits, self.codes.to(device), self.scale.to(device),
                                 None if self.offset is None else self.offset.to(device),
-                                self.out_features, self.in_features)
+                                self.out_features, self.in_features, self.group)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
@@ -68,7 +71,7 @@ class GroupQuantWeight:
         """float32 W [N, K] (the reference)."""
         K, N = self.in_features, self.out_features
         codes = unpack_codes(self.codes, self.bits).reshape(K, N)
-        w = codes.float().reshape(K // GROUP, GROUP, N) * self.scale[:, None, :]
+        w = codes.float().reshape(K // self.group, self.group, N) * self.scale[:, None, :]
         if self.offset is not None:
             w = w + self.offset[:, None, :]
         return w.reshape(K, N).T.contiguous()
@@ -117,11 +120,11 @@ def _epilogue_bias(plan: SplitPlan, bias: torch.Tensor | None, placeholder: torc
 
 
 def from_ggml(raw, ggml_type, shape: tuple[int, int]) -> GroupQuantWeight:
-    """GGUF Q4_0 / Q4_K -> int4, Q8_0 -> int8, losslessly (on the CPU)."""
+    """GGUF Q4_0 / Q4_K -> int4, Q8_0 -> int8, Q6_K -> int8 in groups of 16, losslessly (on the CPU)."""
     codes, scale, offset = group_affine(raw, ggml_type, shape)
     N, K = shape
-    if GGMLType(int(ggml_type)) == GGMLType.Q8_0:
-        return GroupQuantWeight(8, pack_codes(codes, 8), scale.T.contiguous(), None, N, K)
+    if GGMLType(int(ggml_type)) in (GGMLType.Q8_0, GGMLType.Q6_K):
+        return GroupQuantWeight(8, pack_codes(codes, 8), scale.T.contiguous(), None, N, K, K // scale.shape[1])
     return GroupQuantWeight(4, pack_codes(codes, 4), scale.T.contiguous(), offset.T.contiguous(), N, K)
 
 
@@ -292,20 +295,20 @@ def _gemv_many_kernel(x_ptr, count_ptr, K, k_per_split, T0, T1,
                       w0, s0, o0, b0, y0, p0, N0, w1, s1, o1, b1, y1, p1, N1, w2, s2, o2, b2, y2, p2, N2,
                       BITS_0: tl.constexpr, BITS_1: tl.constexpr, BITS_2: tl.constexpr, BIAS_0: tl.constexpr,
                       BIAS_1: tl.constexpr, BIAS_2: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr,
-                      BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
-                      GDC: tl.constexpr):
+                      BN2: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, BLOCK_K: tl.constexpr,
+                      REDUCE: tl.constexpr, GDC: tl.constexpr):
     """Two or three GEMVs of one row in one launch: program_id(1) < T0 are weight 0's tiles, the
-    next T1 weight 1's, the rest weight 2's."""
+    next T1 weight 1's, the rest weight 2's (Gi: weight i's group size)."""
     t = tl.program_id(1)
     if t < T0:
         _gemv_segment(x_ptr, w0, s0, o0, b0, y0, p0, count_ptr, N0, K, t, k_per_split, BITS_0, BIAS_0, BN0, BLOCK_K,
-                      GROUP_SIZE, REDUCE, GDC)
+                      G0, REDUCE, GDC)
     elif t < T0 + T1:
         _gemv_segment(x_ptr, w1, s1, o1, b1, y1, p1, count_ptr, N1, K, t - T0, k_per_split, BITS_1, BIAS_1, BN1,
-                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
+                      BLOCK_K, G1, REDUCE, GDC)
     else:
         _gemv_segment(x_ptr, w2, s2, o2, b2, y2, p2, count_ptr, N2, K, t - T0 - T1, k_per_split, BITS_2, BIAS_2, BN2,
-                      BLOCK_K, GROUP_SIZE, REDUCE, GDC)
+                      BLOCK_K, G2, REDUCE, GDC)
 
 
 @triton.jit
@@ -447,7 +450,7 @@ def dequantize_t(w: GroupQuantWeight) -> torch.Tensor:
     BLOCK_K = 64 if K % 64 == 0 else 32
     offset = w.offset if w.offset is not None else w.scale
     _dequant_kernel[(K // BLOCK_K, triton.cdiv(N, 128))](w.codes, w.scale, offset, out, N, K, BITS=w.bits,
-                                                         HAS_OFFSET=w.offset is not None, GROUP_SIZE=GROUP,
+                                                         HAS_OFFSET=w.offset is not None, GROUP_SIZE=w.group,
                                                          BLOCK_N=128, BLOCK_K=BLOCK_K)
     return out
 
@@ -484,7 +487,7 @@ def group_gemm(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype | No
     _group_gemm_kernel[plan.grid](x, w.codes, w.scale, offset, bias_ptr, y,
                                   *plan.scratch(), M, N, K, x.stride(0), y.stride(0), plan.k_per_split, BITS=w.bits,
                                   HAS_OFFSET=w.offset is not None, HAS_BIAS=has_bias,
-                                  GROUP_SIZE=GROUP,
+                                  GROUP_SIZE=w.group,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ATOMIC=plan.atomic,
                                   REDUCE=plan.reduce, DOT_F32=dot_f32(), num_warps=4,
                                   num_stages=3 if x.device.type == "cuda" else 1)
@@ -504,7 +507,7 @@ def _quant_gemv(x: torch.Tensor, w: GroupQuantWeight, out_dtype: torch.dtype,
     _quant_gemv_kernel[plan.grid](x, w.codes, w.scale, offset, bias_ptr, plan.y,
                                   *plan.scratch(), N, K, plan.k_per_split, BITS=w.bits,
                                   HAS_OFFSET=w.offset is not None, HAS_BIAS=has_bias,
-                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, ATOMIC=plan.atomic,
+                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_SIZE=w.group, ATOMIC=plan.atomic,
                                   REDUCE=plan.reduce, num_warps=warps, **pdl(x.device))
     return plan.y.to(out_dtype) if plan.atomic else plan.y
 
@@ -537,6 +540,7 @@ class _Operand(NamedTuple):
     scale: torch.Tensor
     offset: torch.Tensor
     n: int
+    group: int
 
 
 def _many_operand(w, x: torch.Tensor) -> _Operand | None:
@@ -549,10 +553,10 @@ def _many_operand(w, x: torch.Tensor) -> _Operand | None:
                 or w.codes.numel() >= 2**31):
             return None
         return _Operand(w.bits, _gemv_blocks(w.bits, w.out_features, K)[0], w.codes, w.scale,
-                        w.offset if w.offset is not None else w.scale, w.out_features)
+                        w.offset if w.offset is not None else w.scale, w.out_features, w.group)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
             and w.device == x.device and w.dtype.is_floating_point and w.numel() <= DENSE_GEMV_WEIGHTS):
-        return _Operand(0, 32, w, w, w, w.shape[0])
+        return _Operand(0, 32, w, w, w, w.shape[0], GROUP)
     return None
 
 
@@ -602,7 +606,8 @@ def gemv_many(x: torch.Tensor, weights: list, out_dtype: torch.dtype,
                                                BITS_0=o0.bits, BITS_1=o1.bits, BITS_2=o2.bits,
                                                BIAS_0=b0 is not None, BIAS_1=b1 is not None, BIAS_2=b2 is not None,
                                                BN0=o0.block_n, BN1=o1.block_n, BN2=o2.block_n,
-                                               BLOCK_K=BLOCK_K, GROUP_SIZE=GROUP, REDUCE=splits > 1, num_warps=warps,
+                                               G0=o0.group, G1=o1.group, G2=o2.group,
+                                               BLOCK_K=BLOCK_K, REDUCE=splits > 1, num_warps=warps,
                                                **pdl(x.device))
     return ys
 
