@@ -53,8 +53,8 @@ class GroupQuantWeight:
     """One weight matrix in the kernel's layout (see the module doc)."""
     bits: int
     codes: torch.Tensor  # int32 [K/8, N] (int4) or [K/4, N] (int8)
-    scale: torch.Tensor  # float32 [K/32, N]
-    offset: torch.Tensor | None  # float32 [K/32, N] or None
+    scale: torch.Tensor  # float32 [K/group, N]
+    offset: torch.Tensor | None  # float32 [K/group, N] or None
     out_features: int  # N
     in_features: int  # K
     group: int = GROUP  # values a scale (and offset) covers along K: 32, or 16 (from Q6_K)
