@@ -70,9 +70,9 @@ size_t tiled_row_bytes(int type, int rows, int n);
 // Repack `rows` rows of ggml type `type` (n values each) into the tiled layout (checked as above).
 void repack_tiles(int type, const void* src, void* dst, int rows, int n);
 // Software prefetch of the tiled kernels: the lines kPrefetchAhead bytes past the tile being read,
-// into L2 (T1; quants.cpp's prefetch_line says why). A one-token call does little arithmetic a byte, so the hardware prefetchers alone
-// leave it waiting on memory; a few KiB ahead hide the latency (within that range the distance
-// matters little).
+// into L2 (T1; quants.cpp's prefetch_line says why). A one-token call does little arithmetic a
+// byte, so the hardware prefetchers alone leave it waiting on memory; a few KiB ahead hide the
+// latency (within that range the distance matters little).
 constexpr int kPrefetchAhead = 4096;
 // The first min(bytes, kPrefetchAhead) bytes of a run of weights about to be read, at once:
 // the kernels prefetch kPrefetchAhead ahead of where they read, so without it a run's first

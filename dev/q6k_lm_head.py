@@ -3,7 +3,9 @@ int8 codes in Q6_K's groups of 16 (1.25 bytes a value, what KLinearMarlin keeps)
 weight it used to be (2 bytes a value, cuBLAS)? One row, as decode runs it; the Q8_0 form (int8 in
 groups of 32) beside it for reference.
 
-    python dev/q6k_lm_head.py   # CUDA; us a launch, mean of 50 after 5 untimed
+    python dev/q6k_lm_head.py   # CUDA; us a launch inside a CUDA graph (as decode runs), median of 30
+
+The weight (0.78-1.24 GB) is far past the L2 cache, so one copy is read cold every launch.
 """
 import torch
 
@@ -11,20 +13,13 @@ from ktransformers.bench.gpu import copy_gbps
 from ktransformers.kernels.triton import quant_linear as ql
 from ktransformers.weights import ggml_quants as gq
 
+from gpu_tune import timed  # (dev/, beside this script)
+
 N, K = 151552, 4096
 
 
-def launch_us(fn, n: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1e3
+def launch_us(fn, launches: int = 8) -> float:
+    return timed([fn] * launches)
 
 
 def main() -> None:

@@ -86,24 +86,24 @@ def _stored(weights, name: str) -> tuple[int | None, int]:
 
 
 def _group_bytes(ggml_type: int | None, numel: int, dtype_bytes: int, requantize: bool = False) -> float:
-    """Bytes a Marlin/Q8 linear keeps: int4 (+8 B per 32) for Q4_0/Q4_K, int8 (+4 B per 32) for
-    Q8_0, int8 (+4 B per 16) for Q6_K."""
+    """Bytes a Marlin/Q8 linear or GPU expert keeps: int4 (+8 B per 32) for Q4_0/Q4_K, int8 (+4 B per
+    32) for Q8_0."""
     if ggml_type in (GGMLType.Q4_0, GGMLType.Q4_K) or requantize:
         return numel * (0.5 + 8 / 32)
     if ggml_type == GGMLType.Q8_0:
         return numel * (1 + 4 / 32)
-    if ggml_type == GGMLType.Q6_K:
-        return numel * (1 + 4 / 16)
     return numel * dtype_bytes
 
 
 def _linear_bytes(op: str, ggml_type, stored: int, numel: int, dtype_bytes: int, requantize: bool) -> float:
     if op == "KLinearCPU":
         return stored or numel * 2
+    if op in ("KLinearMarlin", "KLinearQ8") and ggml_type == GGMLType.Q6_K:
+        return numel * (1 + 4 / 16)  # int8 with Q6_K's per-16 scales
     if op in ("KLinearMarlin",):
         return _group_bytes(ggml_type, numel, dtype_bytes, requantize)
     if op == "KLinearQ8":
-        return numel * (1 + 4 / (16 if ggml_type == GGMLType.Q6_K else 32))
+        return numel * (1 + 4 / 32)
     if op == "KLinearFP8":
         return numel * (1 + 4 / (128 * 128))
     return numel * dtype_bytes
@@ -113,9 +113,8 @@ def _experts_bytes(op: str, stored: int, numel: int, dtype_bytes: int, types: li
     if op == "KExpertsCPU":
         return stored or numel * 2
     if op in ("KExpertsGPU", "KExpertsMarlin"):  # (MXFP4 stays e2m1 codes, a float32 scale per 32)
-        # (their kernels take groups of 32: Q6_K experts are bf16 there)
-        return sum(numel // 3 * (0.5 + 4 / 32) if t == GGMLType.MXFP4 else numel // 3 * 2 if t == GGMLType.Q6_K
-                   else _group_bytes(t, numel // 3, 2) for t in types) if types else numel * 2
+        return sum(numel // 3 * (0.5 + 4 / 32) if t == GGMLType.MXFP4 else _group_bytes(t, numel // 3, 2)
+                   for t in types) if types else numel * 2
     return numel * dtype_bytes
 
 

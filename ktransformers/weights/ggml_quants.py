@@ -195,13 +195,18 @@ def _dq_q5_k(b):
     return _k_affine(b, low | (high << 4))
 
 
-def _dq_q6_k(b):
+def _q6_k_parts(b):
+    """Q6_K blocks -> (q - 32, int8 [N, QK_K] in -32..31; sub-block scales d*sc, float32 [N, 16])."""
     n = len(b)
     low = _unpack(b[:, :128].reshape(n, 2, 64), 4)
     high = _unpack(b[:, 128:192].reshape(n, 2, 32), 2)
-    q = (low | (high << 4)).reshape(n, 16, 16).float() - 32
-    scale = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
-    return (scale * q).reshape(n, QK_K)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, QK_K)
+    return q, _f16(b, 208) * b[:, 192:208].view(torch.int8).float()
+
+
+def _dq_q6_k(b):
+    q, scale = _q6_k_parts(b)
+    return (scale.unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, QK_K)
 
 
 def _dq_iq4_nl(b):
@@ -572,11 +577,9 @@ def group_affine(raw, t, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     n = len(b)
     if t == GGMLType.Q8_0:
         return b[:, 2:].contiguous().view(torch.int8).reshape(rows, cols), _f16(b, 0).reshape(rows, -1), None
-    if t == GGMLType.Q6_K:  # (as _dq_q6_k decodes it)
-        low = _unpack(b[:, :128].reshape(n, 2, 64), 4)
-        high = _unpack(b[:, 128:192].reshape(n, 2, 32), 2)
-        codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(rows, cols)
-        return codes, (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).reshape(rows, -1), None
+    if t == GGMLType.Q6_K:
+        codes, scale = _q6_k_parts(b)
+        return codes.reshape(rows, cols), scale.reshape(rows, -1), None
     if t == GGMLType.Q4_0:
         d = _f16(b, 0)
         return _unpack(b[:, 2:], 4).reshape(rows, cols), d.reshape(rows, -1), (-8 * d).reshape(rows, -1)
