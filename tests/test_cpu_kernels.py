@@ -832,6 +832,36 @@ def test_nan_activations_propagate(runtime, fmt):
     assert y[1].isnan().all() and not y[4].isfinite().any() and y[[0, 2, 3, 5]].isfinite().all()
 
 
+def test_weight_buffers_on_huge_page_bounds(runtime):
+    """Buffers of 2 MiB and more start on a 2 MiB boundary (the huge-page advice covers them
+    whole), take writes of their dtype, and tiles repacked into one equal the torch reference's
+    and compute as the rows do; smaller buffers are plain tensors."""
+    from ktransformers.kernels.cpu import HUGE_PAGE, tile_weights, weight_empty
+    small = weight_empty((3, 5), torch.float32)
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    big = weight_empty((4, HUGE_PAGE // 8), torch.int16)
+    assert big.shape == (4, HUGE_PAGE // 8) and big.data_ptr() % HUGE_PAGE == 0 and big.is_contiguous()
+    values = torch.randint(-30000, 30000, big.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(3))
+    big.copy_(values)
+    assert torch.equal(big, values)
+    t = GGMLType.Q4_K
+    if not runtime.ext.has_tiles(int(t)):
+        pytest.skip(f"the {runtime.isa} build has no {t.name} tiles")
+    gen = torch.Generator().manual_seed(41)
+    E, H, I = 8, 1024, 1024  # 4.7 MB of Q4_K a projection: a huge-page buffer
+    (g, gd), (u, _), (d, _) = (expert_weights(t, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    tiled = tile_weights(runtime, g, E * I, H)
+    assert tiled.data.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(tiled.data, TILE_REFERENCES[t](g.data, E * I, H))
+    with_tiles = MoEKernel(runtime, experts=E, top_k=2, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8)
+    rows = MoEKernel(runtime, experts=E, top_k=2, hidden=H, intermediate=I, gate=g, up=u, down=d, max_tokens=8, tiles=False)
+    tol = 1e-3 if runtime.isa in ("avx2", "avxvnni") else 1e-6
+    for T in (1, 3):
+        x = torch.randn(T, H, generator=gen)
+        ids, w = routing(T, E, 2, gen)
+        assert rel_err(with_tiles.forward(x, ids, w), rows.forward(x, ids, w)) < tol, T
+
+
 def test_tiles_are_told_apart_by_a_tag(runtime):
     """Tiles and rows of a type have the same size: only a buffer tile_weights made is taken as
     tiles (bytes claimed tiled are refused), and only for the shape it was tiled for."""

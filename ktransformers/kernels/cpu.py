@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import mmap
 import os
 import warnings
 import weakref
@@ -189,7 +190,7 @@ class CPURuntime:
     def probe_buffer(self, gib: float = 2.0):
         """A buffer of `gib` GiB for stream_gbps, allocated as the weights' are, every page
         written (real)."""
-        buf = torch.empty(int(gib * 2**30), dtype=torch.uint8).numpy()
+        buf = weight_empty(int(gib * 2**30)).numpy()
         buf.fill(7)
         return buf
 
@@ -234,6 +235,30 @@ def _address(data) -> tuple[int, int]:
     if not array.flags.c_contiguous:
         raise ValueError("weight bytes must be contiguous")
     return array.ctypes.data, array.nbytes
+
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64)
+
+
+def weight_empty(shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """torch.empty for the bytes the CPU kernels stream through (tiles, int8/int4 copies, the
+    bandwidth probe): private anonymous memory that asks Linux for 2 MiB transparent huge pages
+    (MADV_HUGEPAGE; honoured where THP is 'madvise' or 'always'). A decode step reads tens of MB
+    scattered over the experts; on 4 KiB pages that is thousands of TLB misses a step, each a page
+    walk (two levels of them in a VM) that the streaming reads wait behind. Buffers under 2 MiB,
+    and systems without madvise, get plain torch.empty."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # (shared would be shmem: no THP)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out: 4 KiB pages, as torch.empty's
+        pass
+    base = torch.frombuffer(region, dtype=torch.uint8)  # (holds the mapping until its views are gone)
+    start = -base.data_ptr() % HUGE_PAGE
+    return base[start:start + nbytes].view(dtype).view(shape)
 
 
 # The buffers tile_weights made, by id: (a weak reference to the buffer, ggml type, rows, cols).
@@ -285,7 +310,7 @@ def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: i
     src, nbytes = _address(weights.data)
     if nbytes != tensor_nbytes(weights.ggml_type, rows * cols):
         return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    out = weight_empty(nbytes)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
     key = id(out)
     _TILED[key] = (weakref.ref(out, lambda _, key=key: _TILED.pop(key, None)), weights.ggml_type, rows, cols)
@@ -333,7 +358,8 @@ class Int8Rows:
         E, rows, cols = self.w.shape
         if rows % 16 or cols % 64:
             return self
-        tiles = self.w.reshape(E, rows // 16, 16, cols // 64, 16, 4).permute(0, 1, 3, 4, 2, 5).contiguous()
+        tiles = weight_empty((E, rows // 16, cols // 64, 16, 16, 4), torch.int8)
+        tiles.copy_(self.w.reshape(E, rows // 16, 16, cols // 64, 16, 4).permute(0, 1, 3, 4, 2, 5))
         return Int8Rows(None, self.scale, self.row_sum, tiles.reshape(E, rows // 16, cols // 64, 16, 64))
 
     def rows(self) -> torch.Tensor:
@@ -348,7 +374,7 @@ class Int8Rows:
         """Symmetric per-row int8 of E experts' float weights, `expert(e)` -> [rows, cols], one
         expert at a time (no float copy of the whole stack)."""
         E, rows, cols = shape
-        w = torch.empty(E, rows, cols, dtype=torch.int8)
+        w = weight_empty((E, rows, cols), torch.int8)
         scale = torch.empty(E, rows, dtype=torch.float32)
         for e in range(E):
             d = expert(e).float()
@@ -442,7 +468,7 @@ class Int4Rows:
         if group % 64 or group <= 0 or cols % group or rows % 16:
             raise ValueError(f"int4 weights [{E}, {rows}, {cols}] in groups of {group}: need rows % 16 == 0 and "
                              f"the group a multiple of 64 dividing {cols}")
-        q = torch.empty(E, rows // 16, cols // 64, 512, dtype=torch.uint8)
+        q = weight_empty((E, rows // 16, cols // 64, 512))
         scale = torch.empty(E, rows // 16, cols // group, 16, dtype=torch.float32)
         corr = torch.empty(E, rows, dtype=torch.float32)
         for e in range(E):
@@ -490,7 +516,7 @@ def _int8_copy(runtime: CPURuntime, weights: ExpertWeights, shape: tuple[int, in
     E, rows, cols = shape
     src, nbytes = _address(weights.data)
     out_rows, out_cols = (cols, rows) if transpose else (rows, cols)
-    w = torch.empty(E, out_rows, out_cols, dtype=torch.int8)
+    w = weight_empty((E, out_rows, out_cols), torch.int8)
     scale, row_sum = torch.empty(E, out_rows, dtype=torch.float32), torch.empty(E, out_rows, dtype=torch.int32)
     runtime.ext.int8_copies(runtime._rt, int(weights.ggml_type), src, nbytes, E, rows, cols, transpose, w.data_ptr(),
                             scale.data_ptr(), row_sum.data_ptr())
