@@ -301,23 +301,15 @@ class ExpertWeights:
 
 def tile_weights(runtime: CPURuntime, weights: ExpertWeights, rows: int, cols: int) -> ExpertWeights:
     """`weights` (rows x cols values in all, rows of GGML blocks) repacked once into the 16-row
-    tiles this build computes on without horizontal sums (same byte count, a new tensor, in huge
-    pages), where it has them for the type and rows % 16 == 0; otherwise the same rows copied into
-    huge pages (weight_empty: the mapped file's 4 KiB pages read slower), or `weights` itself where
-    they are under 2 MiB."""
+    tiles this build computes on without horizontal sums (same byte count, a new tensor), where
+    it has them for the type and rows % 16 == 0; otherwise `weights` itself."""
     from ..weights.ggml_quants import tensor_nbytes
-    if weights.tiled:
+    step = runtime.ext.tile_cols(weights.ggml_type)
+    if weights.tiled or not step or rows % 16 or cols % step:
         return weights
     src, nbytes = _address(weights.data)
     if nbytes != tensor_nbytes(weights.ggml_type, rows * cols):
         return weights  # not the matrix the caller says: its kernel's constructor names what is wrong
-    step = runtime.ext.tile_cols(weights.ggml_type)
-    if not step or rows % 16 or cols % step:
-        if nbytes < HUGE_PAGE:
-            return weights
-        out = weight_empty(nbytes)
-        runtime.copy(out, weights.data)
-        return ExpertWeights(out, weights.ggml_type)
     out = weight_empty(nbytes)
     runtime._rt.repack_tiles(weights.ggml_type, src, nbytes, out.data_ptr(), nbytes, rows, cols)
     key = id(out)
@@ -615,8 +607,6 @@ class MoEKernel:
             if hidden % 16 == 0:
                 down = tile_weights(runtime, down, experts * hidden, intermediate)
         _check_tilings(name, (gate, up, down), experts, hidden, intermediate)
-        if stored is not None:  # (rows tile_weights copied as they are serve the backward too: one copy)
-            stored = tuple(old if new.tiled else new for old, new in zip(stored, (gate, up, down)))
         self._weights = (gate, up, down)  # keep the bytes alive as long as the kernel
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self._grad, self._stored = None, stored  # the backward's kernel (made at its first call), the GGUF's rows
