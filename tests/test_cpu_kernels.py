@@ -845,11 +845,10 @@ def test_weight_buffers_on_huge_page_bounds(runtime):
     big.copy_(values)
     assert torch.equal(big, values)
     t = GGMLType.Q4_K
-    if not runtime.ext.has_tiles(int(t)):
-        pytest.skip(f"the {runtime.isa} build has no {t.name} tiles")
+    assert runtime.ext.has_tiles(int(t)), runtime.isa  # (every level tiles Q4_K: test_tiles_layout_and_kernel)
     gen = torch.Generator().manual_seed(41)
     E, H, I = 8, 1024, 1024  # 4.7 MB of Q4_K a projection: a huge-page buffer
-    (g, gd), (u, _), (d, _) = (expert_weights(t, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
+    (g, _), (u, _), (d, _) = (expert_weights(t, E, r, c, gen) for r, c in ((I, H), (I, H), (H, I)))
     tiled = tile_weights(runtime, g, E * I, H)
     assert tiled.data.data_ptr() % HUGE_PAGE == 0
     assert torch.equal(tiled.data, TILE_REFERENCES[t](g.data, E * I, H))
