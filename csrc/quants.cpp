@@ -1001,7 +1001,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
             __m256i sumi[T];
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                if (h == 0) prefetch_ahead(w, j, 8);
+                prefetch_ahead(w, 8 * h + j, 16);  // spread over both halves: a steady stream of requests
                 const __m256i sc = k4_tile_scales(P0, P2, j);
                 __m256i qh = _mm256_setzero_si256();
                 if constexpr (five) qh = _mm256_loadu_si256((const __m256i*)(w->part[j].qh + 32 * h));
@@ -1062,7 +1062,7 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
             __m256i sumi[T];
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                if (h == 0) prefetch_ahead(w, j, 8);
+                prefetch_ahead(w, 8 * h + j, 16);
                 const auto& part = w->part[j / 2];
                 const auto& half = part.half[j % 2];
                 const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)part.sc[j % 2][8 * h]));
