@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import kernel_device
 
-from ktransformers.operators.gate import route_softmax
+from ktransformers.operators.gate import route_sigmoid_grouped, route_softmax
 
 pytestmark = pytest.mark.triton
 
@@ -91,10 +91,12 @@ def test_add_rms_norm(dev, dtype, D):
         add_rms_norm(a, b, w[: D // 2], 1e-6)
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,B,S", [
-    (32, 4, 128, 1, 1), (16, 2, 64, 2, 5), (64, 8, 64, 1, 1), (16, 2, 128, 2, 1), (32, 4, 64, 1, 5)])
-def test_qk_norm_rope(dev, heads, kv_heads, d, B, S):
-    """q and k as views of one [B, S, (h + 2 h_kv) d] projection (a token stride, not contiguous)."""
+@pytest.mark.parametrize("heads,kv_heads,d,B,S,r", [
+    (32, 4, 128, 1, 1, 128), (16, 2, 64, 2, 5, 64), (64, 8, 64, 1, 1, 64), (16, 2, 128, 2, 1, 128),
+    (32, 4, 64, 1, 5, 64), (12, 2, 128, 1, 1, 64), (8, 2, 128, 2, 3, 64), (6, 2, 96, 1, 2, 32)])
+def test_qk_norm_rope(dev, heads, kv_heads, d, B, S, r):
+    """q and k as views of one [B, S, (h + 2 h_kv) d] projection (a token stride, not contiguous);
+    r < d: partial rotary (GLM-4.5's half), the rest of each head unrotated."""
     from ktransformers.kernels.triton.norm_rope import (
         qk_norm_rope,
         qk_norm_rope_reference,
@@ -106,25 +108,27 @@ def test_qk_norm_rope(dev, heads, kv_heads, d, B, S):
         qkv = torch.randn(B, S, (heads + 2 * kv_heads) * d, generator=g).to(dtype).to(dev)
         q = qkv[..., :heads * d].view(B, S, heads, d)
         k = qkv[..., heads * d:(heads + kv_heads) * d].view(B, S, kv_heads, d)
-        cos, sin = (t.to(dev) for t in rope_tables(1, S, d, table_dtype, g))
-        cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for the batch, as HF passes it
+        cos, sin = (t.to(dev) for t in rope_tables(1, S, r, table_dtype, g))
+        cos, sin = cos.expand(B, S, r), sin.expand(B, S, r)  # one table for the batch, as HF passes it
         weights = [(torch.randn(d, generator=g) * 0.3 + 1).to(dtype).to(dev) for _ in range(2)] if norm else [None] * 2
         out = qk_norm_rope(q, k, cos, sin, *weights, eps=(1e-6, 1e-5))
         ref = qk_norm_rope_reference(q, k, cos, sin, *weights, eps=(1e-6, 1e-5))
-        for o, r, name in zip(out, ref, "qk"):
-            assert_match(o, r, f"{name} {dtype} tables {table_dtype} norm={norm}")
+        for o, want, name in zip(out, ref, "qk"):
+            assert_match(o, want, f"{name} {dtype} tables {table_dtype} norm={norm}")
 
 
-@pytest.mark.parametrize("dtype,B,S", [(torch.bfloat16, 1, 1), (torch.bfloat16, 2, 3), (torch.float32, 1, 4)])
-def test_qk_norm_rope_writes_cache(dev, dtype, B, S):
+@pytest.mark.parametrize("dtype,B,S,r", [(torch.bfloat16, 1, 1, 64), (torch.bfloat16, 2, 3, 64),
+                                         (torch.float32, 1, 4, 64), (torch.bfloat16, 1, 1, 32), (torch.float32, 2, 2, 16)])
+def test_qk_norm_rope_writes_cache(dev, dtype, B, S, r):
     """With `write`, the launch also stores the rotated k and v at the tokens' slots, as the paged
-    cache's index_copy_ would, and leaves every other row of the caches alone."""
+    cache's index_copy_ would, and leaves every other row of the caches alone (r < 64: the
+    partial rotary's unrotated rest stored too)."""
     from ktransformers.kernels.triton.norm_rope import qk_norm_rope, qk_norm_rope_reference
     heads, kv, d, total = 8, 2, 64, 40
-    g = gen(B * S + d)
+    g = gen(B * S + d + r)
     q = torch.randn(B, S, heads, d, generator=g).to(dtype).to(dev)
     k, v = (torch.randn(B, S, kv, d, generator=g).to(dtype).to(dev) for _ in range(2))
-    cos, sin = (t.to(dev) for t in rope_tables(B, S, d, dtype, g))
+    cos, sin = (t.to(dev) for t in rope_tables(B, S, r, dtype, g))
     weights = [(torch.randn(d, generator=g) * 0.3 + 1).to(dtype).to(dev) for _ in range(2)]
     slots = torch.randperm(total, generator=g)[:B * S].to(dev)
     k_cache, v_cache = (torch.randn(total, kv, d, generator=g).to(dtype).to(dev) for _ in range(2))
@@ -141,6 +145,8 @@ def test_qk_norm_rope_writes_cache(dev, dtype, B, S):
         qk_norm_rope(q, k, cos, sin, *weights, write=(v, k_cache[:, :1], v_cache, slots))
     with pytest.raises(ValueError, match=rf"slots must be \[{B * S}\]"):
         qk_norm_rope(q, k, cos, sin, *weights, write=(v, k_cache, v_cache, slots[:1].expand(2) if B * S == 1 else slots[:1]))
+    with pytest.raises(ValueError, match=r"an even rotary dim r <= 64"):
+        qk_norm_rope(q, k, cos[..., 1:], sin[..., 1:], *weights)
 
 
 @pytest.mark.parametrize("T", [1, 3, 64])
@@ -225,6 +231,90 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
         router_topk(x, w, K, True, torch.float32, torch.float32, bias=b[1:].to(dev))
 
 
+@pytest.mark.parametrize("T,E,K,H", [(1, 128, 8, 1024), (3, 160, 8, 512), (2, 384, 8, 256), (4, 256, 8, 512)])
+def test_router_topk_sigmoid(dev, T, E, K, H):
+    """DeepSeek-V3's sigmoid routing with one group (GLM-4.5-Air's 128 experts, GLM-4.5's 160,
+    Kimi-K2's 384, MiniMax-M2's 256) in the router's launch, against route_sigmoid_grouped on the
+    launch's logits: the same experts, their weights, with and without the norm and the scale,
+    correction biases of both signs (choices below zero order as floats do), and the pack."""
+    from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs_reference
+    from ktransformers.kernels.triton.router import router_topk
+    g = gen(T * E + H + 1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    w = (torch.randn(E, H, generator=g) * 0.05).to(dev)
+    for shift, norm, scale in ((0.0, True, 2.5), (-1.0, False, 1.0), (0.5, True, 1.0)):
+        bias = torch.randn(E, generator=g) * 0.3 + shift
+        logits, weights, index = router_topk(x, w, K, norm, torch.float32, torch.float32,
+                                             correction_bias=bias.to(dev), scale=scale)
+        want = x.cpu().double() @ w.cpu().double().T
+        assert logits.dtype == torch.float32 and rel_max(logits.cpu(), want) < 1e-5
+        ref_w, ref_i = route_sigmoid_grouped(logits.cpu(), bias, top_k=K, n_group=1, topk_group=1, norm=norm,
+                                             scale=scale)
+        got_i, order = index.cpu().sort(dim=-1)
+        want_i, want_order = ref_i.sort(dim=-1)
+        assert torch.equal(got_i, want_i), f"shift {shift}: other experts picked"
+        assert weights.dtype == torch.float32
+        assert rel_max(weights.cpu().gather(1, order), ref_w.gather(1, want_order)) < 1e-6, f"shift {shift}"
+        choice = logits.cpu().sigmoid() + bias  # in descending order of the choice
+        picked = choice.gather(1, index.cpu())
+        assert (picked[:, :-1] >= picked[:, 1:]).all()
+        if shift == 0.0:  # (the same GEMV as the softmax route: the correction bias only picks)
+            plain, _, _ = router_topk(x, w, K, norm, torch.float32, torch.float32)
+            assert torch.equal(plain, logits)
+    views = [torch.full((T, H), -5.0), torch.full((T, K), 99, dtype=torch.int64), torch.full((T, K), -5.0)]
+    want = [t.clone() for t in views]
+    pack = PinnedInputs(*(t.to(dev) for t in views), K)
+    _, weights, index = router_topk(x, w, K, True, torch.float32, torch.float32, pack=pack,
+                                    correction_bias=bias.to(dev), scale=2.5)
+    ref = [t.to(dev) for t in want]
+    pack_moe_inputs_reference(x, index, weights, *ref)
+    assert all(torch.equal(a, b) for a, b in zip((pack.x, pack.ids, pack.weights), ref))
+    with pytest.raises(ValueError, match=f"router_topk \\(correction\\): bias must be float32 \\[{E}\\]"):
+        router_topk(x, w, K, True, torch.float32, torch.float32, correction_bias=bias[1:].to(dev))
+
+
+def test_router_topk_sigmoid_nan_stays_in_range(dev):
+    """NaN logits through the sigmoid route: NaN weights, ids in [0, E), none picked twice."""
+    from ktransformers.kernels.triton.router import router_topk
+    x = torch.randn(2, 64, generator=gen(11)).to(dev)
+    x[0, 3] = float("nan")  # the whole first row of logits is NaN
+    w = torch.randn(40, 64, generator=gen(12)).to(dev)
+    _, weights, index = router_topk(x, w, 6, True, torch.float32, torch.float32,
+                                    correction_bias=torch.randn(40, generator=gen(13)).to(dev))
+    index = index.cpu()
+    assert ((index >= 0) & (index < 40)).all()
+    assert all(len(set(row.tolist())) == 6 for row in index)
+    assert weights[0].isnan().all() and not weights[1].isnan().any()
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "deepseek_v3"])
+def test_sigmoid_router_operator(dev, family):
+    """KMoEGate where Triton runs: with one group (GLM-4.5, MiniMax-M2) logits and routing in one
+    launch, the same experts and weights as route_sigmoid_grouped on its logits; with groups
+    (DeepSeek-V3's) torch's ops."""
+    from test_operators import DictSource
+    from tiny import tiny_model
+
+    from ktransformers.operators.gate import KMoEGate
+    hf = tiny_model(family, layers=2)
+    key = next(n for n, m in hf.named_modules() if type(m).__name__.endswith(("TopkRouter", "TopKRouter")))
+    router = hf.get_submodule(key).to(torch.bfloat16)  # (a float32 one runs on the C++ GEMV on a CPU)
+    state = {k: v for k, v in hf.state_dict().items() if k.startswith(key.rsplit(".", 1)[0] + ".")}
+    bias_key = next(k for k in state if k.endswith("e_score_correction_bias"))
+    state[bias_key] = torch.randn(router.weight.shape[0], generator=gen(5)) * 0.3  # (HF starts it at 0)
+    op = KMoEGate(key, DictSource(state), hf.config, router, generate_device=dev, prefill_device=dev)
+    op.load()
+    assert op.fused == (op.n_group == 1) and (op.n_group == 1) == (family != "deepseek_v3")
+    x = torch.randn(3, hf.config.hidden_size, generator=gen(4)).to(dev)
+    logits, weights, index = op(x)
+    ref_w, ref_i = route_sigmoid_grouped(logits.cpu(), op.bias.cpu(), top_k=op.top_k, n_group=op.n_group,
+                                         topk_group=op.topk_group, norm=op.norm, scale=op.scale)
+    got_i, order = index.cpu().sort(dim=-1)
+    want_i, want_order = ref_i.sort(dim=-1)
+    assert torch.equal(got_i, want_i)
+    assert rel_max(weights.cpu().gather(1, order), ref_w.gather(1, want_order)) < 1e-6
+
+
 def test_softmax_topk_nan_logits_stay_in_range(dev):
     """A NaN logit (a broken model or input) gives NaN weights, never an expert id outside [0, E):
     a graph-replayed decode step does not check the ids before the experts index with them."""
@@ -247,8 +337,10 @@ def test_bad_inputs(dev):
     with pytest.raises(ValueError, match=r"rms_norm: weight must be a contiguous \[64\]"):
         rms_norm(torch.randn(2, 64, device=dev), torch.ones(32, device=dev), 1e-6)
     q, k = torch.randn(1, 1, 4, 64, device=dev), torch.randn(1, 1, 2, 64, device=dev)
-    with pytest.raises(ValueError, match=r"cos must be \[1, 1, 64\]"):
-        qk_norm_rope(q, k, torch.ones(1, 1, 32, device=dev), torch.ones(1, 1, 32, device=dev))
+    with pytest.raises(ValueError, match=r"cos must be \[1, 1, r\] with an even rotary dim r <= 64, got \(1, 1, 66\)"):
+        qk_norm_rope(q, k, torch.ones(1, 1, 66, device=dev), torch.ones(1, 1, 66, device=dev))
+    with pytest.raises(ValueError, match=r"sin must be \[1, 1, 32\]"):
+        qk_norm_rope(q, k, torch.ones(1, 1, 32, device=dev), torch.ones(1, 1, 64, device=dev))
     with pytest.raises(ValueError, match="top_k 9 of 8 experts"):
         softmax_topk(torch.randn(1, 8, device=dev), 9, True)
 

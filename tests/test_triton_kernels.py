@@ -330,8 +330,9 @@ def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window, monkeypat
     for b, idx in enumerate(read):
         ref = A.attention_reference(q[b:b + 1], k[idx.long()], v[idx.long()], len(idx) - 1, dim ** -0.5, window=window)
         assert rel_err(out[b], ref[0]) < tol(dev), f"sequence {b}"
-    # gpt-oss's per-head sinks: a softmax column without a value (in split 0 of several, or the one)
-    sinks = 2 * torch.randn(heads, generator=g)
+    # gpt-oss's per-head sinks: a softmax column without a value (in split 0 of several, or the one);
+    # centred near the log of a history's summed weights, so that they move every sequence's result
+    sinks = 2 * torch.randn(heads, generator=g) + 4
     out = A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, dim ** -0.5, window=window,
                              sinks=sinks.to(dev)).cpu()
     for b, idx in enumerate(read):
@@ -339,8 +340,9 @@ def test_decode_attention_gqa(dev, heads, kv_heads, dim, lens, window, monkeypat
                                     sinks=sinks)
         plain = A.attention_reference(q[b:b + 1], k[idx.long()], v[idx.long()], len(idx) - 1, dim ** -0.5,
                                       window=window)
-        assert rel_err(out[b], ref[0]) < tol(dev), f"sequence {b} with sinks"
-        assert rel_err(ref, plain) > 10 * tol(dev)  # (the sinks changed the result)
+        err = rel_err(out[b], ref[0])
+        assert err < tol(dev), f"sequence {b} with sinks"
+        assert rel_err(ref, plain) > max(10 * err, 1e-2), f"sequence {b}: the sinks hardly changed the result"
     with pytest.raises(ValueError, match="sinks must be"):
         A.decode_attention(q.to(dev), k.to(dev), v.to(dev), slots, n, 0.1, sinks=sinks[1:].to(dev))
     # the splits were merged in the launch (the last split of a head block), counters back at 0

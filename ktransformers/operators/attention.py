@@ -414,12 +414,13 @@ class KGQAAttention(_CachedAttention):
         cache allows (_cache_write)."""
         B, S, _, d = q.shape
         if not (self.triton_rope and B * S <= TRITON_ROPE_TOKENS and q.device == cos.device == sin.device
-                and cos.shape[1:] == (S, d) and cos.shape[0] in (1, B)
+                and cos.dim() == 3 and cos.shape[1] == S and 0 < cos.shape[2] <= d and cos.shape[2] % 2 == 0 and cos.shape[0] in (1, B)
                 and sin.shape == cos.shape and sin.dtype == cos.dtype and q.dtype == k.dtype):
             q, k = self._qk_norm(q, k)
             return *rotate_qk(q, k, cos, sin), False
         from ..kernels.triton.norm_rope import qk_norm_rope
-        cos, sin = cos.expand(B, S, d), sin.expand(B, S, d)  # one table for every row: stride 0
+        r = cos.shape[2]
+        cos, sin = cos.expand(B, S, r), sin.expand(B, S, r)  # one table for every row: stride 0
         norms = self._fusable_norms(q)
         if norms is None:
             q, k = self._qk_norm(q, k)

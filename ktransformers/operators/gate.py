@@ -4,8 +4,10 @@ forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], t
 - KMoEGate: DeepSeek's routers, by the module replaced. V3 (and GLM-4.5, MiniMax-M2): sigmoid
   scores, + e_score_correction_bias for the choice only, group top-k (best `topk_group` of
   `n_group` groups by the sum of their top-2; MiniMax-M2: one group), weights from the raw scores,
-  optionally normalized, times routed_scaling_factor. V2: softmax scores, top-k over all experts ("greedy") or over the best
-  `topk_group` groups by their best score ("group_limited_greedy"), times routed_scaling_factor.
+  optionally normalized, times routed_scaling_factor (with one group, for decode-sized steps where
+  Triton runs, logits and routing in one launch: kernels/triton/router.router_topk). V2: softmax
+  scores, top-k over all experts ("greedy") or over the best `topk_group` groups by their best
+  score ("group_limited_greedy"), times routed_scaling_factor.
 - KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized; for
   decode-sized steps where Triton runs, in one launch (kernels/triton/router.softmax_topk).
 """
@@ -132,15 +134,35 @@ class KMoEGate(_Router):
         takes_bias = "e_score_correction_bias" in inspect.signature(orig_module.forward).parameters
         self.bias_name = f"{key.rsplit('.', 1)[0] if takes_bias else key}.e_score_correction_bias"
         self.bias: torch.Tensor | None = None
+        self.fused = False  # set by load(): logits and sigmoid routing in one Triton launch (router_topk)
 
     def load(self) -> None:
+        from ..kernels.triton.common import runs_on
         super().load()
+        self.fused = False
         if not self.softmax:
             self.bias = self.weights.load(self.bias_name, self.device, torch.float32, (self.weight_shape[0],))
+            if self.gemv is not None and self.n_group == 1 and runs_on(self.device):
+                from ..kernels.triton import router
+                self.fused = (self.weight_shape[0] <= router.MAX_EXPERTS
+                              and self.top_k <= min(router.MAX_K, self.weight_shape[0]))
 
-    def forward(self, hidden_states: torch.Tensor, e_score_correction_bias: torch.Tensor | None = None):
-        """`e_score_correction_bias`: what MiniMax-M2's block passes; the loaded one is used."""
+    def unload(self) -> None:
+        super().unload()
+        self.bias, self.fused = None, False
+
+    stores_inputs = True  # forward's `pack` (KMoEBlock._route)
+
+    def forward(self, hidden_states: torch.Tensor, e_score_correction_bias: torch.Tensor | None = None, pack=None):
+        """`e_score_correction_bias`: what MiniMax-M2's block passes; the loaded one is used.
+        `pack`: as KMoEGateSoftmax's (the one-launch sigmoid route stores the experts' inputs)."""
         x = hidden_states.reshape(-1, self.hidden_dim).to(self.device)
+        if self.fused and x.shape[0] <= self.gemv_rows:
+            from ..kernels.triton.router import router_topk  # logits and routing in one launch
+            routed = router_topk(x, self.weight, self.top_k, self.norm, torch.float32, torch.float32, pack=pack,
+                                 bias=self.logit_bias, correction_bias=self.bias, scale=self.scale)
+            if routed is not None:
+                return routed
         logits = self.logits(x)
         if self.softmax:
             weights, index = route_softmax_grouped(logits, top_k=self.top_k, n_group=self.n_group,

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .pdl import gdc_enter, pdl
 
@@ -31,10 +30,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, round_
 
 
 def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6)):
-    """Optional per-head RMSNorm of q and k, then transformers' RoPE on [B, S, heads, d]."""
+    """Optional per-head RMSNorm of q and k, then transformers' RoPE on [B, S, heads, d] over the
+    first r = cos.shape[-1] dims of each head (the rest pass unrotated: partial rotary)."""
     if q_weight is not None:
         q, k = rms_norm_reference(q, q_weight, eps[0]), rms_norm_reference(k, k_weight, eps[1])
-    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    from ...operators.attention import rotate_qk  # (transformers' rotation, the rest concatenated)
+    return rotate_qk(q, k, cos, sin)
 
 
 @triton.jit
@@ -133,12 +134,15 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
-                         Hq, Hk, S, half, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
+                         Hq, Hk, S, half, D, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
                          v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
-                         BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr, GDC: tl.constexpr):
-    """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row is read as its
-    two rotary halves, so rotate_half is a swap of registers. WRITE: k's programs also store the
-    rotated row, and v's row of the same head, at the token's slot of the caches."""
+                         BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
+                         WRITE: tl.constexpr, GDC: tl.constexpr):
+    """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row of D values
+    is read as its two rotary halves [0, half) and [half, 2 half), so rotate_half is a swap of
+    registers, and the unrotated rest [2 half, D) (partial rotary; BLOCK_PASS 0 where there is
+    none). WRITE: k's programs also store the rotated row, and v's row of the same head, at the
+    token's slot of the caches."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     is_q = j < Hq
@@ -148,32 +152,43 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     m = i < half
     gdc_enter(GDC)
     if is_q:
-        src, w_ptr, dst, eps = q_ptr + t * s_qt + h * s_qh, qw_ptr, qo_ptr + (t * Hq + h) * 2 * half, q_eps
+        src, w_ptr, dst, eps = q_ptr + t * s_qt + h * s_qh, qw_ptr, qo_ptr + (t * Hq + h) * D, q_eps
     else:
-        src, w_ptr, dst, eps = k_ptr + t * s_kt + h * s_kh, kw_ptr, ko_ptr + (t * Hk + h) * 2 * half, k_eps
+        src, w_ptr, dst, eps = k_ptr + t * s_kt + h * s_kh, kw_ptr, ko_ptr + (t * Hk + h) * D, k_eps
     x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
-    if NORM:  # both halves' squares in one reduction
-        r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * half) + eps)
-        ty = q_ptr.dtype.element_ty
+    ty = q_ptr.dtype.element_ty
+    out_ty = qo_ptr.dtype.element_ty
+    if BLOCK_PASS > 0:
+        p = 2 * half + tl.arange(0, BLOCK_PASS)
+        mp = p < D
+        x3 = tl.load(src + p, mask=mp, other=0.0).to(tl.float32)
+    if NORM:  # every part's squares in one reduction
+        sq = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+        if BLOCK_PASS > 0:
+            sq += tl.sum(x3 * x3, 0)
+        r = tl.math.rsqrt(sq / D + eps)
         x1 = round_to(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * round_to(x1 * r, ty), ty)
         x2 = round_to(tl.load(w_ptr + half + i, mask=m, other=0.0).to(tl.float32) * round_to(x2 * r, ty), ty)
+        if BLOCK_PASS > 0:
+            x3 = round_to(tl.load(w_ptr + p, mask=mp, other=0.0).to(tl.float32) * round_to(x3 * r, ty), ty)
     c = cos_ptr + b * s_cb + s * s_ct
     sn = sin_ptr + b * s_sb + s * s_st
     c1 = tl.load(c + i, mask=m, other=0.0).to(tl.float32)
     c2 = tl.load(c + half + i, mask=m, other=0.0).to(tl.float32)
     s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
-    out_ty = qo_ptr.dtype.element_ty
     y1 = round_to(round_to(x1 * c1, out_ty) + round_to(-x2 * s1, out_ty), out_ty)
     y2 = round_to(round_to(x2 * c2, out_ty) + round_to(x1 * s2, out_ty), out_ty)
     tl.store(dst + i, y1.to(out_ty), mask=m)
     tl.store(dst + half + i, y2.to(out_ty), mask=m)
+    if BLOCK_PASS > 0:  # (q's dtype promoted to the output's, as torch.cat promotes)
+        tl.store(dst + p, x3.to(out_ty), mask=mp)
     if WRITE:
         if not is_q:
             slot = tl.load(slot_ptr + t + i * 0).to(tl.int64)  # (a vector: masks of one dtype)
             mw = m & (slot >= 0) & (slot < total_slots)  # (the engine's slots always are in range)
-            row = (slot * Hk + h) * 2 * half
+            row = (slot * Hk + h) * D
             tl.store(kc_ptr + row + i, y1.to(out_ty), mask=mw)
             tl.store(kc_ptr + row + half + i, y2.to(out_ty), mask=mw)
             vrow = v_ptr + t * s_vt + h * s_vh  # (rounded to the cache's dtype as index_copy_ casts)
@@ -181,6 +196,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
             v2 = round_to(tl.load(vrow + half + i, mask=m, other=0.0).to(tl.float32), out_ty)
             tl.store(vc_ptr + row + i, v1.to(out_ty), mask=mw)
             tl.store(vc_ptr + row + half + i, v2.to(out_ty), mask=mw)
+            if BLOCK_PASS > 0:
+                slot_p = tl.load(slot_ptr + t + p * 0).to(tl.int64)
+                mwp = mp & (slot_p >= 0) & (slot_p < total_slots)
+                rowp = (slot_p * Hk + h) * D
+                tl.store(kc_ptr + rowp + p, x3.to(out_ty), mask=mwp)
+                v3 = round_to(tl.load(vrow + p, mask=mp, other=0.0).to(tl.float32), out_ty)
+                tl.store(vc_ptr + rowp + p, v3.to(out_ty), mask=mwp)
 
 
 def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -196,9 +218,13 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> None:
     B, S, _, d = q.shape
     if k.shape[:2] != (B, S) or k.shape[3] != d or d % 2 or q.dtype != k.dtype:
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not match")
+    r = cos.shape[-1] if cos.dim() == 3 else -1
+    if not (0 < r <= d and r % 2 == 0):
+        raise ValueError(f"qk_norm_rope: cos must be [{B}, {S}, r] with an even rotary dim r <= {d}, "
+                         f"got {tuple(cos.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, S, d) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
-            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {d}] with unit stride like cos on {q.device}, "
+        if t.shape != (B, S, r) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
+            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {r}] with unit stride like cos on {q.device}, "
                              f"got {tuple(t.shape)} {t.dtype} on {t.device}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: q_weight and k_weight come together")
@@ -230,7 +256,7 @@ def _check_cache(write, k: torch.Tensor, out_dtype: torch.dtype):
 def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6),
                  write=None):
     """qk_norm_rope_reference in one launch: q [B, S, h, d], k [B, S, h_kv, d] -> rotated contiguous
-    copies, of torch's promoted dtype of q and cos. The norm weights, when given, have q's dtype.
+    copies, of torch's promoted dtype of q and cos; cos and sin [B, S, r] rotate the first r dims. The norm weights, when given, have q's dtype.
     `write` = (v, k_cache, v_cache, slots): the same launch also stores the rotated k and v
     [B, S, h_kv, d] at rows `slots` [B*S] of the caches [slots, h_kv, d] (of the output dtype), as
     the paged cache's write does with two index_copy_ launches. The slots are the engine's own
@@ -251,14 +277,16 @@ def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float,
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)
     if write is None:
         v, k_cache, v_cache, slots = k, ko, ko, cos  # (not read: WRITE is off)
-    half = d // 2
+    half = cos.shape[-1] // 2
     # no fused multiply-adds: torch rounds each product before the sum
-    _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half,
+    _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half, d,
                                            q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                            cos.stride(1), cos.stride(0), sin.stride(1), sin.stride(0),
                                            float(eps[0]), float(eps[1]), v, v.stride(1), v.stride(2), k_cache,
                                            v_cache, slots, k_cache.shape[0],
-                                           BLOCK_HALF=triton.next_power_of_2(half), NORM=norm,
+                                           BLOCK_HALF=triton.next_power_of_2(half),
+                                           BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0,
+                                           NORM=norm,
                                            WRITE=write is not None, num_warps=1, enable_fp_fusion=False,
                                            **pdl(q.device))
     return qo, ko

@@ -1,8 +1,11 @@
-"""The softmax top-k router's epilogue in one launch (Qwen2/Qwen3-MoE, Mixtral): router logits
-[T, E] -> (weights [T, K], index [T, K]); its torch reference is operators.gate.route_softmax.
+"""Routers in one launch: the softmax top-k epilogue (Qwen2/Qwen3-MoE, Mixtral, gpt-oss), router
+logits [T, E] -> (weights [T, K], index [T, K]), whose torch reference is
+operators.gate.route_softmax; and router_topk, the logits' GEMV and that epilogue, or DeepSeek-V3's
+sigmoid routing with one expert group (GLM-4.5, MiniMax-M2, Kimi-K2; reference
+operators.gate.route_sigmoid_grouped), together.
 
-Shapes: T tokens, E experts (<= 1024), K picked per token (<= 32), in descending weight order as
-torch.topk returns them; equal probabilities go to the lower expert index.
+Shapes: T tokens, E experts (<= 1024), K picked per token (<= 32), in descending order of the
+pick as torch.topk returns them; equal choices go to the lower expert index.
 """
 from __future__ import annotations
 
@@ -20,20 +23,29 @@ MAX_EXPERTS, MAX_K = 1024, 32
 
 
 @triton.jit
-def _route_row(x, e, valid, w_ptr, idx_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-               NORM: tl.constexpr):
-    """One token's float32 logits x [BLOCK_E] (valid: e < E) -> its top-K softmax weights and
-    expert ids at w_ptr / idx_ptr [K]."""
+def _route_row(x, e, valid, w_ptr, idx_ptr, cb_ptr, scale, eps, K: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr, NORM: tl.constexpr, SIGMOID: tl.constexpr):
+    """One token's float32 logits x [BLOCK_E] (valid: e < E) -> its top-K weights and expert ids at
+    w_ptr / idx_ptr [K]. Softmax: the K largest probabilities. SIGMOID (DeepSeek-V3's router with
+    one group): the K largest sigmoid(x) + correction bias cb [E], weighted by their sigmoid(x).
+    NORM: weights / (their sum + eps); then times scale."""
     x = tl.where(valid, x, float("-inf"))
-    p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(valid, p, 0.0)
-    p = p / tl.sum(p, 0)
-    # Each expert's key: its probability's bits (a non-negative float orders as its int32 bits)
-    # above, BLOCK_E - 1 - e below, so that one max a round picks the largest probability and, of
-    # equal ones, the lower index. A NaN (from a NaN logit) keys -1: after every number, picked as
-    # a NaN weight, in range; experts past E key -2: never picked.
-    bits = tl.where(p != p, -1, p.to(tl.int32, bitcast=True))
-    bits = tl.where(valid, bits, -2)
+    if SIGMOID:
+        p = tl.sigmoid(x)
+        choice = p + tl.load(cb_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    else:
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(valid, p, 0.0)
+        p = p / tl.sum(p, 0)
+        choice = p
+    # Each expert's key: its choice's bits made to order as the floats do, above, BLOCK_E - 1 - e
+    # below, so that one max a round picks the largest and, of equal ones, the lower index. A NaN
+    # keys just above the experts past E: after every number, picked as a NaN weight, in range;
+    # experts past E are never picked.
+    bits = choice.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    bits = tl.where(choice != choice, -2147483647, bits)
+    bits = tl.where(valid, bits, -2147483647 - 1)
     key = bits.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - e).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), tl.float32)
@@ -41,13 +53,13 @@ def _route_row(x, e, valid, w_ptr, idx_ptr, K: tl.constexpr, BLOCK_E: tl.constex
     for j in tl.static_range(K):  # K rounds of one max, each pick masked out for the next
         best = tl.max(key, 0)
         pick = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32)
-        hi = (best >> 32).to(tl.int32)
-        weight = tl.where(hi == -1, float("nan"), hi.to(tl.float32, bitcast=True))
+        weight = tl.sum(tl.where(e == pick, p, 0.0), 0)
         weights = tl.where(kk == j, weight, weights)
         index = tl.where(kk == j, pick, index)
         key = tl.where(e == pick, -9223372036854775807, key)
     if NORM:
-        weights = weights / tl.sum(weights, 0)  # slots past K hold 0
+        weights = weights / (tl.sum(weights, 0) + eps)  # slots past K hold 0
+    weights = weights * scale
     out = kk < K
     weights = round_to(weights, w_ptr.dtype.element_ty)
     tl.store(w_ptr + kk, weights.to(w_ptr.dtype.element_ty), mask=out)
@@ -62,19 +74,19 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BL
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(logits_ptr + t * s_l + e, mask=valid, other=float("-inf")).to(tl.float32)
-    _route_row(x, e, valid, w_ptr + t * K, idx_ptr + t * K, K, BLOCK_E, BLOCK_K, NORM)
+    _route_row(x, e, valid, w_ptr + t * K, idx_ptr + t * K, logits_ptr, 1.0, 0.0, K, BLOCK_E, BLOCK_K, NORM, False)
 
 
 @triton.jit
 def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_ptr, io_ptr, wo_ptr, cpu_k,
-                   M, E, H, stride_xm, k_per_split, HAS_BIAS: tl.constexpr,
+                   cb_ptr, scale, eps, M, E, H, stride_xm, k_per_split, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                    PACK: tl.constexpr, PACK_BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Router logits y [M, E] = x [M, H] Gᵀ (+ b [E] where HAS_BIAS; quant_linear's dense GEMV:
     program_id 1 a tile of BLOCK_N experts, 2 a split of H added in the launch), then, by the
     program that completes the last tile (a counter past the tiles' own), every token's top-K
-    routing from y. PACK: that program also stores what handoff.pack_moe_inputs would (x rows
+    routing from y (_route_row's; SIGMOID with the correction bias cb [E]). PACK: that program also stores what handoff.pack_moe_inputs would (x rows
     converted, the ids with those of columns >= cpu_k as -1, the weights as float32) at xo/io/wo."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -98,8 +110,8 @@ def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_p
             valid = e < E
             for m in range(0, M):
                 x = tl.load(y_ptr + m * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-                weights, index, kk, picked = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, K, BLOCK_E,
-                                                        BLOCK_K, NORM)
+                weights, index, kk, picked = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, cb_ptr, scale,
+                                                        eps, K, BLOCK_E, BLOCK_K, NORM, SIGMOID)
                 if PACK:
                     _copy_row(x_ptr + m * stride_xm, xo_ptr + m * H, H, PACK_BLOCK, False, x_ptr, False)
                     tl.store(io_ptr + m * K + kk, tl.where(kk < cpu_k, index, -1), mask=picked)
@@ -129,12 +141,16 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, logits_dtype: torch.dtype,
-                weights_dtype: torch.dtype, pack: PinnedInputs | None = None, bias: torch.Tensor | None = None):
-    """(logits, weights, index) of a softmax top-k router in one launch for up to GEMV_ROWS tokens:
+                weights_dtype: torch.dtype, pack: PinnedInputs | None = None, bias: torch.Tensor | None = None,
+                correction_bias: torch.Tensor | None = None, scale: float = 1.0):
+    """(logits, weights, index) of a top-k router in one launch for up to GEMV_ROWS tokens:
     logits [T, E] = x [T, H] weightᵀ (+ bias, float32 [E]; float32 sums rounded to logits_dtype,
-    as dense_gemv), then
-    softmax_topk on those rounded logits (weights rounded to weights_dtype). None where it does
-    not apply (more tokens, experts or picks than the kernels take, no tile counters now).
+    as dense_gemv), then on those rounded logits either softmax_topk or, given a
+    `correction_bias` (float32 [E]), DeepSeek-V3's sigmoid routing with one group
+    (gate.route_sigmoid_grouped: picked by sigmoid + correction bias, weighted by the sigmoid,
+    normalized with `norm`, times `scale`); the weights rounded to weights_dtype, in descending
+    order of the pick. None where it does not apply (more tokens, experts or picks than the
+    kernels take, no tile counters now).
     `pack`: the same launch also stores x, the index and the weights where a MoE call fed from
     this stream reads them, as handoff.pack_moe_inputs would (and records what it stored)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
@@ -144,6 +160,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
         raise ValueError(f"router_topk: weight on {weight.device}, x on {x.device}")
     T, E = x.shape[0], weight.shape[0]
     check_bias("router_topk", bias, E, x.device)
+    check_bias("router_topk (correction)", correction_bias, E, x.device)
     if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
         return None
     x = x.contiguous()
@@ -160,8 +177,11 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     block_e = max(16, triton.next_power_of_2(E))
     xo, io, wo = (pack.x, pack.ids, pack.weights) if pack is not None else (x, index, weights)  # (unread without PACK)
     _router_kernel[plan.grid](x, weight, bias if bias is not None else weight, plan.y, part, counters, weights, index,
-                              xo, io, wo, top_k if pack is None else pack.cpu_k, T, E, x.shape[1], x.stride(0),
-                              plan.k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                              xo, io, wo, top_k if pack is None else pack.cpu_k,
+                              correction_bias if correction_bias is not None else weight, float(scale),
+                              1e-20 if correction_bias is not None else 0.0, T, E, x.shape[1], x.stride(0),
+                              plan.k_per_split, HAS_BIAS=bias is not None, SIGMOID=correction_bias is not None,
+                              BLOCK_M=block_m, BLOCK_N=block_n,
                               BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
                               BLOCK_K=max(2, triton.next_power_of_2(top_k)), NORM=bool(norm), PACK=pack is not None,
