@@ -231,12 +231,15 @@ def test_router_topk(dev, T, E, K, H, monkeypatch):
         router_topk(x, w, K, True, torch.float32, torch.float32, bias=b[1:].to(dev))
 
 
-@pytest.mark.parametrize("T,E,K,H", [(1, 128, 8, 1024), (3, 160, 8, 512), (2, 384, 8, 256), (4, 256, 8, 512)])
-def test_router_topk_sigmoid(dev, T, E, K, H):
-    """DeepSeek-V3's sigmoid routing with one group (GLM-4.5-Air's 128 experts, GLM-4.5's 160,
-    Kimi-K2's 384, MiniMax-M2's 256) in the router's launch, against route_sigmoid_grouped on the
-    launch's logits: the same experts, their weights, with and without the norm and the scale,
-    correction biases of both signs (choices below zero order as floats do), and the pack."""
+@pytest.mark.parametrize("T,E,K,H,G,TG", [(1, 128, 8, 1024, 1, 1), (3, 160, 8, 512, 1, 1), (2, 384, 8, 256, 1, 1),
+                                          (4, 256, 8, 512, 1, 1), (1, 256, 8, 1024, 8, 4), (3, 64, 6, 256, 8, 3),
+                                          (2, 16, 4, 128, 4, 2)])
+def test_router_topk_sigmoid(dev, T, E, K, H, G, TG):
+    """DeepSeek-V3's sigmoid routing in the router's launch: one group (GLM-4.5-Air's 128
+    experts, GLM-4.5's 160, Kimi-K2's 384, MiniMax-M2's 256) or G groups of which TG are kept
+    (DeepSeek-V3's 8 and 4 of 256; smaller ones), against route_sigmoid_grouped on the launch's
+    logits: the same experts, their weights, with and without the norm and the scale, correction
+    biases of both signs (choices below zero order as floats do), and the pack."""
     from ktransformers.kernels.triton.handoff import PinnedInputs, pack_moe_inputs_reference
     from ktransformers.kernels.triton.router import router_topk
     g = gen(T * E + H + 1)
@@ -245,10 +248,10 @@ def test_router_topk_sigmoid(dev, T, E, K, H):
     for shift, norm, scale in ((0.0, True, 2.5), (-1.0, False, 1.0), (0.5, True, 1.0)):
         bias = torch.randn(E, generator=g) * 0.3 + shift
         logits, weights, index = router_topk(x, w, K, norm, torch.float32, torch.float32,
-                                             correction_bias=bias.to(dev), scale=scale)
+                                             correction_bias=bias.to(dev), scale=scale, n_group=G, topk_group=TG)
         want = x.cpu().double() @ w.cpu().double().T
         assert logits.dtype == torch.float32 and rel_max(logits.cpu(), want) < 1e-5
-        ref_w, ref_i = route_sigmoid_grouped(logits.cpu(), bias, top_k=K, n_group=1, topk_group=1, norm=norm,
+        ref_w, ref_i = route_sigmoid_grouped(logits.cpu(), bias, top_k=K, n_group=G, topk_group=TG, norm=norm,
                                              scale=scale)
         got_i, order = index.cpu().sort(dim=-1)
         want_i, want_order = ref_i.sort(dim=-1)
@@ -258,6 +261,9 @@ def test_router_topk_sigmoid(dev, T, E, K, H):
         choice = logits.cpu().sigmoid() + bias  # in descending order of the choice
         picked = choice.gather(1, index.cpu())
         assert (picked[:, :-1] >= picked[:, 1:]).all()
+        if G > 1:  # (the groups mattered: the best K of all experts is another set somewhere)
+            best_any = choice.topk(K, dim=-1)[1].sort(dim=-1)[0]
+            assert not torch.equal(best_any, got_i) or shift != 0.0
         if shift == 0.0:  # (the same GEMV as the softmax route: the correction bias only picks)
             plain, _, _ = router_topk(x, w, K, norm, torch.float32, torch.float32)
             assert torch.equal(plain, logits)
@@ -265,12 +271,20 @@ def test_router_topk_sigmoid(dev, T, E, K, H):
     want = [t.clone() for t in views]
     pack = PinnedInputs(*(t.to(dev) for t in views), K)
     _, weights, index = router_topk(x, w, K, True, torch.float32, torch.float32, pack=pack,
-                                    correction_bias=bias.to(dev), scale=2.5)
+                                    correction_bias=bias.to(dev), scale=2.5, n_group=G, topk_group=TG)
     ref = [t.to(dev) for t in want]
     pack_moe_inputs_reference(x, index, weights, *ref)
     assert all(torch.equal(a, b) for a, b in zip((pack.x, pack.ids, pack.weights), ref))
     with pytest.raises(ValueError, match=f"router_topk \\(correction\\): bias must be float32 \\[{E}\\]"):
         router_topk(x, w, K, True, torch.float32, torch.float32, correction_bias=bias[1:].to(dev))
+    with pytest.raises(ValueError, match="give a correction_bias"):
+        router_topk(x, w, K, True, torch.float32, torch.float32, n_group=2)
+    with pytest.raises(ValueError, match="topk_group 3 of n_group 2"):
+        router_topk(x, w, K, True, torch.float32, torch.float32, correction_bias=bias.to(dev), n_group=2, topk_group=3)
+    if G > 1:  # groups of a number of experts the launch cannot split: torch's ops instead
+        w2 = (torch.randn(E - G, H, generator=g) * 0.05).to(dev)
+        assert router_topk(x, w2, K, True, torch.float32, torch.float32, correction_bias=bias[G:].to(dev),
+                           n_group=G, topk_group=TG) is None
 
 
 def test_router_topk_sigmoid_nan_stays_in_range(dev):
@@ -289,9 +303,9 @@ def test_router_topk_sigmoid_nan_stays_in_range(dev):
 
 @pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "deepseek_v3"])
 def test_sigmoid_router_operator(dev, family):
-    """KMoEGate where Triton runs: with one group (GLM-4.5, MiniMax-M2) logits and routing in one
-    launch, the same experts and weights as route_sigmoid_grouped on its logits; with groups
-    (DeepSeek-V3's) torch's ops."""
+    """KMoEGate where Triton runs: logits and routing in one launch, with one group (GLM-4.5,
+    MiniMax-M2) or several (DeepSeek-V3), the same experts and weights as route_sigmoid_grouped on
+    its logits."""
     from test_operators import DictSource
     from tiny import tiny_model
 
@@ -304,7 +318,7 @@ def test_sigmoid_router_operator(dev, family):
     state[bias_key] = torch.randn(router.weight.shape[0], generator=gen(5)) * 0.3  # (HF starts it at 0)
     op = KMoEGate(key, DictSource(state), hf.config, router, generate_device=dev, prefill_device=dev)
     op.load()
-    assert op.fused == (op.n_group == 1) and (op.n_group == 1) == (family != "deepseek_v3")
+    assert op.fused and (op.n_group == 1) == (family != "deepseek_v3")
     x = torch.randn(3, hf.config.hidden_size, generator=gen(4)).to(dev)
     logits, weights, index = op(x)
     ref_w, ref_i = route_sigmoid_grouped(logits.cpu(), op.bias.cpu(), top_k=op.top_k, n_group=op.n_group,

@@ -4,8 +4,8 @@ forward(hidden_states [.., H]) -> (router_logits [T, E], top_k_weights [T, K], t
 - KMoEGate: DeepSeek's routers, by the module replaced. V3 (and GLM-4.5, MiniMax-M2): sigmoid
   scores, + e_score_correction_bias for the choice only, group top-k (best `topk_group` of
   `n_group` groups by the sum of their top-2; MiniMax-M2: one group), weights from the raw scores,
-  optionally normalized, times routed_scaling_factor (with one group, for decode-sized steps where
-  Triton runs, logits and routing in one launch: kernels/triton/router.router_topk). V2: softmax
+  optionally normalized, times routed_scaling_factor (for decode-sized steps where Triton runs,
+  logits and routing in one launch: kernels/triton/router.router_topk). V2: softmax
   scores, top-k over all experts ("greedy") or over the best `topk_group` groups by their best
   score ("group_limited_greedy"), times routed_scaling_factor.
 - KMoEGateSoftmax: Qwen2/Qwen3-MoE, Mixtral — softmax, top-k, optionally renormalized; for
@@ -142,7 +142,7 @@ class KMoEGate(_Router):
         self.fused = False
         if not self.softmax:
             self.bias = self.weights.load(self.bias_name, self.device, torch.float32, (self.weight_shape[0],))
-            if self.gemv is not None and self.n_group == 1 and runs_on(self.device):
+            if self.gemv is not None and runs_on(self.device):
                 from ..kernels.triton import router
                 self.fused = (self.weight_shape[0] <= router.MAX_EXPERTS
                               and self.top_k <= min(router.MAX_K, self.weight_shape[0]))
@@ -160,7 +160,8 @@ class KMoEGate(_Router):
         if self.fused and x.shape[0] <= self.gemv_rows:
             from ..kernels.triton.router import router_topk  # logits and routing in one launch
             routed = router_topk(x, self.weight, self.top_k, self.norm, torch.float32, torch.float32, pack=pack,
-                                 bias=self.logit_bias, correction_bias=self.bias, scale=self.scale)
+                                 bias=self.logit_bias, correction_bias=self.bias, scale=self.scale,
+                                 n_group=self.n_group, topk_group=self.topk_group)
             if routed is not None:
                 return routed
         logits = self.logits(x)

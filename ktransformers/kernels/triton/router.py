@@ -1,7 +1,7 @@
 """Routers in one launch: the softmax top-k epilogue (Qwen2/Qwen3-MoE, Mixtral, gpt-oss), router
 logits [T, E] -> (weights [T, K], index [T, K]), whose torch reference is
 operators.gate.route_softmax; and router_topk, the logits' GEMV and that epilogue, or DeepSeek-V3's
-sigmoid routing with one expert group (GLM-4.5, MiniMax-M2, Kimi-K2; reference
+sigmoid routing (its expert groups; one group: GLM-4.5, MiniMax-M2, Kimi-K2; reference
 operators.gate.route_sigmoid_grouped), together.
 
 Shapes: T tokens, E experts (<= 1024), K picked per token (<= 32), in descending order of the
@@ -24,15 +24,19 @@ MAX_EXPERTS, MAX_K = 1024, 32
 
 @triton.jit
 def _route_row(x, e, valid, w_ptr, idx_ptr, cb_ptr, scale, eps, K: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, NORM: tl.constexpr, SIGMOID: tl.constexpr):
+               BLOCK_K: tl.constexpr, NORM: tl.constexpr, SIGMOID: tl.constexpr, GROUP_SIZE: tl.constexpr,
+               TOPK_GROUP: tl.constexpr):
     """One token's float32 logits x [BLOCK_E] (valid: e < E) -> its top-K weights and expert ids at
-    w_ptr / idx_ptr [K]. Softmax: the K largest probabilities. SIGMOID (DeepSeek-V3's router with
-    one group): the K largest sigmoid(x) + correction bias cb [E], weighted by their sigmoid(x).
-    NORM: weights / (their sum + eps); then times scale."""
+    w_ptr / idx_ptr [K]. Softmax: the K largest probabilities. SIGMOID (DeepSeek-V3's router): the
+    K largest choices sigmoid(x) + correction bias cb [E], weighted by their sigmoid(x); with
+    expert groups (GROUP_SIZE > 0 experts each), only from the TOPK_GROUP groups whose two largest
+    choices sum highest. NORM: weights / (their sum + eps); then times scale."""
     x = tl.where(valid, x, float("-inf"))
     if SIGMOID:
         p = tl.sigmoid(x)
         choice = p + tl.load(cb_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        if GROUP_SIZE > 0:
+            choice = _keep_best_groups(tl.where(valid, choice, float("-inf")), BLOCK_E, GROUP_SIZE, TOPK_GROUP)
     else:
         p = tl.exp(x - tl.max(x, 0))
         p = tl.where(valid, p, 0.0)
@@ -68,18 +72,39 @@ def _route_row(x, e, valid, w_ptr, idx_ptr, cb_ptr, scale, eps, K: tl.constexpr,
 
 
 @triton.jit
+def _keep_best_groups(choice, BLOCK_E: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """choice [BLOCK_E] (-inf past the experts) as groups of GROUP_SIZE experts: -inf outside the
+    TOPK_GROUP groups of the highest sums of their two largest values (gate.route_sigmoid_grouped's
+    choice; the groups past the experts sum to -inf)."""
+    groups: tl.constexpr = BLOCK_E // GROUP_SIZE
+    c = tl.reshape(choice, (groups, GROUP_SIZE))
+    i = tl.arange(0, GROUP_SIZE)[None, :]
+    first = tl.argmax(c, 1)
+    score = tl.max(c, 1) + tl.max(tl.where(i == first[:, None], float("-inf"), c), 1)  # [groups]
+    g = tl.arange(0, groups)
+    keep = g < 0
+    for _ in tl.static_range(TOPK_GROUP):  # each round the best group left (of equal ones, the lower)
+        best = tl.argmax(tl.where(keep, float("-inf"), score), 0)
+        keep = keep | (g == best)
+    keep = tl.reshape(tl.broadcast_to(keep[:, None], (groups, GROUP_SIZE)), (BLOCK_E,))
+    return tl.where(keep, choice, float("-inf"))
+
+
+@triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, s_l, K: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_K: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(logits_ptr + t * s_l + e, mask=valid, other=float("-inf")).to(tl.float32)
-    _route_row(x, e, valid, w_ptr + t * K, idx_ptr + t * K, logits_ptr, 1.0, 0.0, K, BLOCK_E, BLOCK_K, NORM, False)
+    _route_row(x, e, valid, w_ptr + t * K, idx_ptr + t * K, logits_ptr, 1.0, 0.0, K, BLOCK_E, BLOCK_K, NORM, False,
+               0, 1)
 
 
 @triton.jit
 def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_ptr, xo_ptr, io_ptr, wo_ptr, cpu_k,
                    cb_ptr, scale, eps, M, E, H, stride_xm, k_per_split, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, REDUCE: tl.constexpr,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                    PACK: tl.constexpr, PACK_BLOCK: tl.constexpr, GDC: tl.constexpr):
@@ -111,7 +136,8 @@ def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_p
             for m in range(0, M):
                 x = tl.load(y_ptr + m * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
                 weights, index, kk, picked = _route_row(x, e, valid, w_ptr + m * K, idx_ptr + m * K, cb_ptr, scale,
-                                                        eps, K, BLOCK_E, BLOCK_K, NORM, SIGMOID)
+                                                        eps, K, BLOCK_E, BLOCK_K, NORM, SIGMOID, GROUP_SIZE,
+                                                        TOPK_GROUP)
                 if PACK:
                     _copy_row(x_ptr + m * stride_xm, xo_ptr + m * H, H, PACK_BLOCK, False, x_ptr, False)
                     tl.store(io_ptr + m * K + kk, tl.where(kk < cpu_k, index, -1), mask=picked)
@@ -142,15 +168,17 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, logits_dtype: torch.dtype,
                 weights_dtype: torch.dtype, pack: PinnedInputs | None = None, bias: torch.Tensor | None = None,
-                correction_bias: torch.Tensor | None = None, scale: float = 1.0):
+                correction_bias: torch.Tensor | None = None, scale: float = 1.0, n_group: int = 1,
+                topk_group: int = 1):
     """(logits, weights, index) of a top-k router in one launch for up to GEMV_ROWS tokens:
     logits [T, E] = x [T, H] weightᵀ (+ bias, float32 [E]; float32 sums rounded to logits_dtype,
     as dense_gemv), then on those rounded logits either softmax_topk or, given a
-    `correction_bias` (float32 [E]), DeepSeek-V3's sigmoid routing with one group
-    (gate.route_sigmoid_grouped: picked by sigmoid + correction bias, weighted by the sigmoid,
-    normalized with `norm`, times `scale`); the weights rounded to weights_dtype, in descending
-    order of the pick. None where it does not apply (more tokens, experts or picks than the
-    kernels take, no tile counters now).
+    `correction_bias` (float32 [E]), DeepSeek-V3's sigmoid routing (gate.route_sigmoid_grouped:
+    picked by sigmoid + correction bias from the best `topk_group` of `n_group` groups, weighted by
+    the sigmoid, normalized with `norm`, times `scale`); the weights rounded to weights_dtype, in
+    descending order of the pick. None where it does not apply (more tokens, experts or picks than
+    the kernels take, groups of a number of experts that is not a power of two, no tile counters
+    now).
     `pack`: the same launch also stores x, the index and the weights where a MoE call fed from
     this stream reads them, as handoff.pack_moe_inputs would (and records what it stored)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
@@ -161,7 +189,13 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
     T, E = x.shape[0], weight.shape[0]
     check_bias("router_topk", bias, E, x.device)
     check_bias("router_topk (correction)", correction_bias, E, x.device)
+    if n_group > 1 and correction_bias is None:
+        raise ValueError("router_topk: expert groups (n_group > 1) are the sigmoid route's: give a correction_bias")
+    if not (n_group >= 1 and 1 <= topk_group <= n_group):
+        raise ValueError(f"router_topk: topk_group {topk_group} of n_group {n_group}")
     if not 0 < T <= GEMV_ROWS or E > MAX_EXPERTS or not 0 < top_k <= min(E, MAX_K) or x.shape[1] == 0:
+        return None
+    if n_group > 1 and (E & (E - 1) or n_group & (n_group - 1) or E % n_group or top_k > topk_group * E // n_group):
         return None
     x = x.contiguous()
     block_m, block_n, block_h, plan = gemv_plan(x, E, logits_dtype)
@@ -181,6 +215,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool, l
                               correction_bias if correction_bias is not None else weight, float(scale),
                               1e-20 if correction_bias is not None else 0.0, T, E, x.shape[1], x.stride(0),
                               plan.k_per_split, HAS_BIAS=bias is not None, SIGMOID=correction_bias is not None,
+                              GROUP_SIZE=E // n_group if n_group > 1 else 0, TOPK_GROUP=topk_group,
                               BLOCK_M=block_m, BLOCK_N=block_n,
                               BLOCK_H=block_h,
                               REDUCE=plan.reduce, K=top_k, BLOCK_E=block_e,
