@@ -115,6 +115,13 @@ def test_qk_norm_rope(dev, heads, kv_heads, d, B, S, r):
         ref = qk_norm_rope_reference(q, k, cos, sin, *weights, eps=(1e-6, 1e-5))
         for o, want, name in zip(out, ref, "qk"):
             assert_match(o, want, f"{name} {dtype} tables {table_dtype} norm={norm}")
+        # gpt-oss's tables: one factor a pair (each half of the full tables is the same), read twice
+        half_cos, half_sin = cos[..., :r // 2], sin[..., :r // 2]
+        paired = qk_norm_rope(q, k, half_cos, half_sin, *weights, eps=(1e-6, 1e-5), pair_tables=True)
+        paired_ref = qk_norm_rope_reference(q, k, half_cos, half_sin, *weights, eps=(1e-6, 1e-5), pair_tables=True)
+        for o, want, full, name in zip(paired, paired_ref, out, "qk"):
+            assert_match(o, want, f"{name} {dtype} pair tables norm={norm}")
+            assert torch.equal(o, full), f"{name}: pair tables differ from the full ones"
 
 
 @pytest.mark.parametrize("dtype,B,S,r", [(torch.bfloat16, 1, 1, 64), (torch.bfloat16, 2, 3, 64),
@@ -355,6 +362,8 @@ def test_bad_inputs(dev):
         qk_norm_rope(q, k, torch.ones(1, 1, 66, device=dev), torch.ones(1, 1, 66, device=dev))
     with pytest.raises(ValueError, match=r"sin must be \[1, 1, 32\]"):
         qk_norm_rope(q, k, torch.ones(1, 1, 32, device=dev), torch.ones(1, 1, 64, device=dev))
+    with pytest.raises(ValueError, match=r"cos must be \[1, 1, r / 2\] \(pair tables\) with an even rotary dim r <= 64"):
+        qk_norm_rope(q, k, torch.ones(1, 1, 64, device=dev), torch.ones(1, 1, 64, device=dev), pair_tables=True)
     with pytest.raises(ValueError, match="top_k 9 of 8 experts"):
         softmax_topk(torch.randn(1, 8, device=dev), 9, True)
 

@@ -42,6 +42,11 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
+def _full_tables(cos: torch.Tensor, sin: torch.Tensor, pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin with a factor for every rotated dim (each pair's twice where `pairs`)."""
+    return (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)) if pairs else (cos, sin)
+
+
 def causal_mask(q_len: int, start: int, kv_len: int, window: int | None, device) -> torch.Tensor | None:
     """Bool [q_len, kv_len]: query i (at position start+i) sees keys j <= start+i (and, with a
     sliding window, j > start+i-window). None when every query sees every key."""
@@ -359,13 +364,13 @@ class KGQAAttention(_CachedAttention):
             gate = both[..., d:].reshape(B, S, -1)
         q, k, v = (t.reshape(B, S, -1, d) for t in qkv)
         cos, sin = position_embeddings
-        if 2 * cos.shape[-1] == self.rotary_dim:  # one factor per rotated pair (gpt-oss's tables)
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        pairs = 2 * cos.shape[-1] == self.rotary_dim  # one factor per rotated pair (gpt-oss's tables)
         batch = self.context.batch if self.context is not None else None
         one_token_each = batch is not None and B == 1 and all(n == 1 for n in batch.q_lens)
-        caches = (self._cpp_cache() if one_token_each and cos.shape[-1] == self.rotary_dim and cos.dtype == torch.float32
-                  else None)
+        caches = (self._cpp_cache() if one_token_each and (pairs or cos.shape[-1] == self.rotary_dim)
+                  and cos.dtype == torch.float32 else None)
         if caches is not None:  # RoPE, cache write and attention in one C++ call per sequence
+            cos, sin = _full_tables(cos, sin, pairs)
             q, k = self._qk_norm(q, k)
             outs = [rope_write_attend_gqa(self._runtime, q[0, t].float(), k[0, t].float(), v[0, t].float(), cos[0, t],
                                           sin[0, t], *caches, int(batch.slots[t]), self._seen(batch.read_slots[i]),
@@ -373,7 +378,7 @@ class KGQAAttention(_CachedAttention):
                     for i, t, _, _ in batch.spans()]
             out = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             return self.o_proj(_gated(out.to(hidden_states.dtype).reshape(B, S, -1), gate)), None
-        q, k, written = self._norm_rope(q, k, cos, sin, v)  # [B, S, heads, d] as they are
+        q, k, written = self._norm_rope(q, k, cos, sin, v, pairs)  # [B, S, heads, d] as they are
         dev = self.device
         q = q.reshape(B * S, -1, d).to(dev)
         k = k.reshape(B * S, -1, d).to(dev)
@@ -407,26 +412,27 @@ class KGQAAttention(_CachedAttention):
             return self.q_norm(q), self.k_norm(k)
         return q, k
 
-    def _norm_rope(self, q, k, cos, sin, v) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _norm_rope(self, q, k, cos, sin, v, pairs: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """q/k norms and RoPE: one Triton launch for both q and k of a decode-sized step where
         Triton runs (the norms fused when they are KRMSNorms of q's dtype), else torch's ops.
-        Returns (q, k, written): the launch also stores k and v in the step's cache slots where the
-        cache allows (_cache_write)."""
+        `pairs`: cos and sin hold one factor per rotated pair. Returns (q, k, written): the launch
+        also stores k and v in the step's cache slots where the cache allows (_cache_write)."""
         B, S, _, d = q.shape
+        width = cos.shape[-1]
+        r = 2 * width if pairs else width
         if not (self.triton_rope and B * S <= TRITON_ROPE_TOKENS and q.device == cos.device == sin.device
-                and cos.dim() == 3 and cos.shape[1] == S and 0 < cos.shape[2] <= d and cos.shape[2] % 2 == 0 and cos.shape[0] in (1, B)
+                and cos.dim() == 3 and cos.shape[1] == S and 0 < r <= d and r % 2 == 0 and cos.shape[0] in (1, B)
                 and sin.shape == cos.shape and sin.dtype == cos.dtype and q.dtype == k.dtype):
             q, k = self._qk_norm(q, k)
-            return *rotate_qk(q, k, cos, sin), False
+            return *rotate_qk(q, k, *_full_tables(cos, sin, pairs)), False
         from ..kernels.triton.norm_rope import qk_norm_rope
-        r = cos.shape[2]
-        cos, sin = cos.expand(B, S, r), sin.expand(B, S, r)  # one table for every row: stride 0
+        cos, sin = cos.expand(B, S, width), sin.expand(B, S, width)  # one table for every row: stride 0
         norms = self._fusable_norms(q)
         if norms is None:
             q, k = self._qk_norm(q, k)
             norms = (None, None, (1e-6, 1e-6))
         write = self._cache_write(v, torch.promote_types(q.dtype, cos.dtype))
-        return *qk_norm_rope(q, k, cos, sin, *norms, write=write), write is not None
+        return *qk_norm_rope(q, k, cos, sin, *norms, write=write, pair_tables=pairs), write is not None
 
     def _cache_write(self, v: torch.Tensor, dtype: torch.dtype):
         """(v, k_cache, v_cache, slots) for qk_norm_rope to store this step's keys and values in,

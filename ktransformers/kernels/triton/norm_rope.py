@@ -29,9 +29,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, round_
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6)):
+def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6),
+                           pair_tables: bool = False):
     """Optional per-head RMSNorm of q and k, then transformers' RoPE on [B, S, heads, d] over the
-    first r = cos.shape[-1] dims of each head (the rest pass unrotated: partial rotary)."""
+    first r = cos.shape[-1] dims of each head (the rest pass unrotated: partial rotary).
+    pair_tables: cos and sin hold one factor per rotated pair (r / 2 of them: gpt-oss's)."""
+    if pair_tables:
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if q_weight is not None:
         q, k = rms_norm_reference(q, q_weight, eps[0]), rms_norm_reference(k, k_weight, eps[1])
     from ...operators.attention import rotate_qk  # (transformers' rotation, the rest concatenated)
@@ -134,15 +138,16 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
-                         Hq, Hk, S, half, D, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
+                         Hq, Hk, S, half, second, D, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
                          v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
                          BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
                          WRITE: tl.constexpr, GDC: tl.constexpr):
     """Program (token t, head j): j < Hq is q's head j, else k's head j - Hq. The row of D values
     is read as its two rotary halves [0, half) and [half, 2 half), so rotate_half is a swap of
     registers, and the unrotated rest [2 half, D) (partial rotary; BLOCK_PASS 0 where there is
-    none). WRITE: k's programs also store the rotated row, and v's row of the same head, at the
-    token's slot of the caches."""
+    none). The second half's cos/sin factors start at `second` in the tables (half, or 0 for
+    tables of one factor a pair). WRITE: k's programs also store the rotated row, and v's row of
+    the same head, at the token's slot of the caches."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     is_q = j < Hq
@@ -175,9 +180,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     c = cos_ptr + b * s_cb + s * s_ct
     sn = sin_ptr + b * s_sb + s * s_st
     c1 = tl.load(c + i, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(c + half + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c + second + i, mask=m, other=0.0).to(tl.float32)
     s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + second + i, mask=m, other=0.0).to(tl.float32)
     y1 = round_to(round_to(x1 * c1, out_ty) + round_to(-x2 * s1, out_ty), out_ty)
     y2 = round_to(round_to(x2 * c2, out_ty) + round_to(x1 * s2, out_ty), out_ty)
     tl.store(dst + i, y1.to(out_ty), mask=m)
@@ -214,17 +219,19 @@ def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
-def _check(q, k, cos, sin, q_weight, k_weight) -> None:
+def _check(q, k, cos, sin, q_weight, k_weight, pair_tables: bool) -> None:
     B, S, _, d = q.shape
     if k.shape[:2] != (B, S) or k.shape[3] != d or d % 2 or q.dtype != k.dtype:
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not match")
-    r = cos.shape[-1] if cos.dim() == 3 else -1
+    width = cos.shape[-1] if cos.dim() == 3 else -1
+    r = 2 * width if pair_tables else width
     if not (0 < r <= d and r % 2 == 0):
-        raise ValueError(f"qk_norm_rope: cos must be [{B}, {S}, r] with an even rotary dim r <= {d}, "
+        what = "r / 2] (pair tables)" if pair_tables else "r]"
+        raise ValueError(f"qk_norm_rope: cos must be [{B}, {S}, {what} with an even rotary dim r <= {d}, "
                          f"got {tuple(cos.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, S, r) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
-            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {r}] with unit stride like cos on {q.device}, "
+        if t.shape != (B, S, width) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
+            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {width}] with unit stride like cos on {q.device}, "
                              f"got {tuple(t.shape)} {t.dtype} on {t.device}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: q_weight and k_weight come together")
@@ -254,16 +261,18 @@ def _check_cache(write, k: torch.Tensor, out_dtype: torch.dtype):
 
 
 def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float, float] = (1e-6, 1e-6),
-                 write=None):
+                 write=None, pair_tables: bool = False):
     """qk_norm_rope_reference in one launch: q [B, S, h, d], k [B, S, h_kv, d] -> rotated contiguous
-    copies, of torch's promoted dtype of q and cos; cos and sin [B, S, r] rotate the first r dims. The norm weights, when given, have q's dtype.
+    copies, of torch's promoted dtype of q and cos; cos and sin [B, S, r] rotate the first r dims
+    ([B, S, r / 2] with pair_tables: one factor a pair, read for both halves). The norm weights,
+    when given, have q's dtype.
     `write` = (v, k_cache, v_cache, slots): the same launch also stores the rotated k and v
     [B, S, h_kv, d] at rows `slots` [B*S] of the caches [slots, h_kv, d] (of the output dtype), as
     the paged cache's write does with two index_copy_ launches. The slots are the engine's own
     (in range by construction); one outside the caches is skipped, not raised (a check would be a
     device-to-host sync)."""
     q, k = _heads(q, "q"), _heads(k, "k")
-    _check(q, k, cos, sin, q_weight, k_weight)
+    _check(q, k, cos, sin, q_weight, k_weight, pair_tables)
     B, S, Hq, d = q.shape
     Hk = k.shape[2]
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
@@ -277,9 +286,10 @@ def qk_norm_rope(q, k, cos, sin, q_weight=None, k_weight=None, eps: tuple[float,
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)
     if write is None:
         v, k_cache, v_cache, slots = k, ko, ko, cos  # (not read: WRITE is off)
-    half = cos.shape[-1] // 2
+    half = cos.shape[-1] if pair_tables else cos.shape[-1] // 2
     # no fused multiply-adds: torch rounds each product before the sum
-    _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half, d,
+    second = 0 if pair_tables else half
+    _qk_norm_rope_kernel[(B * S, Hq + Hk)](q, k, cos, sin, qw, kw, qo, ko, Hq, Hk, S, half, second, d,
                                            q.stride(1), q.stride(2), k.stride(1), k.stride(2),
                                            cos.stride(1), cos.stride(0), sin.stride(1), sin.stride(0),
                                            float(eps[0]), float(eps[1]), v, v.stride(1), v.stride(2), k_cache,
