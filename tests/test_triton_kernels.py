@@ -757,7 +757,7 @@ _HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ktransformers.kernels.triton import attention, dequant, fused_moe, handoff, pcie_experts, quant_linear, router
+from ktransformers.kernels.triton import attention, dequant, fused_moe, handoff, norm_rope, pcie_experts, quant_linear, router
 
 def compile_(fn, types, consts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -766,11 +766,16 @@ def compile_(fn, types, consts):
     print("compiled", fn.__name__)
 
 ptrs = {"x_ptr": "*bf16", "g_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-        "w_ptr": "*bf16", "idx_ptr": "*i64", "xo_ptr": "*bf16", "io_ptr": "*i64", "wo_ptr": "*fp32"}
-for pack in (False, True):
+        "w_ptr": "*bf16", "idx_ptr": "*i64", "xo_ptr": "*bf16", "io_ptr": "*i64", "wo_ptr": "*fp32", "cb_ptr": "*fp32",
+        "scale": "fp32", "eps": "fp32"}
+for pack in (False, True):  # (with the pack: DeepSeek-V3's sigmoid route in groups)
     compile_(router._router_kernel, ptrs, dict(HAS_BIAS=pack, BLOCK_M=1, BLOCK_N=16, BLOCK_H=256, REDUCE=True, K=8,
-                                               BLOCK_E=128,
-                                               BLOCK_K=8, NORM=True, PACK=pack, PACK_BLOCK=1024, GDC=True))
+                                               BLOCK_E=256, BLOCK_K=8, NORM=True, PACK=pack, PACK_BLOCK=1024, GDC=True,
+                                               SIGMOID=pack, GROUP_SIZE=32 if pack else 0, TOPK_GROUP=4))
+# q/k norms, partial rotary (GLM-4.5's half) and the cache write in one launch
+rope = {n: "*bf16" for n in ("q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "qo_ptr", "ko_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
+rope.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32", "slot_ptr": "*i64"})
+compile_(norm_rope._qk_norm_rope_kernel, rope, dict(BLOCK_HALF=32, BLOCK_PASS=64, NORM=True, WRITE=True, GDC=True))
 compile_(handoff._copy_add_norm_kernel, {"src_ptr": "*bf16", "add_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16",
                                          "y_ptr": "*bf16", "s_ptr": "*bf16", "n_ptr": "*bf16", "eps": "fp32"},
          dict(BLOCK_H=2048, ADD=True))
@@ -820,7 +825,8 @@ compile_(quant_linear._gemv_many_kernel, many, dict(BITS_0=4, BITS_1=8, BITS_2=0
 
 
 def test_kernels_compile_for_hopper():
-    """The router with and without the pack in passing, the fused read-back, the tiles'
+    """The router with and without the pack in passing (softmax; sigmoid in groups), the q/k
+    norm and partial RoPE with the cache write, the fused read-back, the tiles'
     dequantization (Q4_K, Q6_K), gpt-oss's kernels (attention with sinks, MXFP4 experts with
     biases and the clamped SwiGLU, MXFP4 dequantization) and the projections' GEMV and GEMM
     with biases compile to an sm_90 cubin here, GPU or not (Triton's compiler and ptxas): type
@@ -832,4 +838,4 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="no NVIDIA backend in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("compiled") == 16, done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.count("compiled") == 17, done.stderr[-3000:]

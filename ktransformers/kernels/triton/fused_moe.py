@@ -127,16 +127,18 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
 def _e2m1_tile(codes_ptr, scale_ptr, k0, K, rn, N, stride_code, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                GROUP_SIZE: tl.constexpr):
     """float32 W[k0 : k0+BLOCK_K, rn] of MXFP4 weights: packed e2m1 codes (as int4's) times their
-    group's power of two; the code book's doubled magnitudes 0,1,2,3,4,6,8,12 are m for m < 2, else
-    (2 + m%2) << (m/2 - 1), negated by bit 3."""
+    group's power of two. The code book's doubled magnitudes 0,1,2,3,4,6,8,12 are built as float32
+    bits (no int-to-float conversion): code 1 is 1.0, codes 2-7 (exponent e = m/2 >= 1, mantissa
+    bit m%2) are 2^e (1 + (m%2) / 2); bit 3 is the sign."""
     mask_n = rn < N
     rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :], mask=(rw * 8 < K)[:, None] & mask_n[None, :],
                     other=0)
     c = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15
     m = c & 7
-    mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
-    q = tl.reshape(tl.where(c >= 8, -mag, mag).to(tl.float32), (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N))
+    e = m >> 1
+    bits = tl.where(e == 0, (m & 1) * 0x3F800000, ((e + 127) << 23) | ((m & 1) << 22)) | ((c & 8) << 28)
+    q = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N))
     rg = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
     s = tl.load(scale_ptr + rg[:, None] * stride_code + rn[None, :], mask=(rg * GROUP_SIZE < K)[:, None] & mask_n[None, :],
                 other=0.0)

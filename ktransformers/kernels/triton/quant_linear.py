@@ -151,15 +151,20 @@ def quantize_int8(w: torch.Tensor) -> GroupQuantWeight:
 
 @triton.jit
 def _unpack_words(codes_ptr, k0, K, rn, mask_n, stride_code, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 codes [BLOCK_K / PER, PER, len(rn)] of rows [k0, k0 + BLOCK_K) (0 past K or N) from
-    their packed words (PER = 32 / BITS a word; int8 sign-extended)."""
+    """float32 codes [BLOCK_K / PER, PER, len(rn)] of rows [k0, k0 + BLOCK_K) (0 past K or N) from
+    their packed words (PER = 32 / BITS a word; int4 unsigned, int8 two's complement). Each code
+    c >= 0 becomes the float 2^23 + c by putting its bits under 2^23's exponent (int8's biased by
+    128 first), and 2^23 (+ 128) is subtracted: exact, on the logic and float units (an
+    int-to-float conversion issues at 16 a clock an SM on NVIDIA GPUs, those at 64 and 128)."""
     PER: tl.constexpr = 32 // BITS
     rw = k0 // PER + tl.arange(0, BLOCK_K // PER)
     words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :], mask=(rw * PER < K)[:, None] & mask_n[None, :],
                     other=0)
     if BITS == 4:
-        return (words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 15
-    return (words[:, None, :] << (24 - tl.arange(0, PER) * 8)[None, :, None]) >> 24  # (arithmetic shift)
+        bits = ((words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 15) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388608.0
+    bits = (((words[:, None, :] >> (tl.arange(0, PER) * 8)[None, :, None]) & 255) ^ 128) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
@@ -174,7 +179,7 @@ def load_group_weights(codes_ptr, scale_ptr, offset_ptr, k0, K, rn, N, stride_co
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
     q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, stride_code, BITS, BLOCK_K), (BLOCK_K, BLOCK_N))
     s = tl.load(scale_ptr + rg[:, None] * stride_code + rn[None, :], mask=mask_g, other=0.0)
-    w = tl.reshape(q.to(tl.float32), (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)) * s[:, None, :]
+    w = tl.reshape(q, (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)) * s[:, None, :]
     if HAS_OFFSET:
         o = tl.load(offset_ptr + rg[:, None] * stride_code + rn[None, :], mask=mask_g, other=0.0)
         w = w + o[:, None, :]
@@ -214,8 +219,7 @@ def _quant_block(codes_ptr, scale_ptr, offset_ptr, rn, N, K, k0, BITS: tl.conste
     BLOCK_K); past K or N: 0."""
     G: tl.constexpr = BLOCK_K // GROUP_SIZE
     mask_n = rn < N
-    q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, N, BITS, BLOCK_K).to(tl.float32),
-                   (G, GROUP_SIZE, BLOCK_N))
+    q = tl.reshape(_unpack_words(codes_ptr, k0, K, rn, mask_n, N, BITS, BLOCK_K), (G, GROUP_SIZE, BLOCK_N))
     rg = k0 // GROUP_SIZE + tl.arange(0, G)
     mask_g = (rg * GROUP_SIZE < K)[:, None] & mask_n[None, :]
     s = tl.load(scale_ptr + rg[:, None] * N + rn[None, :], mask=mask_g, other=0.0)
