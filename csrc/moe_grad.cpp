@@ -130,22 +130,55 @@ void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const flo
     });
 }
 
-void MoEGrad::kept_gate_up(int e, int i0, int i1, const float* gate_up) {
-    const size_t I = cfg_.intermediate;
-    for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) {
-        const float* row = gate_up + (size_t)pair_slot_[p] * 2 * I;
-        std::copy(row + i0, row + i1, g_ + p * I + i0);
-        std::copy(row + I + i0, row + I + i1, u_ + p * I + i0);
-    }
+#if defined(__AVX2__)
+namespace {
+inline __m256 sigmoid_ps(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
 }
+}  // namespace
+#endif
 
-void MoEGrad::activation_grad(int p, int i0, int i1, float wt) {
+void MoEGrad::activation_grad(int p, int i0, int i1, float wt, const float* gate_up) {
     const size_t at = (size_t)p * cfg_.intermediate;
     float *g = g_ + at, *u = u_ + at, *dr = dhr_ + at;
+    // g and u: the forward's row of this pair where it handed them over (read in place), else g_, u_
+    const float* gi = gate_up ? gate_up + (size_t)pair_slot_[p] * 2 * cfg_.intermediate : g;
+    const float* ui = gate_up ? gi + cfg_.intermediate : u;
     const float limit = cfg_.swiglu_limit, alpha = cfg_.swiglu_alpha;
     float part = 0.f;
-    for (int i = i0; i < i1; i++) {
-        const float gv = g[i], uv = u[i], dh = wt * dr[i];
+    int i = i0;
+#if defined(__AVX2__)
+    // the loop below eight columns at a time: with a scalar expf it took a sixth of the backward
+    const __m256 one = _mm256_set1_ps(1.f), w8 = _mm256_set1_ps(wt);
+    const __m256 lim = _mm256_set1_ps(limit), neg = _mm256_set1_ps(-limit), a = _mm256_set1_ps(alpha);
+    __m256 part8 = _mm256_setzero_ps();
+    for (; i + 8 <= i1; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(gi + i), uv = _mm256_loadu_ps(ui + i), dri = _mm256_loadu_ps(dr + i);
+        const __m256 dh = _mm256_mul_ps(w8, dri);
+        if (limit > 0.f) {
+            const __m256 gc = _mm256_min_ps(gv, lim), uc = _mm256_min_ps(_mm256_max_ps(uv, neg), lim);
+            const __m256 sg = sigmoid_ps(_mm256_mul_ps(a, gc)), glu = _mm256_mul_ps(gc, sg);
+            const __m256 u1 = _mm256_add_ps(uc, one);
+            part8 = _mm256_add_ps(part8, _mm256_mul_ps(_mm256_mul_ps(dri, glu), u1));
+            const __m256 d = _mm256_add_ps(sg, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(gc, a), sg),
+                                                             _mm256_sub_ps(one, sg)));
+            const __m256 g_in = _mm256_cmp_ps(gv, lim, _CMP_LE_OQ);
+            const __m256 u_in = _mm256_and_ps(_mm256_cmp_ps(uv, neg, _CMP_GE_OQ), _mm256_cmp_ps(uv, lim, _CMP_LE_OQ));
+            _mm256_storeu_ps(g + i, _mm256_and_ps(g_in, _mm256_mul_ps(_mm256_mul_ps(dh, u1), d)));
+            _mm256_storeu_ps(u + i, _mm256_and_ps(u_in, _mm256_mul_ps(dh, glu)));
+        } else {
+            const __m256 sg = sigmoid_ps(gv), silu = _mm256_mul_ps(gv, sg);
+            part8 = _mm256_add_ps(part8, _mm256_mul_ps(_mm256_mul_ps(dri, silu), uv));
+            const __m256 d = _mm256_add_ps(one, _mm256_mul_ps(gv, _mm256_sub_ps(one, sg)));
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(dh, uv), sg), d));
+            _mm256_storeu_ps(u + i, _mm256_mul_ps(dh, silu));
+        }
+    }
+    part = hsum_f32(part8);
+#endif
+    for (; i < i1; i++) {
+        const float gv = gi[i], uv = ui[i], dh = wt * dr[i];
         if (limit > 0.f) {  // gpt-oss: g' = min(g, L), u' = clamp(u, -L, L), h = g' sigmoid(alpha g') (u' + 1)
             const float gc = std::min(gv, limit), uc = std::min(std::max(uv, -limit), limit);
             const float s = sigmoid(alpha * gc), glu = gc * s;
@@ -210,12 +243,10 @@ void MoEGrad::group(int tokens, const int64_t* ids) {
 void MoEGrad::inner_int8(int e, int i0, int i1, const float* w, const float* x, const float* gate_up, float* buf) {
     const int H = cfg_.hidden, I = cfg_.intermediate, p0 = expert_start_[e], p1 = expert_start_[e + 1];
     const bool products = !gate_up && q_.gate_up();  // (else g, u with their biases from the forward or the blocks)
-    if (gate_up) {
-        kept_gate_up(e, i0, i1, gate_up);
-    } else if (products) {
+    if (products) {
         int8_pairs(q_.gate, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, g_, I);
         int8_pairs(q_.up, I, H, e, i0, i1, p0, p1, x8_, x8s_, true, u_, I);
-    } else {
+    } else if (!gate_up) {
         gate_up_blocks(e, i0, i1, x, true, buf);
     }
     int8_pairs(q_.down_t, I, H, e, i0, i1, p0, p1, dy8_, dy8s_, true, dhr_, I);
@@ -225,7 +256,7 @@ void MoEGrad::inner_int8(int e, int i0, int i1, const float* w, const float* x, 
             for (int i = i0; i < i1; i++) g_[(size_t)p * I + i] += cfg_.gate_bias[row + i];
             for (int i = i0; i < i1; i++) u_[(size_t)p * I + i] += cfg_.up_bias[row + i];
         }
-        activation_grad(p, i0, i1, w[pair_slot_[p]]);
+        activation_grad(p, i0, i1, w[pair_slot_[p]], gate_up);
     }
 }
 
@@ -272,10 +303,10 @@ void MoEGrad::down_blocks(int e, int r0, int r1, const float* h, float* buf) {
 
 void MoEGrad::inner_blocks(int e, int i0, int i1, const float* w, const float* x, const float* dy,
                            const float* gate_up, float* buf) {
-    if (gate_up) kept_gate_up(e, i0, i1, gate_up);
-    else gate_up_blocks(e, i0, i1, x, true, buf);
+    if (!gate_up) gate_up_blocks(e, i0, i1, x, true, buf);
     down_t_blocks(e, i0, i1, dy, true, buf);
-    for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++) activation_grad(p, i0, i1, w[pair_slot_[p]]);
+    for (int p = expert_start_[e]; p < expert_start_[e + 1]; p++)
+        activation_grad(p, i0, i1, w[pair_slot_[p]], gate_up);
 }
 
 void MoEGrad::outer_blocks(int e, int c0, int c1, float* buf) {

@@ -68,8 +68,8 @@ class MoEGrad {
     void token_dx(int t, float* out) const;  // the sum of token t's pairs' dx
     void chunk(int tokens, const int64_t* ids, const float* w, const float* x, const float* dy, float* dx, float* dw,
                const float* gate_up);
-    void kept_gate_up(int e, int i0, int i1, const float* gate_up);  // g_, u_ over [i0, i1) from the forward's rows
-    void activation_grad(int p, int i0, int i1, float wt);  // dg, du over columns [i0, i1) of pair p
+    // dg, du over columns [i0, i1) of pair p into g_, u_, from g_, u_ or the forward's gate_up rows
+    void activation_grad(int p, int i0, int i1, float wt, const float* gate_up);
     // rows [r0, r1) of expert e's int8 matrix `all` (rows x k) against pairs p0..p1's int8 rows
     // (act + p or its token's row, k bytes apart): out[p * stride + r]
     void int8_pairs(const Int8Weights& all, int rows, int k, int e, int r0, int r1, int p0, int p1,
