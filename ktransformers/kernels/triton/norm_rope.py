@@ -38,8 +38,13 @@ def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps: tu
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if q_weight is not None:
         q, k = rms_norm_reference(q, q_weight, eps[0]), rms_norm_reference(k, k_weight, eps[1])
-    from ...operators.attention import rotate_qk  # (transformers' rotation, the rest concatenated)
-    return rotate_qk(q, k, cos, sin)
+    half = cos.shape[-1] // 2
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def rotate(x):  # x1 cos - x2 sin, x2 cos + x1 sin over the first 2 half dims; the rest as it is
+        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        return torch.cat([x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:], rest], -1)
+    return rotate(q), rotate(k)
 
 
 @triton.jit
@@ -137,6 +142,25 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
+def _normed(x, w_ptr, cols, mask, r, TY: tl.constexpr):
+    """Part `cols` of a row x times its rsqrt r, rounded to TY, times the norm weight, rounded."""
+    return round_to(tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * round_to(x * r, TY), TY)
+
+
+@triton.jit
+def _store_kv(kc_ptr, vc_ptr, vrow, slot_ptr, t, Hk, h, D, total_slots, cols, mask, k, OUT_TY: tl.constexpr):
+    """k (a part `cols` of a rotated key row) and the same part of v's row at token t's slot of the
+    caches [slots, Hk, D]; v rounded to the cache's dtype as index_copy_ casts. A slot outside the
+    caches is skipped (the engine's are always in range)."""
+    slot = tl.load(slot_ptr + t + cols * 0).to(tl.int64)  # (a vector: masks of one dtype)
+    ok = mask & (slot >= 0) & (slot < total_slots)
+    row = (slot * Hk + h) * D
+    tl.store(kc_ptr + row + cols, k.to(OUT_TY), mask=ok)
+    v = round_to(tl.load(vrow + cols, mask=mask, other=0.0).to(tl.float32), OUT_TY)
+    tl.store(vc_ptr + row + cols, v.to(OUT_TY), mask=ok)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
                          Hq, Hk, S, half, second, D, s_qt, s_qh, s_kt, s_kh, s_ct, s_cb, s_st, s_sb, q_eps, k_eps,
                          v_ptr, s_vt, s_vh, kc_ptr, vc_ptr, slot_ptr, total_slots,
@@ -173,10 +197,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
         if BLOCK_PASS > 0:
             sq += tl.sum(x3 * x3, 0)
         r = tl.math.rsqrt(sq / D + eps)
-        x1 = round_to(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * round_to(x1 * r, ty), ty)
-        x2 = round_to(tl.load(w_ptr + half + i, mask=m, other=0.0).to(tl.float32) * round_to(x2 * r, ty), ty)
+        x1, x2 = _normed(x1, w_ptr, i, m, r, ty), _normed(x2, w_ptr, half + i, m, r, ty)
         if BLOCK_PASS > 0:
-            x3 = round_to(tl.load(w_ptr + p, mask=mp, other=0.0).to(tl.float32) * round_to(x3 * r, ty), ty)
+            x3 = _normed(x3, w_ptr, p, mp, r, ty)
     c = cos_ptr + b * s_cb + s * s_ct
     sn = sin_ptr + b * s_sb + s * s_st
     c1 = tl.load(c + i, mask=m, other=0.0).to(tl.float32)
@@ -191,23 +214,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
         tl.store(dst + p, x3.to(out_ty), mask=mp)
     if WRITE:
         if not is_q:
-            slot = tl.load(slot_ptr + t + i * 0).to(tl.int64)  # (a vector: masks of one dtype)
-            mw = m & (slot >= 0) & (slot < total_slots)  # (the engine's slots always are in range)
-            row = (slot * Hk + h) * D
-            tl.store(kc_ptr + row + i, y1.to(out_ty), mask=mw)
-            tl.store(kc_ptr + row + half + i, y2.to(out_ty), mask=mw)
-            vrow = v_ptr + t * s_vt + h * s_vh  # (rounded to the cache's dtype as index_copy_ casts)
-            v1 = round_to(tl.load(vrow + i, mask=m, other=0.0).to(tl.float32), out_ty)
-            v2 = round_to(tl.load(vrow + half + i, mask=m, other=0.0).to(tl.float32), out_ty)
-            tl.store(vc_ptr + row + i, v1.to(out_ty), mask=mw)
-            tl.store(vc_ptr + row + half + i, v2.to(out_ty), mask=mw)
+            vrow = v_ptr + t * s_vt + h * s_vh
+            _store_kv(kc_ptr, vc_ptr, vrow, slot_ptr, t, Hk, h, D, total_slots, i, m, y1, out_ty)
+            _store_kv(kc_ptr, vc_ptr, vrow, slot_ptr, t, Hk, h, D, total_slots, half + i, m, y2, out_ty)
             if BLOCK_PASS > 0:
-                slot_p = tl.load(slot_ptr + t + p * 0).to(tl.int64)
-                mwp = mp & (slot_p >= 0) & (slot_p < total_slots)
-                rowp = (slot_p * Hk + h) * D
-                tl.store(kc_ptr + rowp + p, x3.to(out_ty), mask=mwp)
-                v3 = round_to(tl.load(vrow + p, mask=mp, other=0.0).to(tl.float32), out_ty)
-                tl.store(vc_ptr + rowp + p, v3.to(out_ty), mask=mwp)
+                _store_kv(kc_ptr, vc_ptr, vrow, slot_ptr, t, Hk, h, D, total_slots, p, mp, x3, out_ty)
 
 
 def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
