@@ -130,15 +130,6 @@ void MoEGrad::backward(int tokens, const int64_t* ids, const float* w, const flo
     });
 }
 
-#if defined(__AVX2__)
-namespace {
-inline __m256 sigmoid_ps(__m256 v) {
-    const __m256 one = _mm256_set1_ps(1.f);
-    return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
-}
-}  // namespace
-#endif
-
 void MoEGrad::activation_grad(int p, int i0, int i1, float wt, const float* gate_up) {
     const size_t at = (size_t)p * cfg_.intermediate;
     float *g = g_ + at, *u = u_ + at, *dr = dhr_ + at;

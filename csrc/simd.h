@@ -59,6 +59,12 @@ inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 1 / (1 + e^-v)
+inline __m256 sigmoid_ps(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
+
 #endif
 
 }  // namespace kt

@@ -242,8 +242,8 @@ def _check(q, k, cos, sin, q_weight, k_weight, pair_tables: bool) -> None:
                          f"got {tuple(cos.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != (B, S, width) or t.stride(-1) != 1 or t.dtype != cos.dtype or t.device != q.device:
-            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {width}] with unit stride like cos on {q.device}, "
-                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+            raise ValueError(f"qk_norm_rope: {name} must be [{B}, {S}, {width}] with unit stride like cos on "
+                             f"{q.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: q_weight and k_weight come together")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):

@@ -111,8 +111,9 @@ def _router_kernel(x_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, w_ptr, idx_p
     """Router logits y [M, E] = x [M, H] Gᵀ (+ b [E] where HAS_BIAS; quant_linear's dense GEMV:
     program_id 1 a tile of BLOCK_N experts, 2 a split of H added in the launch), then, by the
     program that completes the last tile (a counter past the tiles' own), every token's top-K
-    routing from y (_route_row's; SIGMOID with the correction bias cb [E]). PACK: that program also stores what handoff.pack_moe_inputs would (x rows
-    converted, the ids with those of columns >= cpu_k as -1, the weights as float32) at xo/io/wo."""
+    routing from y (_route_row's; SIGMOID with the correction bias cb [E]). PACK: that program
+    also stores what handoff.pack_moe_inputs would (x rows converted, the ids with those of
+    columns >= cpu_k as -1, the weights as float32) at xo/io/wo."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _dense_rows(x_ptr, g_ptr, rm, rn, M, E, H, stride_xm, H, tl.program_id(2) * k_per_split, k_per_split,
