@@ -426,7 +426,10 @@ class KGQAAttention(_CachedAttention):
             q, k = self._qk_norm(q, k)
             return *rotate_qk(q, k, *_full_tables(cos, sin, pairs)), False
         from ..kernels.triton.norm_rope import qk_norm_rope
-        cos, sin = cos.expand(B, S, width), sin.expand(B, S, width)  # one table for every row: stride 0
+        # the kernel reads unit-stride rows (gpt-oss's tables can come strided); one table for
+        # every row of the batch: stride 0
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+        cos, sin = cos.expand(B, S, width), sin.expand(B, S, width)
         norms = self._fusable_norms(q)
         if norms is None:
             q, k = self._qk_norm(q, k)

@@ -152,17 +152,17 @@ def quantize_int8(w: torch.Tensor) -> GroupQuantWeight:
 @triton.jit
 def _unpack_words(codes_ptr, k0, K, rn, mask_n, stride_code, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 codes [BLOCK_K / PER, PER, len(rn)] of rows [k0, k0 + BLOCK_K) (0 past K or N) from
-    their packed words (PER = 32 / BITS a word; int4 unsigned, int8 two's complement). Each code
-    c >= 0 becomes the float 2^23 + c by putting its bits under 2^23's exponent (int8's biased by
-    128 first), and 2^23 (+ 128) is subtracted: exact, on the logic and float units (an
-    int-to-float conversion issues at 16 a clock an SM on NVIDIA GPUs, those at 64 and 128)."""
+    their packed words (PER = 32 / BITS a word; int4 unsigned, int8 two's complement). An int8
+    code, biased by 128, goes under 2^23's exponent as the float 2^23 + 128 + c, and 2^23 + 128 is
+    subtracted: exact, on the logic and float units instead of the int-to-float conversion (16 a
+    clock an SM on NVIDIA GPUs). int4 codes convert as they are: there the trick's extra logic
+    costs more than the conversions it saves (dev/int8_gemv.py, dev/README.md)."""
     PER: tl.constexpr = 32 // BITS
     rw = k0 // PER + tl.arange(0, BLOCK_K // PER)
     words = tl.load(codes_ptr + rw[:, None] * stride_code + rn[None, :], mask=(rw * PER < K)[:, None] & mask_n[None, :],
                     other=0)
     if BITS == 4:
-        bits = ((words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 15) | 0x4B000000
-        return bits.to(tl.float32, bitcast=True) - 8388608.0
+        return ((words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 15).to(tl.float32)
     bits = (((words[:, None, :] >> (tl.arange(0, PER) * 8)[None, :, None]) & 255) ^ 128) | 0x4B000000
     return bits.to(tl.float32, bitcast=True) - 8388736.0
 
