@@ -42,6 +42,7 @@ static_assert(sizeof(block_mxfp4) == 17, "mxfp4 block");
 // MXFP4's e2m1 code book doubled (whole numbers), and its shared exponent byte as the factor
 // 2^(e - 128) that goes with it (e = 0, 1: float subnormals, as ggml decodes them).
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr uint8_t kMxfp4Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  // (unsigned)
 inline float e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
@@ -101,6 +102,7 @@ static_assert(sizeof(tile_iq4_xs16) == 16 * sizeof(block_iq4_xs), "iq4_xs tile")
 // Activations, quantized once per call: per 32 values (for q8_0/q4_0 weights) or per 256 with
 // sums of each 16 (for the k-quants and iq4_xs, whose mins/offsets need them).
 struct act_q8_0 { float d; int8_t qs[QK]; };
+struct act_q8_0s { float d; int32_t sum; int8_t qs[QK]; };  // Q8_0 with the sum of its 32 values
 struct act_q8_k { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
 
 // ggml type ids (the subset computed on directly).

@@ -94,18 +94,30 @@ inline void round_to_i8(const float* x, float id, int8_t* q, int n) {
 }
 #endif
 
+// One block of Q8_0: its 32 values rounded to int8 in qs; returns their scale.
+inline float q8_0_block(const float* x, int8_t* qs) {
+    const float d = absmax(x, QK) / 127.f, id = d ? 1.f / d : 0.f;
+    round_to_i8(x, id, qs, QK);
+    return d;
+}
+
 void prep_q8_0(const float* x, act_q8_0* y, int n) {
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        const float d = absmax(x, QK) / 127.f, id = d ? 1.f / d : 0.f;
-        y[b].d = d;
-        round_to_i8(x, id, y[b].qs, QK);
-    }
+    for (int b = 0; b < n / QK; b++, x += QK) y[b].d = q8_0_block(x, y[b].qs);
 }
 
 void prep_q8_0u(const float* x, act_q8_0* y, int n) {
     prep_q8_0(x, y, n);
     for (int b = 0; b < n / QK; b++)
         for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)((uint8_t)y[b].qs[i] ^ 0x80);
+}
+
+void prep_q8_0s(const float* x, act_q8_0s* y, int n) {
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        y[b].d = q8_0_block(x, y[b].qs);
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) sum += y[b].qs[i];
+        y[b].sum = sum;
+    }
 }
 
 void prep_q8_k(const float* x, act_q8_k* y, int n) {
@@ -775,14 +787,14 @@ void tile_q8_0x16_rows(int n, const tile_q8_0x16* w, const act_q8_0* const* a, f
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
 
-// 16 rows of MXFP4 tiles against T activation rows (Q8_0U): the nibbles through the doubled e2m1
-// table (signed bytes), dpbusd of the tokens' unsigned bytes (value + 128) with them, the +128
-// taken back as 128 * (sum of each row's 32 weights, one dpbusd against ones of low + high);
-// scaled per 32 values by 2^(e - 128) (e8m0_half, subnormal for e < 2).
+// 16 rows of MXFP4 tiles against T activation rows (Q8_0S): the nibbles through the doubled e2m1
+// table plus 12 (unsigned bytes 0..24), dpbusd of them with the tokens' signed bytes, the +12
+// taken back as 12 * (the block's sum of the token's values, from its Q8_0S block); scaled per 32
+// values by 2^(e - 128) (e8m0_half, subnormal for e < 2).
 template <int T>
-void tile_mxfp4x16_rows(int n, const tile_mxfp4x16* w, const act_q8_0* const* a, float* out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kMxfp4Values));
+void tile_mxfp4x16_rows(int n, const tile_mxfp4x16* w, const act_q8_0s* const* a, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kMxfp4Plus12));
     const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x00200000);
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -792,23 +804,22 @@ void tile_mxfp4x16_rows(int n, const tile_mxfp4x16* w, const act_q8_0* const* a,
         const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, two), _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23),
                                                      _mm512_sllv_epi32(tiny, e));
         const __m512 d = _mm512_castsi512_ps(bits);
-        __m512i dot[T], sum = _mm512_setzero_si512();
-        for (int t = 0; t < T; t++) dot[t] = _mm512_setzero_si512();
+        __m512i dlo[T], dhi[T];  // (two chains of dependent dpbusd a token, not one: half the latency)
+        for (int t = 0; t < T; t++) dlo[t] = _mm512_set1_epi32(-12 * a[t][b].sum), dhi[t] = _mm512_setzero_si512();
         for (int q = 0; q < 4; q++) {
             const __m512i v = _mm512_loadu_si512(w->qs[q]);
             const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
             const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-            sum = _mm512_dpbusd_epi32(sum, ones, _mm512_add_epi8(lo, hi));  // (|lo + hi| <= 24: no wrap)
             for (int t = 0; t < T; t++) {
                 int32_t xl, xh;
                 std::memcpy(&xl, a[t][b].qs + 4 * q, 4);
                 std::memcpy(&xh, a[t][b].qs + 16 + 4 * q, 4);
-                dot[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(xl), lo), _mm512_set1_epi32(xh), hi);
+                dlo[t] = _mm512_dpbusd_epi32(dlo[t], lo, _mm512_set1_epi32(xl));
+                dhi[t] = _mm512_dpbusd_epi32(dhi[t], hi, _mm512_set1_epi32(xh));
             }
         }
-        const __m512i offset = _mm512_slli_epi32(sum, 7);
         for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], offset)), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[t][b].d)), _mm512_cvtepi32_ps(_mm512_add_epi32(dlo[t], dhi[t])), acc[t]);
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + 16 * t, acc[t]);
 }
@@ -817,7 +828,7 @@ void tile_mxfp4x16_rows(int n, const tile_mxfp4x16* w, const act_q8_0* const* a,
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 void tiles_mxfp4(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_mxfp4x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows<T>(n, tw, x, o); });
+    tile_tokens<tile_mxfp4x16, act_q8_0s>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows<T>(n, tw, x, o); });
 }
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows<T>(n, tw, x, o); });
@@ -1809,7 +1820,7 @@ const Format kFormats[] = {
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
-    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0U, nullptr, nullptr, tiles_mxfp4},
+    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0S, nullptr, nullptr, tiles_mxfp4},
 #elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 and AVX-VNNI levels: signed activations)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
@@ -1984,6 +1995,7 @@ size_t act_row_bytes(Act act, int n) {
         case Act::BF16: return sizeof(bf16_t) * n;
         case Act::Q8_0:
         case Act::Q8_0U: return sizeof(act_q8_0) * (n / QK);
+        case Act::Q8_0S: return sizeof(act_q8_0s) * (n / QK);
         case Act::Q8_K:
         case Act::Q8_KX:
         case Act::Q8_KT: return sizeof(act_q8_k) * (n / QK_K);
@@ -1999,6 +2011,7 @@ void prepare_act(Act act, const float* x, void* out, int n) {
             break;
         case Act::Q8_0: prep_q8_0(x, (act_q8_0*)out, n); break;
         case Act::Q8_0U: prep_q8_0u(x, (act_q8_0*)out, n); break;
+        case Act::Q8_0S: prep_q8_0s(x, (act_q8_0s*)out, n); break;
         case Act::Q8_K: prep_q8_k(x, (act_q8_k*)out, n); break;
         case Act::Q8_KX: prep_q8_kx(x, (act_q8_k*)out, n); break;
         case Act::Q8_KT: prep_q8_kt(x, (act_q8_k*)out, n); break;

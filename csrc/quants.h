@@ -13,9 +13,10 @@ namespace kt {
 // with bsums[0..7] holding the sums of each 32 values in the order 0, 2, 1, 3, 4, 6, 5, 7 (pairs
 // of them are what the 16-row Q4_K tiles multiply their mins by), bsums[8..15] zero.
 // Q8_0U: Q8_0 with every value + 128 as an unsigned byte (the unsigned side of dpbusd against
-// the Q8_0 tiles' signed weights).
+// the Q8_0 tiles' signed weights). Q8_0S: Q8_0 with each block's sum of values (the signed side
+// of dpbusd against weights made unsigned by an offset, which the sums take back).
 // BF16: each value rounded to the nearest bf16 (BF16 weights).
-enum class Act { F32, BF16, Q8_0, Q8_0U, Q8_K, Q8_KX, Q8_KT };
+enum class Act { F32, BF16, Q8_0, Q8_0U, Q8_0S, Q8_K, Q8_KX, Q8_KT };
 
 // dot(n, weight row bytes, prepared activation row) -> float
 using DotFn = float (*)(int n, const void* w, const void* a);
