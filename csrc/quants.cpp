@@ -1278,21 +1278,44 @@ void tile_q8_0x16_rows256(int n, const tile_q8_0x16* w, const act_q8_0* const* a
     for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
 }
 
-// MXFP4 tiles against T activation rows (Q8_0, signed): the nibbles through the doubled e2m1
-// table, low nibbles against the block's values 4q.., high ones against 16 + 4q..; scaled per
-// block and row by 2^(e - 128).
+// The 2^(e - 128) scales (e8m0_half) of 8 rows' e8m0 bytes: (e - 1) << 23 as float bits, and
+// the subnormals 2^21 << e below e = 2.
+inline __m256 e8m0_half8(const uint8_t* e8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)e8));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+// lo += u0 . x0 and hi += u1 . x1 by 4-byte groups (u unsigned, at most 24; x signed): two VEX
+// dpbusd chains at the avxvnni level; with AVX2 both into lo, the two maddubs' int16 pair sums
+// (|each| <= 2 * 24 * 128) added before one madd, which they cannot overflow.
+inline void dot_u24_pair(__m256i& lo, __m256i& hi, __m256i u0, __m256i x0, __m256i u1, __m256i x1) {
+#if defined(__AVXVNNI__)
+    lo = _mm256_dpbusd_avx_epi32(lo, u0, x0);
+    hi = _mm256_dpbusd_avx_epi32(hi, u1, x1);
+#else
+    (void)hi;
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1));
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// MXFP4 tiles against T activation rows (Q8_0S): the nibbles through the doubled e2m1 table plus
+// 12 (unsigned bytes 0..24: the unsigned side of maddubs/dpbusd without sign ops), low nibbles
+// against the block's values 4q.., high ones against 16 + 4q..; the +12 taken back as 12 * (the
+// block's sum of the token's values); scaled per block and row by 2^(e - 128).
 template <int T>
-void tile_mxfp4x16_rows256(int n, const tile_mxfp4x16* w, const act_q8_0* const* a, float* out) {
-    const __m128i table = _mm_loadu_si128((const __m128i*)kMxfp4Values);
+void tile_mxfp4x16_rows256(int n, const tile_mxfp4x16* w, const act_q8_0s* const* a, float* out) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)kMxfp4Plus12);
     const __m256i lut = _mm256_set_m128i(table, table), low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    alignas(32) float d[16];
     for (int b = 0; b < n / QK; b++, w++) {
         prefetch_ahead(w, 0, 1);
-        for (int r = 0; r < 16; r++) d[r] = e8m0_half(w->e[r]);
-        __m256i dot[T][2];
-        for (int t = 0; t < T; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+        const __m256 d[2] = {e8m0_half8(w->e), e8m0_half8(w->e + 8)};
+        __m256i dlo[T][2], dhi[T][2];
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < 2; r++) dlo[t][r] = _mm256_set1_epi32(-12 * a[t][b].sum), dhi[t][r] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             __m256i lo[2], hi[2];
             for (int r = 0; r < 2; r++) {
@@ -1302,15 +1325,13 @@ void tile_mxfp4x16_rows256(int n, const tile_mxfp4x16* w, const act_q8_0* const*
             }
             for (int t = 0; t < T; t++) {
                 const __m256i xl = bcast4(a[t][b].qs + 4 * q), xh = bcast4(a[t][b].qs + 16 + 4 * q);
-                for (int r = 0; r < 2; r++)
-                    dot[t][r] = _mm256_add_epi32(dot[t][r], _mm256_add_epi32(dot_s8(lo[r], xl), dot_s8(hi[r], xh)));
+                for (int r = 0; r < 2; r++) dot_u24_pair(dlo[t][r], dhi[t][r], lo[r], xl, hi[r], xh);
             }
         }
-        for (int r = 0; r < 2; r++) {
-            const __m256 dr = _mm256_load_ps(d + 8 * r);
+        for (int r = 0; r < 2; r++)
             for (int t = 0; t < T; t++)
-                acc[t][r] = _mm256_fmadd_ps(_mm256_mul_ps(dr, _mm256_set1_ps(a[t][b].d)), _mm256_cvtepi32_ps(dot[t][r]), acc[t][r]);
-        }
+                acc[t][r] = _mm256_fmadd_ps(_mm256_mul_ps(d[r], _mm256_set1_ps(a[t][b].d)),
+                                            _mm256_cvtepi32_ps(_mm256_add_epi32(dlo[t][r], dhi[t][r])), acc[t][r]);
     }
     for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 16 * t, acc[t][0]), _mm256_storeu_ps(out + 16 * t + 8, acc[t][1]);
 }
@@ -1360,7 +1381,7 @@ void tiles_q8_0(int n, const void* w, const void* const* a, int count, float* ou
     tile_tokens<tile_q8_0x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_q8_0x16_rows256<T>(n, tw, x, o); });
 }
 void tiles_mxfp4(int n, const void* w, const void* const* a, int count, float* out) {
-    tile_tokens<tile_mxfp4x16, act_q8_0>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows256<T>(n, tw, x, o); });
+    tile_tokens<tile_mxfp4x16, act_q8_0s>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_mxfp4x16_rows256<T>(n, tw, x, o); });
 }
 void tiles_iq4_xs(int n, const void* w, const void* const* a, int count, float* out) {
     tile_tokens<tile_iq4_xs16, act_q8_k>(n, w, a, count, out, [](auto T, int n, auto tw, auto x, float* o) { tile_iq4_xs16_rows256<T>(n, tw, x, o); });
@@ -1827,7 +1848,7 @@ const Format kFormats[] = {
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_K, nullptr, nullptr, tiles_iq4_xs},
-    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0, nullptr, nullptr, tiles_mxfp4},
+    {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0S, nullptr, nullptr, tiles_mxfp4},
 #endif
 };
 

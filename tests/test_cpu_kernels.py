@@ -319,6 +319,25 @@ def test_tiles_layout_and_kernel(runtime, fmt):
         Int8Rows.from_blocks(tiled, (E, H, I))
 
 
+def test_mxfp4_tiles_every_scale_exponent(runtime):
+    """Rows whose blocks carry e8m0 exponents 0 (subnormal scales) to 135: the tiled kernel's scales
+    against the dequantized weights, row by row (tokens scaled so that every row's sum is a normal
+    float; the scales are powers of two, so only the sums round)."""
+    gen = torch.Generator().manual_seed(11)
+    rows, H = 144, 256
+    raw = quantize(torch.randn(rows, H, generator=gen), GGMLType.MXFP4).view(torch.uint8).reshape(rows, H // 32, 17).clone()
+    raw[:, :, 0] = (torch.arange(rows) % 136).to(torch.uint8)[:, None]
+    weights = dequantize(raw.reshape(-1), GGMLType.MXFP4, (rows, H)).double()
+    assert (weights[0] != 0).any() and weights[0].abs().max() < 1e-37  # row 0: subnormal, not flushed
+    lin = LinearKernel(runtime, in_features=H, out_features=rows, weight=ExpertWeights(raw.reshape(-1), int(GGMLType.MXFP4)))
+    assert lin._weight.tiled
+    x = torch.randn(5, H, generator=gen) * 1e28
+    y = lin.forward(x).double()
+    ref = round_activations(x, ACTIVATION_BLOCK[int(GGMLType.MXFP4)]).double() @ weights.T
+    err = (y - ref).abs().amax(0) / ref.abs().amax(0)
+    assert torch.isfinite(y).all() and (err < 1e-5).all(), (runtime.isa, err.argmax().item(), err.max().item())
+
+
 def test_experts_whose_rows_are_not_whole_tile_groups(runtime):
     """I = 24: 16-row groups would straddle experts, so gate/up stay rows (E * I is a multiple of
     16, a tiling of the whole stack would be wrong); the layer still computes what it should."""
