@@ -1246,9 +1246,11 @@ void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
     dot_iq4_xs_rows256<4>(n, (const block_iq4_xs*)vw, (const act_q8_k* const*)va, out);
 }
 
-// Q8_0 tiles against T activation rows (Q8_0, signed): each step's two halves (rows 0..7, 8..15)
-// against the token's four bytes broadcast (dot_s8: maddubs, or VEX dpbusd at the avxvnni level),
-// int32 a 32-value block, scaled per block and row.
+// Q8_0 tiles against T activation rows: each step's two halves (rows 0..7, 8..15) against the
+// token's four bytes broadcast, int32 a 32-value block, scaled per block and row. With AVX-VNNI
+// the tokens come unsigned (Q8_0U, x + 128) as the unsigned side of one VEX dpbusd each, and
+// the rows' 128 * (sum of weights) comes off once a block for all tokens; with AVX2 they come
+// signed (Q8_0) through dot_s8.
 template <int T>
 void tile_q8_0x16_rows256(int n, const tile_q8_0x16* w, const act_q8_0* const* a, float* out) {
     __m256 acc[T][2];
@@ -1259,15 +1261,32 @@ void tile_q8_0x16_rows256(int n, const tile_q8_0x16* w, const act_q8_0* const* a
             const int blk = 2 * b + h;
             __m256i dot[T][2];
             for (int t = 0; t < T; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+            const __m256i ones = _mm256_set1_epi8(1);
+            __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#endif
             for (int q = 0; q < 8; q++) {
                 const __m256i v0 = _mm256_loadu_si256((const __m256i*)w->qs[h][q]);
                 const __m256i v1 = _mm256_loadu_si256((const __m256i*)(w->qs[h][q] + 32));
+#if defined(__AVXVNNI__)
+                sum[0] = _mm256_dpbusd_avx_epi32(sum[0], ones, v0);
+                sum[1] = _mm256_dpbusd_avx_epi32(sum[1], ones, v1);
+#endif
                 for (int t = 0; t < T; t++) {
                     const __m256i x = bcast4(a[t][blk].qs + 4 * q);
+#if defined(__AVXVNNI__)
+                    dot[t][0] = _mm256_dpbusd_avx_epi32(dot[t][0], x, v0);
+                    dot[t][1] = _mm256_dpbusd_avx_epi32(dot[t][1], x, v1);
+#else
                     dot[t][0] = _mm256_add_epi32(dot[t][0], dot_s8(v0, x));
                     dot[t][1] = _mm256_add_epi32(dot[t][1], dot_s8(v1, x));
+#endif
                 }
             }
+#if defined(__AVXVNNI__)
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < 2; r++) dot[t][r] = _mm256_sub_epi32(dot[t][r], _mm256_slli_epi32(sum[r], 7));
+#endif
             for (int r = 0; r < 2; r++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d[h] + 8 * r)));
                 for (int t = 0; t < T; t++)
@@ -1822,6 +1841,12 @@ constexpr Act kActQ4K = Act::Q8_K;
 constexpr Dot4Fn kDot4Q4K = nullptr, kDot4Q5K = nullptr, kDot4Q6K = nullptr, kDot4IQ4XS = nullptr;
 constexpr Act kActQ4K = Act::Q8_K;
 #endif
+// the 256-bit Q8_0 tiles' tokens: unsigned for AVX-VNNI's dpbusd, signed for AVX2's dot_s8
+#if defined(__AVXVNNI__)
+constexpr Act kQ8_0TileAct = Act::Q8_0U;
+#else
+constexpr Act kQ8_0TileAct = Act::Q8_0;
+#endif
 
 const Format kFormats[] = {
     {F32, "F32", 1, 4, Act::F32, dot_f32, nullptr},
@@ -1846,7 +1871,7 @@ const Format kFormats[] = {
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
-    {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
+    {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), kQ8_0TileAct, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_K, nullptr, nullptr, tiles_iq4_xs},
     {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0S, nullptr, nullptr, tiles_mxfp4},
 #endif
