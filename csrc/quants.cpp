@@ -1357,10 +1357,16 @@ void tile_mxfp4x16_rows256(int n, const tile_mxfp4x16* w, const act_q8_0s* const
 
 // IQ4_XS tiles against T activation rows (Q8_K, signed): the nibbles through the IQ4_NL table;
 // a sub-block's four steps (low nibbles against its values 4q.., high ones against 16 + 4q..) in
-// int32, times each row's 6-bit scale - 32; the block's sum scaled by d per row.
+// int32, times each row's 6-bit scale - 32; the block's sum scaled by d per row. With AVX-VNNI
+// the table comes shifted by +128 as the unsigned side of VEX dpbusd (no sign ops), the shift
+// taken back as 128 * (the sub-block's sum of the token's values, from its two 16-sums).
 template <int T>
 void tile_iq4_xs16_rows256(int n, const tile_iq4_xs16* w, const act_q8_k* const* a, float* out) {
+#if defined(__AVXVNNI__)
+    const __m128i table = _mm_add_epi8(_mm_loadu_si128((const __m128i*)kIQ4NL), _mm_set1_epi8((char)128));
+#else
     const __m128i table = _mm_loadu_si128((const __m128i*)kIQ4NL);
+#endif
     const __m256i lut = _mm256_set_m128i(table, table), low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -1376,17 +1382,30 @@ void tile_iq4_xs16_rows256(int n, const tile_iq4_xs16* w, const act_q8_k* const*
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(L, 4 * ib), _mm256_set1_epi32(0x0F)),
                                     _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(H, 2 * ib), _mm256_set1_epi32(3)), 4)),
                     _mm256_set1_epi32(32));
-                __m256i dot[T];
-                for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
+                __m256i dot[T], dhi[T];
+                for (int t = 0; t < T; t++) {
+#if defined(__AVXVNNI__)
+                    dot[t] = _mm256_set1_epi32(-128 * (a[t][b].bsums[2 * ib] + a[t][b].bsums[2 * ib + 1]));
+#else
+                    dot[t] = _mm256_setzero_si256();
+#endif
+                    dhi[t] = _mm256_setzero_si256();
+                }
                 for (int q = 0; q < 4; q++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(w->qs[4 * ib + q] + 32 * r));
                     const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
                     const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-                    for (int t = 0; t < T; t++)
-                        dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(dot_s8(lo, bcast4(a[t][b].qs + 32 * ib + 4 * q)),
-                                                                           dot_s8(hi, bcast4(a[t][b].qs + 32 * ib + 16 + 4 * q))));
+                    for (int t = 0; t < T; t++) {
+                        const __m256i xl = bcast4(a[t][b].qs + 32 * ib + 4 * q), xh = bcast4(a[t][b].qs + 32 * ib + 16 + 4 * q);
+#if defined(__AVXVNNI__)
+                        dot[t] = _mm256_dpbusd_avx_epi32(dot[t], lo, xl);
+                        dhi[t] = _mm256_dpbusd_avx_epi32(dhi[t], hi, xh);
+#else
+                        dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(dot_s8(lo, xl), dot_s8(hi, xh)));
+#endif
+                    }
                 }
-                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(dot[t], sc));
+                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(_mm256_add_epi32(dot[t], dhi[t]), sc));
             }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w->d + 8 * r)));
             for (int t = 0; t < T; t++)
