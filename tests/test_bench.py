@@ -1,6 +1,7 @@
 """The benchmarks run and print what they promise (numbers are not checked: speed is measured by
 the benchmarks, not by tests)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -99,10 +100,14 @@ def test_bench_synth_and_decode_json_rows(tmp_path):
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == 512
     out = subprocess.run([sys.executable, "-m", "ktransformers.bench.decode", "--gguf_path", str(path), "--threads", "1",
                           "--prompt", "20", "--decode", "4", "--repeats", "1", "--stream-gib", "0.05", "--no-peer",
-                          "--json"], check=True, capture_output=True, text=True).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+                          "--json", "--breakdown"], check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == 1 and set(rows[0]) == DECODE_KEYS and rows[0]["engine"] == "ktransformers"
     assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["decode_floor_tok_s"] > 0
+    # --breakdown: the layers' steps (which the engine calls without their forward hooks) are timed too
+    spent = {m[1].strip(): float(m[2]) for m in re.finditer(r"^(\S.*?)\s+([\d.]+) ms/token$", out.stderr, re.M)}
+    assert 0 < spent["KDecoderLayer steps (all layers)"] < spent["whole decode step"], spent
+    assert 0 < spent["KTransformersLinear lm_head"] < spent["whole decode step"], spent
 
 
 def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):

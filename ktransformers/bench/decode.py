@@ -111,13 +111,26 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
 
 def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) -> list[tuple[str, float]]:
     """ms per decoded token spent in each kind of operator (forward hooks; nested modules count in
-    their parents too: self_attn includes its projections), and the whole step."""
+    their parents too: self_attn includes its projections), the decoder layers' steps together,
+    and the whole step. The engine calls a layer's step(), not its forward: that is timed by a
+    wrapper, and a layer on the CPU decode plan runs its parts inside one C++ call, no hooks."""
     import collections
 
     from ..operators.base import BaseInjectedModule
+    from ..operators.layer import KDecoderLayer
     spent: dict[str, float] = collections.defaultdict(float)
     handles = []
+    wrapped = []
     for name, module in loaded.model.named_modules():
+        if isinstance(module, KDecoderLayer):
+            def step(*args, _step=module.step, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _step(*args, **kwargs)
+                finally:
+                    spent["KDecoderLayer steps (all layers)"] += time.perf_counter() - t0
+            module.step = step
+            wrapped.append(module)
         if not isinstance(module, BaseInjectedModule):
             continue
         label = f"{type(module).__name__} {name.rsplit('.', 1)[-1]}"
@@ -138,6 +151,8 @@ def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) 
     engine.release(seq)
     for h in handles:
         h.remove()
+    for module in wrapped:
+        del module.step  # (the class's method again)
     rows = sorted(((k, v / steps * 1e3) for k, v in spent.items()), key=lambda kv: -kv[1])
     return rows + [("whole decode step", total / steps * 1e3)]
 
