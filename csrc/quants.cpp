@@ -1886,7 +1886,7 @@ const Format kFormats[] = {
     {Q8_0 | kTiled, "Q8_0 tiles", 2 * QK, 2 * sizeof(block_q8_0), Act::Q8_0U, nullptr, nullptr, tiles_q8_0},  // 64 values a tile column
     {IQ4_XS | kTiled, "IQ4_XS tiles", QK_K, sizeof(block_iq4_xs), Act::Q8_KT, nullptr, nullptr, tiles_iq4_xs},
     {MXFP4 | kTiled, "MXFP4 tiles", QK, sizeof(block_mxfp4), Act::Q8_0S, nullptr, nullptr, tiles_mxfp4},
-#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 and AVX-VNNI levels: signed activations)
+#elif defined(__AVX2__) && !defined(__AVX512BW__)  // (the AVX2 and AVX-VNNI levels)
     {Q4_K | kTiled, "Q4_K tiles", QK_K, sizeof(block_q4_k), Act::Q8_KT, nullptr, nullptr, tiles_q4_k},
     {Q5_K | kTiled, "Q5_K tiles", QK_K, sizeof(block_q5_k), Act::Q8_KT, nullptr, nullptr, tiles_q5_k},
     {Q6_K | kTiled, "Q6_K tiles", QK_K, sizeof(block_q6_k), Act::Q8_K, nullptr, nullptr, tiles_q6_k},
