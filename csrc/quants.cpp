@@ -978,14 +978,13 @@ void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
 // pairs), which the steps of one sub-block add in int16 before one madd by the rows' scales:
 // what a row-at-a-time kernel spends on its scales and horizontal sums, once for eight rows.
 
-// 8 rows' scale of Q4_K sub-block j from the tile header's words P0 (scale bytes 0..3) and P2
-// (8..11), in both 16-bit halves of the row's lane (madd against int16 pair sums)
-inline __m256i k4_tile_scales(__m256i P0, __m256i P2, int j) {
-    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(0x0F);
-    const __m256i sc = j < 4 ? _mm256_and_si256(_mm256_srli_epi32(P0, 8 * j), six)
-                             : _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(P2, 8 * (j - 4)), four),
-                                                                _mm256_andnot_si256(four, _mm256_srli_epi32(P0, 8 * (j - 4) + 2))), six);
-    return _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+// 8 rows' scale byte k of S (a byte a sub-block in each row's 32-bit lane) in both 16-bit
+// halves of the lane (madd against int16 pair sums): one shuffle
+inline __m256i k4_tile_scale(__m256i S, int k) {
+    const char z = (char)0x80;
+    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z),
+                                         _mm256_set1_epi16((short)k));
+    return _mm256_shuffle_epi8(S, pick);
 }
 inline __m256i bcast4(const int8_t* x) {
     int32_t v;
@@ -1005,15 +1004,22 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++, w++) {
+        // (unrolled: each step's prefetched lines and scale pick become constants, not arithmetic on
+        // the ports the step's vector work needs)
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
             const __m256i P0 = _mm256_loadu_si256((const __m256i*)(w->sc[0] + 8 * h));
             const __m256i P1 = _mm256_loadu_si256((const __m256i*)(w->sc[1] + 8 * h));
             const __m256i P2 = _mm256_loadu_si256((const __m256i*)(w->sc[2] + 8 * h));
+            // the 6-bit scales of sub-blocks 0..3 (S03) and 4..7 (S47) as bytes of each row's lane
+            const __m256i S03 = _mm256_and_si256(P0, _mm256_set1_epi8(0x3F));
+            const __m256i S47 = _mm256_or_si256(_mm256_and_si256(P2, low4), _mm256_and_si256(_mm256_srli_epi32(P0, 2), _mm256_set1_epi8(0x30)));
             __m256i sumi[T];
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 prefetch_ahead(w, 8 * h + j, 16);  // spread over both halves: a steady stream of requests
-                const __m256i sc = k4_tile_scales(P0, P2, j);
+                const __m256i sc = k4_tile_scale(j < 4 ? S03 : S47, j % 4);
                 __m256i qh = _mm256_setzero_si256();
                 if constexpr (five) qh = _mm256_loadu_si256((const __m256i*)(w->part[j].qh + 32 * h));
                 __m256i p[T];
@@ -1069,9 +1075,11 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++, w++) {
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
             __m256i sumi[T];
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 prefetch_ahead(w, 8 * h + j, 16);
                 const auto& part = w->part[j / 2];
