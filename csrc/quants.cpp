@@ -978,13 +978,17 @@ void dot4_iq4_xs(int n, const void* vw, const void* const va[4], float out[4]) {
 // pairs), which the steps of one sub-block add in int16 before one madd by the rows' scales:
 // what a row-at-a-time kernel spends on its scales and horizontal sums, once for eight rows.
 
-// 8 rows' scale byte k of S (a byte a sub-block in each row's 32-bit lane) in both 16-bit
-// halves of the lane (madd against int16 pair sums): one shuffle
+// 8 rows' scale byte k of S (a byte a sub-block in each row's 32-bit lane), one shuffle: as the
+// lane's int32 with AVX-VNNI (mullo against dpbusd's sums), else in both 16-bit halves of the
+// lane (madd against maddubs' int16 pair sums)
 inline __m256i k4_tile_scale(__m256i S, int k) {
     const char z = (char)0x80;
-    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z),
-                                         _mm256_set1_epi16((short)k));
-    return _mm256_shuffle_epi8(S, pick);
+#if defined(__AVXVNNI__)
+    const __m256i pick = _mm256_setr_epi8(0, z, z, z, 4, z, z, z, 8, z, z, z, 12, z, z, z, 0, z, z, z, 4, z, z, z, 8, z, z, z, 12, z, z, z);
+#else
+    const __m256i pick = _mm256_setr_epi8(0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z);
+#endif
+    return _mm256_shuffle_epi8(S, _mm256_add_epi8(pick, _mm256_set1_epi16((short)k)));  // (z + k: still zeroes)
 }
 inline __m256i bcast4(const int8_t* x) {
     int32_t v;
@@ -1022,7 +1026,7 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
                 const __m256i sc = k4_tile_scale(j < 4 ? S03 : S47, j % 4);
                 __m256i qh = _mm256_setzero_si256();
                 if constexpr (five) qh = _mm256_loadu_si256((const __m256i*)(w->part[j].qh + 32 * h));
-                __m256i p[T];
+                __m256i p[T], p2[T];
                 for (int q = 0; q < 4; q++) {
                     __m256i v;
                     if constexpr (five) v = _mm256_loadu_si256((const __m256i*)(w->part[j].qs[q] + 32 * h));
@@ -1034,12 +1038,21 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
                     }
                     for (int t = 0; t < T; t++) {
                         const int8_t* x = a[t][b].qs + 32 * j + 4 * q;
+#if defined(__AVXVNNI__)  // two int32 chains a token, no int16 limit: one mullo by the scales a sub-block
+                        p[t] = _mm256_dpbusd_avx_epi32(q ? p[t] : _mm256_setzero_si256(), lo, bcast4(x));
+                        p2[t] = _mm256_dpbusd_avx_epi32(q ? p2[t] : _mm256_setzero_si256(), hi, bcast4(x + 16));
+#else
                         const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 16)));
                         p[t] = q % steps_int16 ? _mm256_add_epi16(p[t], s2) : s2;
+                        if (q % steps_int16 == steps_int16 - 1) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p[t], sc));
+#endif
                     }
-                    if (q % steps_int16 == steps_int16 - 1)
-                        for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p[t], sc));
                 }
+#if defined(__AVXVNNI__)
+                for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(_mm256_add_epi32(p[t], p2[t]), sc));
+#else
+                (void)p2;
+#endif
             }
             // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7), against Q8_KT's bsums pairs
             const __m256i m02 = _mm256_and_si256(P1, pair6), m13 = _mm256_and_si256(_mm256_srli_epi32(P1, 8), pair6);
