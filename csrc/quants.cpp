@@ -1098,11 +1098,18 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
                 const auto& part = w->part[j / 2];
                 const auto& half = part.half[j % 2];
                 const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)part.sc[j % 2][8 * h]));
+#if defined(__AVXVNNI__)  // each half's int32 dpbusd chain over the four steps, times its scale by one mullo
+                const __m256i s_lo = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16), s_hi = _mm256_srai_epi32(pair, 16);
+#else
                 const __m256i s_lo = _mm256_shuffle_epi8(pair, dup_lo), s_hi = _mm256_shuffle_epi8(pair, dup_hi);
+#endif
+                __m256i plo[T], phi[T];
                 for (int hh = 0; hh < 2; hh++) {
                     const __m256i H = _mm256_loadu_si256((const __m256i*)(half.qh[hh] + 32 * h));
-                    __m256i plo[T], phi[T];
-                    for (int t = 0; t < T; t++) plo[t] = phi[t] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+                    if (hh == 0)
+#endif
+                        for (int t = 0; t < T; t++) plo[t] = phi[t] = _mm256_setzero_si256();
                     for (int qq = 0; qq < 2; qq++) {
                         const int q = 2 * hh + qq;
                         const __m256i v = _mm256_loadu_si256((const __m256i*)(half.ql[q] + 32 * h));
@@ -1111,13 +1118,24 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
                         const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(hh2, bits45));
                         for (int t = 0; t < T; t++) {
                             const int8_t* x = a[t][b].qs + 32 * j + 4 * q;
+#if defined(__AVXVNNI__)
+                            plo[t] = _mm256_dpbusd_avx_epi32(plo[t], lo, bcast4(x));
+                            phi[t] = _mm256_dpbusd_avx_epi32(phi[t], hi, bcast4(x + 16));
+#else
                             plo[t] = _mm256_add_epi16(plo[t], _mm256_maddubs_epi16(lo, bcast4(x)));
                             phi[t] = _mm256_add_epi16(phi[t], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+#endif
                         }
                     }
+#if !defined(__AVXVNNI__)
                     for (int t = 0; t < T; t++)
                         sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_madd_epi16(plo[t], s_lo), _mm256_madd_epi16(phi[t], s_hi)));
+#endif
                 }
+#if defined(__AVXVNNI__)
+                for (int t = 0; t < T; t++)
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_mullo_epi32(plo[t], s_lo), _mm256_mullo_epi32(phi[t], s_hi)));
+#endif
                 for (int t = 0; t < T; t++) {  // minus 32 * (sc[2j] * bsums[2j] + sc[2j + 1] * bsums[2j + 1])
                     int32_t bs;
                     std::memcpy(&bs, a[t][b].bsums + 2 * j, 4);
