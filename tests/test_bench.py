@@ -283,3 +283,32 @@ def test_percentile_nearest_rank():
     values = [float(v) for v in range(100, 0, -1)]
     assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100
     assert percentile([3.0], 99) == 3 and percentile([], 50) != percentile([], 50)  # NaN
+
+
+@pytest.mark.parametrize("name", sorted(__import__("ktransformers.bench.synth", fromlist=["PRESETS"]).PRESETS))
+def test_synth_preset_metadata_reads_back_as_the_preset(name):
+    """Each bench.synth preset (cut to 4 layers and 16 experts) through the GGUF metadata its files
+    carry and back: the loader's config has the preset's shape."""
+    from ktransformers.bench.synth import preset_config
+    from ktransformers.weights.gguf_config import config_from_metadata, metadata_from_config
+    config = preset_config(name, layers=4, experts=16, vocab=512)
+    back = config_from_metadata(metadata_from_config(config), 512)
+    assert back.model_type == config.model_type
+    for attr in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "num_experts", "n_routed_experts",
+                 "num_local_experts", "n_shared_experts", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                 "routed_scaling_factor", "rms_norm_eps"):  # (q/k norms and biases: told by the tensors)
+        if getattr(config, attr, None) is not None:
+            assert getattr(back, attr, None) == pytest.approx(getattr(config, attr)), attr
+
+
+def test_deepseek2_file_without_gating_key_is_softmax_v2():
+    """A deepseek2 file with no expert_gating_func (DeepSeek-V2/V2.5 files from before the converter
+    wrote it) reads as DeepSeek-V2's softmax router, as llama.cpp reads it; sigmoid is V3."""
+    from ktransformers.bench.synth import preset_config
+    from ktransformers.weights.gguf_config import GATING_SIGMOID, config_from_metadata, metadata_from_config
+    meta = metadata_from_config(preset_config("deepseek-v2", layers=2, experts=16, vocab=512))
+    del meta["deepseek2.expert_gating_func"]
+    assert config_from_metadata(meta, 512).model_type == "deepseek_v2"
+    meta["deepseek2.expert_gating_func"] = GATING_SIGMOID
+    assert config_from_metadata(meta, 512).model_type == "deepseek_v3"

@@ -296,7 +296,8 @@ def _deepseek_config(meta: dict[str, Any], kw: dict[str, Any], tensors) -> Pretr
         kw["rope_parameters"].update(
             rope_type="yarn", factor=meta["deepseek2.rope.scaling.factor"], mscale=mscale, mscale_all_dim=mscale,
             original_max_position_embeddings=meta["deepseek2.rope.scaling.original_context_length"])
-    if meta.get("deepseek2.expert_gating_func", GATING_SIGMOID) == GATING_SIGMOID:
+    # no gating key: a DeepSeek-V2/V2.5 file from before the converter wrote one (softmax, as llama.cpp reads it)
+    if meta.get("deepseek2.expert_gating_func", GATING_SOFTMAX) == GATING_SIGMOID:
         return DeepseekV3Config(**kw)
     grouped = (kw.get("n_group") or 1) > 1
     return DeepseekV2Config(topk_method="group_limited_greedy" if grouped else "greedy", **kw)
