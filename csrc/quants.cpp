@@ -1026,7 +1026,10 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
                 const __m256i sc = k4_tile_scale(j < 4 ? S03 : S47, j % 4);
                 __m256i qh = _mm256_setzero_si256();
                 if constexpr (five) qh = _mm256_loadu_si256((const __m256i*)(w->part[j].qh + 32 * h));
-                __m256i p[T], p2[T];
+                __m256i p[T];
+#if defined(__AVXVNNI__)
+                __m256i p2[T];
+#endif
                 for (int q = 0; q < 4; q++) {
                     __m256i v;
                     if constexpr (five) v = _mm256_loadu_si256((const __m256i*)(w->part[j].qs[q] + 32 * h));
@@ -1050,8 +1053,6 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
                 }
 #if defined(__AVXVNNI__)
                 for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(_mm256_add_epi32(p[t], p2[t]), sc));
-#else
-                (void)p2;
 #endif
             }
             // mins as int16 pairs per row: (m0, m2), (m1, m3), (m4, m6), (m5, m7), against Q8_KT's bsums pairs
@@ -1082,9 +1083,11 @@ void tile_k4_rows(int n, const Tile* w, const act_q8_k* const* a, float* out) {
 template <int T>
 void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+#if !defined(__AVXVNNI__)
     // int16 lanes (sc[2j], sc[2j + 1]) of a row -> the first (second) in both halves of its lane
     const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
     const __m256i dup_hi = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+#endif
     __m256 acc[T][2];
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < n / QK_K; b++, w++) {
@@ -1104,12 +1107,9 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
                 const __m256i s_lo = _mm256_shuffle_epi8(pair, dup_lo), s_hi = _mm256_shuffle_epi8(pair, dup_hi);
 #endif
                 __m256i plo[T], phi[T];
+                for (int t = 0; t < T; t++) plo[t] = phi[t] = _mm256_setzero_si256();
                 for (int hh = 0; hh < 2; hh++) {
                     const __m256i H = _mm256_loadu_si256((const __m256i*)(half.qh[hh] + 32 * h));
-#if defined(__AVXVNNI__)
-                    if (hh == 0)
-#endif
-                        for (int t = 0; t < T; t++) plo[t] = phi[t] = _mm256_setzero_si256();
                     for (int qq = 0; qq < 2; qq++) {
                         const int q = 2 * hh + qq;
                         const __m256i v = _mm256_loadu_si256((const __m256i*)(half.ql[q] + 32 * h));
@@ -1127,9 +1127,11 @@ void tile_q6_k16_rows(int n, const tile_q6_k16* w, const act_q8_k* const* a, flo
 #endif
                         }
                     }
-#if !defined(__AVXVNNI__)
-                    for (int t = 0; t < T; t++)
+#if !defined(__AVXVNNI__)  // (int16 holds two steps: each half's sums go out, and start again)
+                    for (int t = 0; t < T; t++) {
                         sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_madd_epi16(plo[t], s_lo), _mm256_madd_epi16(phi[t], s_hi)));
+                        plo[t] = phi[t] = _mm256_setzero_si256();
+                    }
 #endif
                 }
 #if defined(__AVXVNNI__)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from ktransformers.bench.synth import PRESETS
+
 KEYS = {"shape", "format", "tokens", "threads", "isa", "median_us", "weight_bytes", "gbps", "stream_gbps", "tflops",
         "peer", "kernel_us", "kernel_gbps"}  # the issue's keys, and the in-kernel time of the same calls
 
@@ -285,7 +287,7 @@ def test_percentile_nearest_rank():
     assert percentile([3.0], 99) == 3 and percentile([], 50) != percentile([], 50)  # NaN
 
 
-@pytest.mark.parametrize("name", sorted(__import__("ktransformers.bench.synth", fromlist=["PRESETS"]).PRESETS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_synth_preset_metadata_reads_back_as_the_preset(name):
     """Each bench.synth preset (cut to 4 layers and 16 experts) through the GGUF metadata its files
     carry and back: the loader's config has the preset's shape."""
