@@ -95,11 +95,12 @@ inline void weighted_rows64(const float* p, int stride, const float* const* rows
 }
 #endif
 
-#if defined(__AVX512F__)
-// Grouped-query heads (g a multiple of 4, d of 32): per kv head the scores of its g heads are a
-// small GEMM, scores [rows, g] = K [rows, d] . Q_g^T, taken HT (8 or 4) heads x R rows a tile with
-// the queries transposed (qt [d, heads]): per column one query vector and one broadcast key value
-// per row, R independent accumulators and no horizontal sums. rows[r]: row r's key, at its kv head.
+#if defined(__AVX2__)
+// Grouped-query heads (g a multiple of 4; d of 32 at AVX-512, of 16 at AVX2): per kv head the
+// scores of its g heads are a small GEMM, scores [rows, g] = K [rows, d] . Q_g^T, taken HT (8 or 4)
+// heads x R rows a tile with the queries transposed (qt [d, heads]): per column one query vector
+// and one broadcast key value per row, R independent accumulators and no horizontal sums (256-bit
+// registers at both levels). rows[r]: row r's key, at its kv head.
 template <int R, int HT>
 inline void score_tile(const float* qt, int heads, const float* const* rows, int d, int h0, float scale, float* s) {
     if constexpr (HT == 8) {
@@ -124,8 +125,10 @@ inline void score_tile(const float* qt, int heads, const float* const* rows, int
     }
 }
 
+#if defined(__AVX512F__)
 // The weighted sum of the values, the GEMM out [g, d] = P^T V per kv head, HT heads x 32 columns a
 // tile (2 HT accumulators): acc[h0 + i, c0..c0+32) = sum_j p[j, h0 + i] * rows[j][c0..c0+32).
+constexpr int kValueCols = 32;
 template <int HT>
 inline void value_tile(const float* p, int heads, const float* const* rows, int n, int h0, int c0, int d, float* acc) {
     __m512 a[HT][2];
@@ -145,8 +148,33 @@ inline void value_tile(const float* p, int heads, const float* const* rows, int 
     }
 }
 
-// g = 12 (GLM-4.5-Air's 96/8 heads) as one 8-head and one 4-head tile a kv head
-inline bool grouped_tiles(int g, int d) { return g % 4 == 0 && d % 32 == 0; }
+#else
+// The same GEMM in 256-bit registers, 4 heads x 16 columns a tile: 8 accumulators, and per row two
+// value loads and four weights, within AVX2's 16 registers (8 heads would spill).
+constexpr int kValueCols = 16;
+template <int HT>
+inline void value_tile(const float* p, int heads, const float* const* rows, int n, int h0, int c0, int d, float* acc) {
+    static_assert(HT == 4, "256-bit value tiles are 4 heads wide");
+    __m256 a[HT][2];
+    for (int i = 0; i < HT; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const __m256 v0 = _mm256_loadu_ps(rows[j] + c0), v1 = _mm256_loadu_ps(rows[j] + c0 + 8);
+        const float* pj = p + (size_t)j * heads + h0;
+        for (int i = 0; i < HT; i++) {
+            const __m256 w = _mm256_broadcast_ss(pj + i);
+            a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < HT; i++) {
+        _mm256_storeu_ps(acc + (size_t)(h0 + i) * d + c0, a[i][0]);
+        _mm256_storeu_ps(acc + (size_t)(h0 + i) * d + c0 + 8, a[i][1]);
+    }
+}
+#endif
+
+// g = 12 (GLM-4.5-Air's 96/8 heads) as one 8-head and one 4-head score tile a kv head
+inline bool grouped_tiles(int g, int d) { return g % 4 == 0 && d % kValueCols == 0; }
 #else
 inline bool grouped_tiles(int, int) { return false; }
 #endif
@@ -179,7 +207,7 @@ void chunk_softmax(float* s, int n, int heads, float* mx, float* sum) {
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // attend_chunk for grouped_tiles(g, d): the two GEMMs above per kv head
 void attend_chunk_grouped(const float* qt, const float* k, const float* v, const int64_t* slots, int n, int heads,
                           int g, int d, float scale, float* s, float* acc, float* mx, float* sum) {
@@ -210,11 +238,16 @@ void attend_chunk_grouped(const float* qt, const float* k, const float* v, const
     chunk_softmax(s, n, heads, mx, sum);
     for (int kvh = 0; kvh < heads / g; kvh++) {
         for (int r = 0; r < n; r++) rows[r] = v + (size_t)slots[r] * row + (size_t)kvh * d;
+#if defined(__AVX512F__)
         for (int h0 = kvh * g, end = (kvh + 1) * g; h0 < end; h0 += h0 + 8 <= end ? 8 : 4)
-            for (int c0 = 0; c0 < d; c0 += 32) {
+            for (int c0 = 0; c0 < d; c0 += kValueCols) {
                 if (h0 + 8 <= end) value_tile<8>(s, heads, rows, n, h0, c0, d, acc);
                 else value_tile<4>(s, heads, rows, n, h0, c0, d, acc);
             }
+#else
+        for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4)
+            for (int c0 = 0; c0 < d; c0 += kValueCols) value_tile<4>(s, heads, rows, n, h0, c0, d, acc);
+#endif
     }
 }
 #endif
@@ -280,7 +313,7 @@ void attend(ThreadPool& pool, const float* q, const float* k, const float* v, co
         const int j0 = c * kChunk, n = std::min(kChunk, L - j0);
         float* acc = all + (size_t)c * part;
         float *mx = acc + (size_t)heads * d, *sum = mx + heads;
-#if !defined(__AVX512F__)
+#if !defined(__AVX2__)
         (void)q_t;
 #else
         if (grouped) {

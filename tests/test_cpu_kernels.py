@@ -723,12 +723,13 @@ def test_rms_norm_rows(runtime, shape):
 @pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 37), (32, 4, 128, 300), (6, 3, 24, 9),
                                                   (28, 4, 128, 129), (16, 16, 64, 64), (12, 2, 192, 200),
                                                   (16, 2, 128, 77), (64, 4, 64, 13), (8, 1, 96, 64),
-                                                  (24, 2, 128, 150), (8, 2, 64, 70), (96, 8, 128, 33)])
+                                                  (24, 2, 128, 150), (8, 2, 64, 70), (96, 8, 128, 33),
+                                                  (8, 2, 80, 45)])
 def test_gqa_decode_attention_from_the_paged_cache(runtime, heads, kv_heads, d, L):
-    """Every head-grouping path: head tiles (g a multiple of 4, d of 32: 8-head tiles for 32/4,
-    16/2, 64/4, 8/1, an 8- and a 4-head tile for GLM-4.5-Air's g = 12 in 24/2 and 96/8, 4-head
-    tiles for 8/2), 8-head dot products, single heads; chunk counts 1 to 5, partial chunks and
-    tiles."""
+    """Every head-grouping path: head tiles (g a multiple of 4, d of 32 at AVX-512 and of 16 at
+    AVX2 (d = 96 and 80 tiled at AVX2 alone): 8-head score tiles for 32/4, 16/2, 64/4, 8/1, an 8-
+    and a 4-head tile for GLM-4.5-Air's g = 12 in 24/2 and 96/8, 4-head tiles for 8/2), 8-head dot
+    products, single heads; chunk counts 1 to 5, partial chunks and tiles."""
     from ktransformers.kernels.cpu import attend_gqa_decode
     total = L + 50
     k, v = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
