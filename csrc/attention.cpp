@@ -125,53 +125,48 @@ inline void score_tile(const float* qt, int heads, const float* const* rows, int
     }
 }
 
+// The weighted sum of the values, the GEMM out [g, d] = P^T V per kv head, HT heads x kValueCols
+// columns a tile (2 HT accumulators): acc[h0 + i, c0..c0+kValueCols) = sum_j p[j, h0 + i] *
+// rows[j][c0..c0+kValueCols). 512-bit: 8 or 4 heads x 32 columns; 256-bit: 4 heads x 16 columns
+// (8 accumulators within AVX2's 16 registers: 8 heads would spill).
 #if defined(__AVX512F__)
-// The weighted sum of the values, the GEMM out [g, d] = P^T V per kv head, HT heads x 32 columns a
-// tile (2 HT accumulators): acc[h0 + i, c0..c0+32) = sum_j p[j, h0 + i] * rows[j][c0..c0+32).
-constexpr int kValueCols = 32;
-template <int HT>
-inline void value_tile(const float* p, int heads, const float* const* rows, int n, int h0, int c0, int d, float* acc) {
-    __m512 a[HT][2];
-    for (int i = 0; i < HT; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const __m512 v0 = _mm512_loadu_ps(rows[j] + c0), v1 = _mm512_loadu_ps(rows[j] + c0 + 16);
-        const float* pj = p + (size_t)j * heads + h0;
-        for (int i = 0; i < HT; i++) {
-            const __m512 w = _mm512_set1_ps(pj[i]);
-            a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
-            a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);
-        }
-    }
-    for (int i = 0; i < HT; i++) {
-        _mm512_storeu_ps(acc + (size_t)(h0 + i) * d + c0, a[i][0]);
-        _mm512_storeu_ps(acc + (size_t)(h0 + i) * d + c0 + 16, a[i][1]);
-    }
-}
-
+using vf = __m512;
+constexpr int kLanes = 16, kValueHeads = 8;
+inline vf vf_zero() { return _mm512_setzero_ps(); }
+inline vf vf_load(const float* x) { return _mm512_loadu_ps(x); }
+inline vf vf_bcast(const float* x) { return _mm512_set1_ps(*x); }
+inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vf_store(float* y, vf v) { _mm512_storeu_ps(y, v); }
 #else
-// The same GEMM in 256-bit registers, 4 heads x 16 columns a tile: 8 accumulators, and per row two
-// value loads and four weights, within AVX2's 16 registers (8 heads would spill).
-constexpr int kValueCols = 16;
+using vf = __m256;
+constexpr int kLanes = 8, kValueHeads = 4;
+inline vf vf_zero() { return _mm256_setzero_ps(); }
+inline vf vf_load(const float* x) { return _mm256_loadu_ps(x); }
+inline vf vf_bcast(const float* x) { return _mm256_broadcast_ss(x); }
+inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vf_store(float* y, vf v) { _mm256_storeu_ps(y, v); }
+#endif
+constexpr int kValueCols = 2 * kLanes;
+
 template <int HT>
 inline void value_tile(const float* p, int heads, const float* const* rows, int n, int h0, int c0, int d, float* acc) {
-    static_assert(HT == 4, "256-bit value tiles are 4 heads wide");
-    __m256 a[HT][2];
-    for (int i = 0; i < HT; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    static_assert(HT == 4 || HT == kValueHeads, "value tiles are 4 heads wide, or kValueHeads");
+    vf a[HT][2];
+    for (int i = 0; i < HT; i++) a[i][0] = a[i][1] = vf_zero();
     for (int j = 0; j < n; j++) {
-        const __m256 v0 = _mm256_loadu_ps(rows[j] + c0), v1 = _mm256_loadu_ps(rows[j] + c0 + 8);
+        const vf v0 = vf_load(rows[j] + c0), v1 = vf_load(rows[j] + c0 + kLanes);
         const float* pj = p + (size_t)j * heads + h0;
         for (int i = 0; i < HT; i++) {
-            const __m256 w = _mm256_broadcast_ss(pj + i);
-            a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+            const vf w = vf_bcast(pj + i);
+            a[i][0] = vf_fma(w, v0, a[i][0]);
+            a[i][1] = vf_fma(w, v1, a[i][1]);
         }
     }
     for (int i = 0; i < HT; i++) {
-        _mm256_storeu_ps(acc + (size_t)(h0 + i) * d + c0, a[i][0]);
-        _mm256_storeu_ps(acc + (size_t)(h0 + i) * d + c0 + 8, a[i][1]);
+        vf_store(acc + (size_t)(h0 + i) * d + c0, a[i][0]);
+        vf_store(acc + (size_t)(h0 + i) * d + c0 + kLanes, a[i][1]);
     }
 }
-#endif
 
 // g = 12 (GLM-4.5-Air's 96/8 heads) as one 8-head and one 4-head score tile a kv head
 inline bool grouped_tiles(int g, int d) { return g % 4 == 0 && d % kValueCols == 0; }
@@ -238,16 +233,14 @@ void attend_chunk_grouped(const float* qt, const float* k, const float* v, const
     chunk_softmax(s, n, heads, mx, sum);
     for (int kvh = 0; kvh < heads / g; kvh++) {
         for (int r = 0; r < n; r++) rows[r] = v + (size_t)slots[r] * row + (size_t)kvh * d;
-#if defined(__AVX512F__)
-        for (int h0 = kvh * g, end = (kvh + 1) * g; h0 < end; h0 += h0 + 8 <= end ? 8 : 4)
+        for (int h0 = kvh * g, end = (kvh + 1) * g; h0 < end;) {
+            const bool wide = h0 + kValueHeads <= end;  // (at AVX2 both tiles are 4 heads)
             for (int c0 = 0; c0 < d; c0 += kValueCols) {
-                if (h0 + 8 <= end) value_tile<8>(s, heads, rows, n, h0, c0, d, acc);
+                if (wide) value_tile<kValueHeads>(s, heads, rows, n, h0, c0, d, acc);
                 else value_tile<4>(s, heads, rows, n, h0, c0, d, acc);
             }
-#else
-        for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4)
-            for (int c0 = 0; c0 < d; c0 += kValueCols) value_tile<4>(s, heads, rows, n, h0, c0, d, acc);
-#endif
+            h0 += wide ? kValueHeads : 4;
+        }
     }
 }
 #endif
