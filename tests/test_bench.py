@@ -259,7 +259,7 @@ def test_a_tokenizer_with_ids_past_the_gguf_vocabulary_is_rebuilt(tmp_path, monk
 
 SERVE_KEYS = {"concurrency", "requests", "output_tokens", "wall_s", "tok_s", "stream_tok_s", "ttft_ms", "itl_ms",
               "itl_p99_ms", "engine_tok_s", "engine_batch", "speedup", "decode_tokens", "decode_expert_bytes", "stream_gbps",
-              "floor_tok_s", "ratio"}
+              "floor_tok_s", "ratio", "ttfts_ms", "prefill_chunk_ms"}
 
 
 def test_bench_serve_json_rows():
@@ -276,6 +276,9 @@ def test_bench_serve_json_rows():
     assert all(r["engine_tok_s"] > 0 and 1 <= r["engine_batch"] <= r["concurrency"] for r in rows)
     assert rows[0]["itl_p99_ms"] >= rows[0]["itl_ms"] > 0 and rows[0]["speedup"] == 1
     assert [r["decode_tokens"] for r in rows] == [5, 10]
+    assert [len(r["ttfts_ms"]) for r in rows] == [1, 2] and all(t > 0 for r in rows for t in r["ttfts_ms"])
+    # a request's first token waits for its prompt's prefill (one chunk here): the chunk is part of its TTFT
+    assert 0 < rows[0]["prefill_chunk_ms"] <= rows[0]["ttft_ms"]
     per_token = [r["decode_expert_bytes"] / r["decode_tokens"] for r in rows]
     assert 0 < per_token[1] <= per_token[0] and all(r["floor_tok_s"] > 0 and r["stream_gbps"] > 0 for r in rows)
 

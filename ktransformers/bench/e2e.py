@@ -35,6 +35,9 @@ from .moe import stream_gbps
 PROBE_GIB = 2.0  # each stream probe's buffer (best of five reads)
 
 
+DECODE_PROMPT = 512  # the timed decode's prompt length
+
+
 def gpu_copy_gbps() -> float:
     from .gpu import copy_gbps
     return copy_gbps()
@@ -127,7 +130,9 @@ def _load_engine(args):
     if args.n_deferred_experts is not None:
         from ..operators.experts import set_expert_deferral
         set_expert_deferral(loaded.model, args.n_deferred_experts)
-    engine = Engine(loaded.model, None, cache_lens=max(args.prompts) + args.decode + 256, page_size=256,
+    # (the timed decode follows a prompt of DECODE_PROMPT tokens, whatever --prompts are)
+    longest = max(max(args.prompts), DECODE_PROMPT + args.decode)
+    engine = Engine(loaded.model, None, cache_lens=longest + 256, page_size=256,
                     chunk_size=args.chunk_size, use_cuda_graph=True, max_batch=1)
     return loaded, engine
 
@@ -175,7 +180,7 @@ def _timed_decode(engine, model, args, vocab: int, gen, runtime) -> dict:
     is enqueued; the stream probes (GB/s) right before and after; and from the doorbell's counters
     (us in a CPU experts call, us from a call's end to the next ring, us of a step's layers)."""
     seq = engine.new_sequence()
-    engine.prefill(seq, torch.randint(3, vocab, (512,), generator=gen).tolist())
+    engine.prefill(seq, torch.randint(3, vocab, (DECODE_PROMPT,), generator=gen).tolist())
     steps = torch.randint(3, vocab, (args.decode,), generator=gen).tolist()
     logits = engine.decode(seq, steps[0])  # (the first step captures the graph)
     sampler = _sampler(args, logits)

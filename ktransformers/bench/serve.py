@@ -8,7 +8,8 @@ JSON parsing does not share its interpreter) on a free loopback port (the bundle
 --gguf_path), then for each concurrency C runs C clients, each sending --requests requests one
 after another (`ignore_eos`, so every answer has --max_tokens tokens). Prints per C: total output
 tok/s (all tokens / wall time) and its speed-up over the first C, the median stream's tok/s (its
-tokens after the first / the time they took), median TTFT, inter-token latency p50 and p99, and
+tokens after the first / the time they took), median TTFT, the engine's mean prefill chunk (its
+share of a TTFT; --json lists every request's TTFT), inter-token latency p50 and p99, and
 the engine's own decode rate over the same level (decoded tokens / seconds in decode steps, from
 the server's /health), which bounds what the clients can see: the gap is the server's overhead.
 The engine's rate has a floor of its own: the expert weights its CPU experts streamed in those
@@ -89,9 +90,11 @@ def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dic
                     - (before["expert_bytes"] - before["prefill_expert_bytes"]))
     decode_s = after["decode_s"] - before["decode_s"]
     steps = after["decode_steps"] - before["decode_steps"]
+    chunks = after["prefill_chunks"] - before["prefill_chunks"]
     return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "stream_tok_s": statistics.median(streams) if streams else float("nan"),
-            "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
+            "ttft_ms": statistics.median(r[0] for r in results) * 1e3, "ttfts_ms": [r[0] * 1e3 for r in results],
+            "prefill_chunk_ms": (after["prefill_s"] - before["prefill_s"]) / chunks * 1e3 if chunks else float("nan"),
             "itl_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"), "itl_p99_ms": percentile(gaps, 99) * 1e3,
             "engine_tok_s": decoded / decode_s if decode_s > 0 else float("nan"), "decode_tokens": decoded,
             "engine_batch": decoded / steps if steps else float("nan"), "decode_expert_bytes": expert_bytes}
@@ -180,7 +183,7 @@ def print_rows(rows: list[dict], as_json: bool) -> None:
     base = rows[0]["tok_s"]
     if not as_json:
         print(f"{'concurrency':>11} {'requests':>8} {'tok/s':>9} {'x C=' + str(rows[0]['concurrency']):>7} "
-              f"{'stream tok/s':>12} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p99':>8} {'engine tok/s':>12} "
+              f"{'stream tok/s':>12} {'TTFT ms':>9} {'chunk ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'engine tok/s':>12} "
               f"{'batch':>6} {'floor tok/s':>11} {'ratio':>6}")
     for r in rows:
         r["speedup"] = r["tok_s"] / base
@@ -188,7 +191,7 @@ def print_rows(rows: list[dict], as_json: bool) -> None:
             print(json.dumps(r))
         else:
             print(f"{r['concurrency']:>11} {r['requests']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
-                  f"{r['stream_tok_s']:>12.1f} {r['ttft_ms']:>9.1f} {r['itl_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
+                  f"{r['stream_tok_s']:>12.1f} {r['ttft_ms']:>9.1f} {r['prefill_chunk_ms']:>8.1f} {r['itl_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} "
                   f"{r['engine_tok_s']:>12.1f} {r['engine_batch']:>6.2f} {r['floor_tok_s']:>11.1f} {r['ratio']:>6.2f}")
     if not as_json and rows:
         print(f"(floor: the decode steps' expert bytes at the probed {rows[0]['stream_gbps']:.1f} GB/s)")
