@@ -262,9 +262,15 @@ def _picks(logits: torch.Tensor, samplers: list[Sampler | None]) -> tuple[torch.
     return torch.cat(out), torch.cat(feed)
 
 
-# Triton specializes an int argument on whether it is 1 or a multiple of 16: prompts of these two
-# lengths compile both variants that later prompts meet.
-WARM_UP_PROMPTS = (16, 21)
+# The prompt lengths a warm-up prefills, so that a user's prompt meets kernels already compiled and
+# loaded. Triton specializes an int argument on whether it is 1 or a multiple of 16 (16, 21, and 32
+# in the 17-64 row block); past 64 tokens the quantized linears dequantize for a cuBLAS GEMM and the
+# q/k norms and RoPE leave the fused launch (100), past 128 the norms are torch's (200).
+WARM_UP_PROMPTS = (16, 21, 32, 100, 200)
+# (cached tokens, new tokens): prompts that extend a cached prefix (a chat's next turn, the
+# server's prefix cache) start their chunk past 0: at 1, and at an odd start, whose slot views
+# are not 16-byte aligned
+WARM_UP_CONTINUATIONS = ((1, 20), (21, 21))
 
 
 class Engine:
@@ -634,20 +640,25 @@ class Engine:
     def warm_up(self, batch_sizes: Seq[int] = (1,), prompt_tokens: Seq[int] = WARM_UP_PROMPTS,
                 progress: bool = True) -> float:
         """On a GPU: compile the kernels and capture the decode graphs now, not in front of the
-        first user: a prefill of each of `prompt_tokens` lengths, then one decode step of each of
-        `batch_sizes` sequences at once (each graph is captured at its batch size). Triton keeps
+        first user: a prefill of each of `prompt_tokens` lengths, prompts that extend a cached
+        prefix (WARM_UP_CONTINUATIONS), then one decode step of each of `batch_sizes` sequences
+        at once (each graph is captured at its batch size). Triton keeps
         what it compiles in its on-disk cache, so a later process only loads it. The warm-up's
         cache entries are freed. Seconds taken (0 on the CPU: nothing there compiles)."""
         if not self.on_cuda:
             return 0.0
         began = time.perf_counter()
         sizes = sorted({b for b in batch_sizes if 0 < b <= max(1, self.cache.num_pages)})
-        steps = len(prompt_tokens) + len(sizes)
+        longest = self.cache.capacity - 1
+        prompts = [([], n) for n in prompt_tokens] + [([0] * cached, n) for cached, n in WARM_UP_CONTINUATIONS]
+        steps = len(prompts) + len(sizes)
         with tqdm(total=steps, desc="compiling GPU kernels", unit="step", disable=not progress) as bar:
-            for n in prompt_tokens:
+            for cached, n in prompts:
                 seq = self.new_sequence()
                 try:
-                    self.prefill(seq, [0] * min(n, self.cache.capacity - 1))
+                    if cached:
+                        self.prefill(seq, cached[:longest - 1])
+                    self.prefill(seq, (cached + [0] * n)[:longest])
                 finally:
                     self.release(seq)
                 bar.update()
