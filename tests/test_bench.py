@@ -110,6 +110,11 @@ def test_bench_synth_and_decode_json_rows(tmp_path):
     spent = {m[1].strip(): float(m[2]) for m in re.finditer(r"^(\S.*?)\s+([\d.]+) ms/token$", out.stderr, re.M)}
     assert 0 < spent["KDecoderLayer steps (all layers)"] < spent["whole decode step"], spent
     assert 0 < spent["KTransformersLinear lm_head"] < spent["whole decode step"], spent
+    # the CPU decode plan's kernels, each timed inside the layers' steps
+    parts = {k: v for k, v in spent.items() if k.startswith("cpu_decode: ")}
+    assert {"cpu_decode: q_proj", "cpu_decode: routed experts", "cpu_decode: router",
+            "cpu_decode: attention (RoPE, cache write, attend)"} <= set(parts), spent
+    assert all(v > 0 for v in parts.values()) and sum(parts.values()) < spent["KDecoderLayer steps (all layers)"], spent
 
 
 def test_e2e_rooflines_split_hot_experts_and_extrapolate(tmp_path):

@@ -109,11 +109,57 @@ def measure_ours(args, config) -> tuple[list[dict], object]:
     return runs, loaded
 
 
+class _Timed:
+    """Stands in for a kernel object (or module) of a layer's CPU decode plan: the calls of the
+    methods named add their time to spent[label]; everything else passes through."""
+
+    def __init__(self, inner, label: str, spent: dict, methods: tuple[str, ...]):
+        self._inner, self._label, self._spent, self._methods = inner, label, spent, methods
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if name not in self._methods:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._spent[self._label] += time.perf_counter() - t0
+        return timed
+
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")(*args, **kwargs)
+
+
+# the CPU decode plan's kernels (operators.layer.CpuDecode fields) and the parts they are timed as
+PLAN_PARTS = (("q", "forward", "q_proj"), ("k", "forward", "k_proj"), ("v", "forward", "v_proj"),
+              ("o", "forward", "o_proj"), ("runtime", "rope_write_attend_gqa", "attention (RoPE, cache write, attend)"),
+              ("ext", "rms_norm", "RMS norms"), ("router", "forward", "router"), ("moe", "forward", "routed experts"),
+              ("shared", "__call__", "shared experts"))
+
+
+def _time_plan_parts(layer, spent: dict) -> bool:
+    """Swap `layer`'s CPU decode plan for one whose kernels time their calls (per PLAN_PARTS, all
+    layers summed under one label each); False where the layer has no such plan."""
+    import dataclasses
+    plan = layer.plan
+    p = plan.cpu_decode
+    if p is None:
+        return False
+    timed = {field: _Timed(getattr(p, field), f"cpu_decode: {label}", spent, (method,))
+             for field, method, label in PLAN_PARTS if getattr(p, field) is not None}
+    layer._plan = dataclasses.replace(plan, cpu_decode=dataclasses.replace(p, **timed))
+    return True
+
+
 def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) -> list[tuple[str, float]]:
     """ms per decoded token spent in each kind of operator (forward hooks; nested modules count in
     their parents too: self_attn includes its projections), the decoder layers' steps together,
     and the whole step. The engine calls a layer's step(), not its forward: that is timed by a
-    wrapper, and a layer on the CPU decode plan runs its parts inside one C++ call, no hooks."""
+    wrapper. A layer on the CPU decode plan calls its kernels without modules, so no hooks: each
+    kernel's calls are timed instead (`cpu_decode: ...` rows, PLAN_PARTS)."""
     import collections
 
     from ..operators.base import BaseInjectedModule
@@ -121,8 +167,11 @@ def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) 
     spent: dict[str, float] = collections.defaultdict(float)
     handles = []
     wrapped = []
+    planned = []
     for name, module in loaded.model.named_modules():
         if isinstance(module, KDecoderLayer):
+            if _time_plan_parts(module, spent):
+                planned.append(module)
             def step(*args, _step=module.step, **kwargs):
                 t0 = time.perf_counter()
                 try:
@@ -153,6 +202,8 @@ def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) 
         h.remove()
     for module in wrapped:
         del module.step  # (the class's method again)
+    for module in planned:
+        module._plan = None  # (made again, from the kernels themselves)
     rows = sorted(((k, v / steps * 1e3) for k, v in spent.items()), key=lambda kv: -kv[1])
     return rows + [("whole decode step", total / steps * 1e3)]
 
@@ -212,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         from ..engine.generate import Engine
         engine = Engine(loaded.model, None, cache_lens=args.prompt + 64, chunk_size=512)
         for label, ms in decode_breakdown(loaded, engine, config, prompt=args.prompt):
-            print(f"{label:<45} {ms:8.3f} ms/token", file=sys.stderr)
+            print(f"{label:<50} {ms:8.3f} ms/token", file=sys.stderr)
     # one probe, after every timed run: a buffer of its own, freed before the peers run
     stream = loaded.model.kt_context.cpu_runtime().stream_gbps(args.stream_gib)
     floor = stream * 1e9 / step_bytes
