@@ -654,11 +654,13 @@ class Engine:
         steps = len(prompts) + len(sizes)
         with tqdm(total=steps, desc="compiling GPU kernels", unit="step", disable=not progress) as bar:
             for cached, n in prompts:
+                base, ids = cached[:max(longest - 1, 0)], (cached + [0] * n)[:max(longest, 0)]
                 seq = self.new_sequence()
                 try:
-                    if cached:
-                        self.prefill(seq, cached[:longest - 1])
-                    self.prefill(seq, (cached + [0] * n)[:longest])
+                    if base:
+                        self.prefill(seq, base)
+                    if ids:
+                        self.prefill(seq, ids)
                 finally:
                     self.release(seq)
                 bar.update()
