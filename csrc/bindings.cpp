@@ -76,6 +76,10 @@ PYBIND11_MODULE(KT_MODULE, m) {
               if (!(eps >= 0.f) || !std::isfinite(eps)) throw std::invalid_argument("rms_norm: eps must be finite and >= 0");
               rms_norm_rows(cptr<float>(x), cptr<float>(w), eps, rows, n, reinterpret_cast<float*>(out));
           }, "RMSNorm of float32 rows on the calling thread (addresses checked by the Python wrapper)");
+    m.def("softmax_topk", [](uintptr_t logits, int rows, int n, int k, bool renorm, uintptr_t w, uintptr_t ids) {
+              softmax_topk_rows(cptr<float>(logits), rows, n, k, renorm, reinterpret_cast<float*>(w),
+                                reinterpret_cast<int64_t*>(ids));
+          }, "softmax top-k routing of float32 logit rows on the calling thread (addresses checked by the Python wrapper)");
     m.def("has_tiles", &has_tiles, "whether this build has a 16-row tiled layout (and its kernel) for the ggml type");
     m.attr("tiled_flag") = kTiled;
     m.def("tile_cols", &tile_cols, "a tiled layout's row length must be a multiple of this (0: the type has none here)");

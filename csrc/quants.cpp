@@ -2095,6 +2095,34 @@ void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, f
     }
 }
 
+void softmax_topk_rows(const float* logits, int rows, int n, int k, bool renorm, float* w, int64_t* ids) {
+    if (rows < 0 || n < 1 || k < 1 || k > n)
+        throw std::invalid_argument("softmax_topk: need rows >= 0 and 1 <= k <= n, got rows " + std::to_string(rows) +
+                                    ", n " + std::to_string(n) + ", k " + std::to_string(k));
+    for (int64_t i = 0; i < (int64_t)rows * n; i++)
+        if (std::isnan(logits[i]))
+            throw std::invalid_argument("softmax_topk: row " + std::to_string(i / n) + " has a NaN logit (column " +
+                                        std::to_string(i % n) + ")");
+    for (int r = 0; r < rows; r++, logits += n, w += k, ids += k) {
+        float mx = logits[0];
+        for (int e = 1; e < n; e++) mx = std::max(mx, logits[e]);
+        float sum = 0.f;
+        for (int e = 0; e < n; e++) sum += std::exp(logits[e] - mx);
+        // insertion into the k best so far, kept sorted: a later expert passes only a strictly larger logit
+        int found = 0;
+        for (int e = 0; e < n; e++) {
+            if (found == k && !(logits[e] > logits[ids[k - 1]])) continue;
+            int at = found < k ? found++ : k - 1;
+            for (; at > 0 && logits[e] > logits[ids[at - 1]]; at--) ids[at] = ids[at - 1];
+            ids[at] = e;
+        }
+        float picked = 0.f;
+        for (int j = 0; j < k; j++) picked += (w[j] = std::exp(logits[ids[j]] - mx) / sum);
+        if (renorm)
+            for (int j = 0; j < k; j++) w[j] /= picked;
+    }
+}
+
 size_t act_row_bytes(Act act, int n) {
     switch (act) {
         case Act::F32: return sizeof(float) * n;

@@ -126,5 +126,10 @@ void swiglu_clamped(float* g, const float* u, int n, float limit, float alpha);
 void add_row(float* x, const float* b, int n);
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for `rows` rows of n floats (RMSNorm at decode).
 void rms_norm_rows(const float* x, const float* w, float eps, int rows, int n, float* out);
+// Softmax top-k routing of `rows` rows of n logits: for each row, the k largest logits' experts in
+// ids [rows, k] (largest first; of equal logits the lower index first) and their softmax
+// probabilities over all n in w [rows, k], divided by their sum over the k with `renorm`. Throws
+// std::invalid_argument (before writing anything) where a logit is NaN, or where k is not in 1..n.
+void softmax_topk_rows(const float* logits, int rows, int n, int k, bool renorm, float* w, int64_t* ids);
 
 }  // namespace kt

@@ -720,6 +720,31 @@ def test_rms_norm_rows(runtime, shape):
         rms_norm(runtime.ext, x.bfloat16(), w, 1e-6)
 
 
+@pytest.mark.parametrize("T, E, k", [(1, 8, 2), (3, 60, 4), (17, 128, 8), (2, 256, 8), (4, 7, 7), (1, 32, 1)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_softmax_topk_routing(runtime, T, E, k, renorm):
+    """The C++ router epilogue against torch's softmax, topk and renormalization (gate.route_softmax):
+    the same experts in the same order, weights within float rounding; a tie goes to the lower
+    index; a NaN logit and k outside 1..E are errors naming them."""
+    from ktransformers.kernels.cpu import softmax_topk
+    from ktransformers.operators.gate import route_softmax
+    logits = torch.randn(T, E) * 3
+    weights, ids = softmax_topk(runtime.ext, logits, k, renorm)
+    want_w, want_ids = route_softmax(logits, top_k=k, norm=renorm)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w, rtol=1e-5, atol=1e-7)
+    if renorm:
+        assert torch.allclose(weights.sum(-1), torch.ones(T), atol=1e-6)
+    tied = logits.clone()
+    tied[0, E - 1] = tied[0, 0] = tied[0].max() + 1  # (the largest, twice)
+    assert softmax_topk(runtime.ext, tied, k, renorm)[1][0, 0].item() == 0
+    tied[T - 1, E // 2] = float("nan")
+    with pytest.raises(ValueError, match=f"row {T - 1} has a NaN logit \\(column {E // 2}\\)"):
+        softmax_topk(runtime.ext, tied, k, renorm)
+    with pytest.raises(ValueError, match="k must be in"):
+        softmax_topk(runtime.ext, logits, E + 1, renorm)
+
+
 @pytest.mark.parametrize("heads, kv_heads, d, L", [(4, 4, 64, 1), (8, 2, 128, 37), (32, 4, 128, 300), (6, 3, 24, 9),
                                                   (28, 4, 128, 129), (16, 16, 64, 64), (12, 2, 192, 200),
                                                   (16, 2, 128, 77), (64, 4, 64, 13), (8, 1, 96, 64),

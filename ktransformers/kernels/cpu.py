@@ -832,6 +832,24 @@ class LinearKernel:
         return y
 
 
+def softmax_topk(ext, logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing of float32 logits [T, E] on the calling thread: (weights [T, k] float32,
+    the softmax probabilities of the k largest logits, renormalized over them with `renorm`; ids
+    [T, k] int64, largest first). One call where torch runs four small ops a decode step; ValueError
+    for a NaN logit or k outside 1..E."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or logits.shape[1] == 0:
+        raise ValueError(f"softmax_topk: need float32 CPU logits [T, E] with E > 0, got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"softmax_topk: k must be in 1..{logits.shape[1]} (the experts), got {k}")
+    logits = logits.contiguous()
+    weights = torch.empty(logits.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+    ext.softmax_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, bool(renorm), weights.data_ptr(),
+                     ids.data_ptr())
+    return weights, ids
+
+
 def rms_norm(ext, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of float32 rows on the calling thread: one call where torch runs five small ops
     (what matters at decode, a handful of tokens). x [..., n], weight [n], both float32 on the CPU."""

@@ -219,5 +219,9 @@ class KMoEGateSoftmax(_Router):
         if self.triton_route is not None and logits.shape[0] <= TRITON_ROUTE_TOKENS:
             out_dtype = logits.dtype if self.cast_back else torch.float32
             return logits, *self.triton_route(logits, self.top_k, self.norm, out_dtype)
-        weights, index = route_softmax(logits, top_k=self.top_k, norm=self.norm)
+        if self.kernel is not None and logits.dtype == torch.float32:  # (the CPU decode plan routes so too)
+            from ..kernels.cpu import softmax_topk
+            weights, index = softmax_topk(self.kernel.runtime.ext, logits, self.top_k, self.norm)
+        else:
+            weights, index = route_softmax(logits, top_k=self.top_k, norm=self.norm)
         return logits, weights.to(logits.dtype) if self.cast_back else weights, index

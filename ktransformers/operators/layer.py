@@ -239,7 +239,7 @@ class KDecoderLayer(BaseInjectedModule):
             step = mixer.cpu_step() if hasattr(mixer, "cpu_step") else None
             if step is None:
                 return None
-            buf = _buffers({"h": H, "x1": H, "h2": H, "y": H, "logits": logits})
+            buf = _buffers({"h": H, "x1": H, "h2": H, "y": H, "logits": logits}, moe["top_k"])
             return CpuDecode(ext=mixer._runtime.ext, runtime=mixer._runtime._rt, norms=(*norms, None, None), **moe,
                              buf=buf, ptr={name: t.data_ptr() for name, t in buf.items()}, mixer=step)
         return self._attention_decode(moe, norms, H, logits)
@@ -257,7 +257,7 @@ class KDecoderLayer(BaseInjectedModule):
         d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         buf = _buffers({"h": H, "q": heads * d * (2 if attn.gated else 1), "qg": heads * d, "k": kv * d, "v": kv * d,
                         "qn": heads * d, "kn": kv * d, "attn": heads * d, "o": H, "x1": H, "h2": H, "y": H,
-                        "logits": logits})
+                        "logits": logits}, moe["top_k"])
         (q, bq), (k, bk), (v, bv), (o, bo) = linears
         return CpuDecode(ext=attn._runtime.ext, runtime=attn._runtime._rt, norms=tuple(norms + qk), q=q, k=k, v=v, o=o,
                          biases=(bq, bk, bv, bo), **moe, heads=heads, kv_heads=kv, d=d, rotary=attn.rotary_dim,
@@ -350,11 +350,10 @@ class KDecoderLayer(BaseInjectedModule):
     def _moe_one(p: CpuDecode) -> torch.Tensor:
         """The MoE half of a cpu_decode step, on the post-attention norm in p.buf["h2"] -> [1, H]."""
         b, ptr = p.buf, p.ptr
-        if p.route is None:
+        if p.route is None:  # (the gate module's CPU route: the same two kernels)
             p.router.forward(1, ptr["h2"], ptr["logits"], _F32)
-            weights, ids = torch.softmax(b["logits"], dim=-1).topk(p.top_k, dim=-1)
-            if p.renorm:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            p.ext.softmax_topk(ptr["logits"], 1, b["logits"].shape[1], p.top_k, p.renorm, ptr["w"], ptr["ids"])
+            ids, weights = b["ids"], b["w"]
         else:
             weights, ids = p.route(b["h2"])
             ids, weights = ids.to("cpu", torch.int64).contiguous(), weights.to("cpu", torch.float32).contiguous()
@@ -362,8 +361,11 @@ class KDecoderLayer(BaseInjectedModule):
         return b["y"] if p.shared is None else b["y"] + p.shared(b["h2"])
 
 
-def _buffers(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(1, n, dtype=torch.float32) for name, n in sizes.items()}
+def _buffers(sizes: dict[str, int], top_k: int) -> dict[str, torch.Tensor]:
+    """float32 rows of `sizes`, and a token's routing: "w" (weights) and "ids" (int64) of top_k."""
+    buf = {name: torch.empty(1, n, dtype=torch.float32) for name, n in {**sizes, "w": max(top_k, 1)}.items()}
+    buf["ids"] = torch.empty(1, max(top_k, 1), dtype=torch.int64)
+    return buf
 
 
 OPERATORS.register("KDecoderLayer")(KDecoderLayer)
