@@ -403,6 +403,8 @@ class Engine:
             hidden = self._decoder(ids, batch.positions.to(ids.device)[None])
         finally:
             self.context.batch = None
+        if batch.num_tokens == len(batch.q_lens):  # a token each (decode): every row is a last one
+            return self.model.lm_head(hidden[0]).float()
         last = torch.tensor(batch.q_lens).cumsum(0) - 1
         return self.model.lm_head(hidden[0, last.to(hidden.device)]).float()
 
