@@ -219,7 +219,9 @@ class KMoEGateSoftmax(_Router):
         if self.triton_route is not None and logits.shape[0] <= TRITON_ROUTE_TOKENS:
             out_dtype = logits.dtype if self.cast_back else torch.float32
             return logits, *self.triton_route(logits, self.top_k, self.norm, out_dtype)
-        if self.kernel is not None and logits.dtype == torch.float32:  # (the CPU decode plan routes so too)
+        # (the CPU decode plan routes so too; training keeps torch's ops, through which the routing
+        # weights' gradient reaches the logits)
+        if self.kernel is not None and logits.dtype == torch.float32 and not logits.requires_grad:
             from ..kernels.cpu import softmax_topk
             weights, index = softmax_topk(self.kernel.runtime.ext, logits, self.top_k, self.norm)
         else:
