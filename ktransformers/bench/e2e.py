@@ -33,8 +33,6 @@ from .decode import layer_bytes
 from .moe import stream_gbps
 
 PROBE_GIB = 2.0  # each stream probe's buffer (best of five reads)
-
-
 DECODE_PROMPT = 512  # the timed decode's prompt length
 
 

@@ -644,9 +644,8 @@ class Engine:
         """On a GPU: compile the kernels and capture the decode graphs now, not in front of the
         first user: a prefill of each of `prompt_tokens` lengths, prompts that extend a cached
         prefix (WARM_UP_CONTINUATIONS), then one decode step of each of `batch_sizes` sequences
-        at once (each graph is captured at its batch size). Triton keeps
-        what it compiles in its on-disk cache, so a later process only loads it. The warm-up's
-        cache entries are freed. Seconds taken (0 on the CPU: nothing there compiles)."""
+        at once (each graph is captured at its batch size). Triton keeps what it compiles in its
+        on-disk cache, so a later process only loads it. The warm-up's cache entries are freed. Seconds taken (0 on the CPU: nothing there compiles)."""
         if not self.on_cuda:
             return 0.0
         began = time.perf_counter()
