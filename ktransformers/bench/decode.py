@@ -140,18 +140,19 @@ PLAN_PARTS = (("q", "forward", "q_proj"), ("k", "forward", "k_proj"), ("v", "for
               ("shared", "__call__", "shared experts"))
 
 
-def _time_plan_parts(layer, spent: dict) -> bool:
+def _time_plan_parts(layer, spent: dict):
     """Swap `layer`'s CPU decode plan for one whose kernels time their calls (per PLAN_PARTS, all
-    layers summed under one label each); False where the layer has no such plan."""
+    layers summed under one label each): the plan it had, to put back, or None where it has no
+    CPU decode plan (nothing swapped)."""
     import dataclasses
     plan = layer.plan
     p = plan.cpu_decode
     if p is None:
-        return False
+        return None
     timed = {field: _Timed(getattr(p, field), f"cpu_decode: {label}", spent, (method,))
              for field, method, label in PLAN_PARTS if getattr(p, field) is not None}
     layer._plan = dataclasses.replace(plan, cpu_decode=dataclasses.replace(p, **timed))
-    return True
+    return plan
 
 
 def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) -> list[tuple[str, float]]:
@@ -170,8 +171,9 @@ def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) 
     planned = []
     for name, module in loaded.model.named_modules():
         if isinstance(module, KDecoderLayer):
-            if _time_plan_parts(module, spent):
-                planned.append(module)
+            plan = _time_plan_parts(module, spent)
+            if plan is not None:
+                planned.append((module, plan))
             def step(*args, _step=module.step, **kwargs):
                 t0 = time.perf_counter()
                 try:
@@ -202,8 +204,8 @@ def decode_breakdown(loaded, engine, config, steps: int = 32, prompt: int = 64) 
         h.remove()
     for module in wrapped:
         del module.step  # (the class's method again)
-    for module in planned:
-        module._plan = None  # (made again, from the kernels themselves)
+    for module, plan in planned:
+        module._plan = plan
     rows = sorted(((k, v / steps * 1e3) for k, v in spent.items()), key=lambda kv: -kv[1])
     return rows + [("whole decode step", total / steps * 1e3)]
 
